@@ -1,0 +1,266 @@
+"""Thin, typed wrappers over torch.distributed's operations.
+
+Why wrap at all: one spelling for reduce ops (`"sum"`, `"avg"`, ...), `avg` on every backend
+(gloo has no native average on older torch), a world of one process that works without a
+process group, and clear errors instead of backend-specific ones. Ranks (`src`, `dst`) are
+global ranks, as in torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import MicroDDPError
+from .world import World, get_world, init, is_initialized, shutdown
+
+__all__ = [
+    "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
+    "all_reduce", "all_reduce_mean", "broadcast", "all_gather", "reduce_scatter", "reduce",
+    "scatter", "gather", "barrier", "send", "recv", "isend", "irecv", "new_group",
+    "group_size", "group_rank",
+]
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # sum then divide: portable across backends and torch versions
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+_BITWISE = ("band", "bor", "bxor")
+Op = str  # one of REDUCE_OPS; a dist.ReduceOp is accepted too
+
+
+class Handle:
+    """An async operation: `wait()` blocks until it is done and applies any finishing step."""
+
+    def __init__(self, work=None, finish: Callable[[], None] | None = None):
+        self._work, self._finish, self._done = work, finish, False
+
+    def wait(self) -> bool:
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            if self._finish is not None:
+                self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+
+def _op_name(op: Op | dist.ReduceOp) -> str:
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        names = {v: k for k, v in REDUCE_OPS.items() if k != "avg"}
+        name = names.get(op, "avg" if op == dist.ReduceOp.AVG else "")
+    if name not in REDUCE_OPS:
+        raise MicroDDPError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+    return name
+
+
+def _check_op_dtype(name: str, tensor: torch.Tensor) -> None:
+    floating = tensor.is_floating_point() or tensor.is_complex()
+    if name in _BITWISE and floating:
+        raise MicroDDPError(f"op {name!r} needs an integer or bool tensor, got {tensor.dtype}")
+    if name == "avg" and not floating:
+        raise MicroDDPError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
+                            "use 'sum' and divide yourself")
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group) if _distributed() else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's rank inside `group` (-1 if it is not a member)."""
+    return dist.get_rank(group) if _distributed() else 0
+
+
+def _distributed() -> bool:
+    return get_world().distributed
+
+
+def _done(async_op: bool, finish: Callable[[], None] | None = None) -> Handle | None:
+    """A single-process operation: already finished."""
+    if finish is not None:
+        finish()
+    return Handle() if async_op else None
+
+
+def _result(work, async_op: bool, finish: Callable[[], None] | None = None) -> Handle | None:
+    handle = Handle(work, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
+               async_op: bool = False) -> Handle | None:
+    """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
+    name = _op_name(op)
+    _check_op_dtype(name, tensor)
+    if not _distributed():
+        return _done(async_op)
+    n = group_size(group)
+    finish = (lambda: tensor.div_(n)) if name == "avg" else None
+    return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
+                   async_op, finish)
+
+
+def all_reduce_mean(tensor: torch.Tensor, group=None, async_op: bool = False) -> Handle | None:
+    """The average over ranks, in place: what data parallelism does to gradients."""
+    return all_reduce(tensor, "avg", group, async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
+              async_op: bool = False) -> Handle | None:
+    """Every rank ends with rank `src`'s tensor, in place."""
+    if not _distributed():
+        return _done(async_op)
+    return _result(dist.broadcast(tensor, src, group, async_op=True), async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+               async_op: bool = False) -> Handle | None:
+    """tensor_list[i] becomes rank i's tensor, on every rank."""
+    _check_list(tensor_list, group, "tensor_list")
+    if not _distributed():
+        return _done(async_op, lambda: tensor_list[0].copy_(tensor))
+    return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op = "sum",
+                   group=None, async_op: bool = False) -> Handle | None:
+    """Rank i ends with op over ranks of input_list[i]."""
+    name = _op_name(op)
+    _check_op_dtype(name, output)
+    _check_list(input_list, group, "input_list")
+    if not _distributed():
+        return _done(async_op, lambda: output.copy_(input_list[0]))
+    n = group_size(group)
+    finish = (lambda: output.div_(n)) if name == "avg" else None
+    work = dist.reduce_scatter(output, list(input_list), REDUCE_OPS[name], group, async_op=True)
+    return _result(work, async_op, finish)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: Op = "sum", group=None,
+           async_op: bool = False) -> Handle | None:
+    """Only rank `dst` receives op over ranks; other ranks' tensors are left unspecified."""
+    name = _op_name(op)
+    _check_op_dtype(name, tensor)
+    if not _distributed():
+        return _done(async_op)
+    n = group_size(group)
+    is_dst = dist.get_rank() == dst
+    finish = (lambda: tensor.div_(n)) if name == "avg" and is_dst else None
+    return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
+                   async_op, finish)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
+            src: int = 0, group=None, async_op: bool = False) -> Handle | None:
+    """Rank i receives scatter_list[i] from rank `src` into `tensor`."""
+    if not _distributed():
+        if scatter_list is None:
+            raise MicroDDPError("scatter on the source rank needs a scatter_list")
+        return _done(async_op, lambda: tensor.copy_(scatter_list[0]))
+    is_src = dist.get_rank() == src
+    if is_src:
+        _check_list(scatter_list, group, "scatter_list")
+    work = dist.scatter(tensor, list(scatter_list) if is_src else None, src, group,
+                        async_op=True)
+    return _result(work, async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
+           dst: int = 0, group=None, async_op: bool = False) -> Handle | None:
+    """Rank `dst` receives every rank's tensor: gather_list[i] is rank i's."""
+    if not _distributed():
+        if gather_list is None:
+            raise MicroDDPError("gather on the destination rank needs a gather_list")
+        return _done(async_op, lambda: gather_list[0].copy_(tensor))
+    is_dst = dist.get_rank() == dst
+    if is_dst:
+        _check_list(gather_list, group, "gather_list")
+    work = dist.gather(tensor, gather_list if is_dst else None, dst, group, async_op=True)
+    return _result(work, async_op)
+
+
+def barrier(group=None, async_op: bool = False) -> Handle | None:
+    """Block until every rank of the group has arrived."""
+    if not _distributed():
+        return _done(async_op)
+    return _result(dist.barrier(group, async_op=True), async_op)
+
+
+def _peer(peer: int, what: str) -> None:
+    world = get_world()
+    if not world.distributed:
+        raise MicroDDPError(f"{what}: a world of one process has no other rank to talk to")
+    if not 0 <= peer < world.world_size or peer == world.rank:
+        raise MicroDDPError(f"{what}: rank {peer} is not another rank of this world "
+                            f"(this is rank {world.rank} of {world.world_size})")
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Blocking send to rank `dst` (returns once the data may be reused)."""
+    _peer(dst, "send")
+    dist.send(tensor, dst, group, tag)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
+    """Blocking receive into `tensor`; returns the sender's rank (any rank if src is None)."""
+    if src is not None:
+        _peer(src, "recv")
+    elif not _distributed():
+        raise MicroDDPError("recv: a world of one process has no other rank to talk to")
+    return dist.recv(tensor, src, group, tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Handle:
+    """Start a send; `wait()` on the handle before reusing `tensor`."""
+    _peer(dst, "isend")
+    return Handle(dist.isend(tensor, dst, group, tag))
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> Handle:
+    """Start a receive; `tensor` holds the data once `wait()` returns."""
+    if src is not None:
+        _peer(src, "irecv")
+    return Handle(dist.irecv(tensor, src, group, tag))
+
+
+def new_group(ranks: Sequence[int] | None = None, backend: str | None = None,
+              timeout: float | timedelta | None = None):
+    """A sub-group of ranks. Every rank must call this, members or not (as in torch)."""
+    world = get_world()
+    if not world.distributed:
+        if ranks is not None and list(ranks) != [0]:
+            raise MicroDDPError(f"a world of one process has only rank 0, not {list(ranks)}")
+        return None
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < world.world_size]
+        if bad or len(set(ranks)) != len(ranks):
+            raise MicroDDPError(f"new_group ranks {list(ranks)} must be distinct ranks "
+                                f"between 0 and {world.world_size - 1}")
+    kwargs = {"timeout": timedelta(seconds=timeout)} if isinstance(timeout, (int, float)) else (
+        {"timeout": timeout} if timeout is not None else {})
+    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs)
+
+
+def _check_list(tensors, group, what: str) -> None:
+    n = group_size(group)
+    if tensors is None or len(tensors) != n:
+        got = "none" if tensors is None else len(tensors)
+        raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")

@@ -1,0 +1,81 @@
+"""Check that this machine can run microddp, with a live 2-process all-reduce."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import socket
+import time
+
+EPILOG = """\
+example:
+  microddp doctor          # exit 0 when this machine can run microddp
+  microddp doctor --skip-live
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-live", action="store_true",
+                   help="skip the live 2-process all-reduce self-test")
+
+
+def _self_test(world) -> float:
+    """Each rank contributes rank+1; everyone must see 1+2+...+n."""
+    import torch
+
+    from . import comms
+
+    t = torch.full((1024,), float(world.rank + 1), device=world.device)
+    comms.all_reduce(t, "sum")
+    return float(t[0].item())
+
+
+def _loopback_port() -> tuple[bool, str]:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return True, f"127.0.0.1:{s.getsockname()[1]} can be bound"
+    except OSError as e:
+        return False, f"cannot bind a loopback port: {e.strerror}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .spawn import spawn
+    from .world import backend_available
+
+    checks: list[tuple[str, bool, str]] = []
+    advice: list[str] = []
+    print(f"python    {platform.python_version()} on {platform.system()} {platform.machine()}")
+    print(f"torch     {torch.__version__}")
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    print(f"cuda      {'available' if cuda else 'not available'}, {gpus} GPU(s)")
+    backends = {b: backend_available(b) for b in ("nccl", "gloo", "mpi", "ucc")}
+    print("backends  " + "  ".join(f"{b}:{'yes' if ok else 'no'}" for b, ok in backends.items()))
+    checks.append(("gloo backend", backends["gloo"], "needed for CPU training"))
+    ok, msg = _loopback_port()
+    checks.append(("loopback port", ok, msg))
+    if not args.skip_live:
+        start = time.perf_counter()
+        try:
+            sums = spawn(_self_test, 2, timeout=60, backend="gloo")
+            live = all(s == 3.0 for s in sums)
+            detail = f"2 ranks agree on {sums[0]:g} (expected 3) in {time.perf_counter() - start:.1f} s"
+        except Exception as e:  # report, never crash: this is a diagnosis
+            live, detail = False, f"{type(e).__name__}: {e}".splitlines()[0]
+        checks.append(("live all_reduce", live, detail))
+    for name, good, detail in checks:
+        print(f"{'ok  ' if good else 'FAIL'}  {name:16s} {detail}")
+    if not cuda:
+        advice.append("no GPU: microddp uses gloo on the CPU; everything in the course runs")
+    elif gpus and not backends["nccl"]:
+        advice.append("GPUs but no NCCL: install a CUDA build of torch for fast GPU collectives")
+    if gpus:
+        advice.append(f"start at most {gpus} processes per host (one per GPU)")
+    for line in advice:
+        print(f"note: {line}")
+    healthy = all(good for _, good, _ in checks)
+    print("microddp can run here" if healthy else "microddp cannot run here: see FAIL above")
+    return 0 if healthy else 1

@@ -1,0 +1,52 @@
+"""Start N processes that introduce themselves and prove they can talk (course chapter 1)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+EPILOG = """\
+example:
+  microddp hello -n 4
+prints, from each rank: its rank, world size, local rank, the launcher's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which half of the data it would
+handle, and the sum of all ranks computed with one all_reduce.
+"""
+
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--nproc", type=int, default=2, help="number of processes (default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .launch import run as launch
+
+    return launch(argparse.Namespace(nproc=args.nproc, max_restarts=0, master_port=0,
+                                     module=True, script="microddp.hello", script_args=[]))
+
+
+def worker() -> int:
+    """What each rank does; runs under `microddp run`, torchrun, or alone."""
+    import torch
+
+    from . import comms
+
+    world = comms.init()
+    print(f"hello from rank {world.rank} of {world.world_size} "
+          f"(local rank {world.local_rank}, backend {world.backend or 'none'}, "
+          f"device {world.device})")
+    print("environment: " + " ".join(f"{k}={os.environ.get(k, 'not set')}" for k in ENV_VARS))
+    parity = "even" if world.rank % 2 == 0 else "odd"
+    print(f"rank {world.rank}: I handle {parity} data!")
+    total = torch.tensor([world.rank], dtype=torch.int64, device=world.device)
+    comms.all_reduce(total, "sum")
+    expected = world.world_size * (world.world_size - 1) // 2
+    print(f"all_reduce(sum of ranks) = {int(total.item())} (expected {expected})")
+    comms.shutdown()
+    return 0 if int(total.item()) == expected else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker())

@@ -1,0 +1,103 @@
+"""What every launcher needs: a rendezvous store on a free loopback port, torchrun's
+environment for each worker, and a way to stop workers so that none outlives its launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .world import _as_timedelta, _bind
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class AgentStore:
+    """A TCPStore the launcher hosts; workers join it as clients, as under torchrun.
+
+    Binding our own loopback socket to port 0 and handing it to the store means the port is
+    chosen by the kernel and held from that moment on: no window in which another process can
+    take it, and nothing listens beyond this machine.
+    """
+
+    store: dist.TCPStore
+    addr: str
+    port: int
+
+    @classmethod
+    def start(cls, port: int = 0, addr: str = LOOPBACK,
+              timeout: float | timedelta | None = None) -> AgentStore:
+        sock = _bind(addr, port)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,
+                              timeout=_as_timedelta(timeout), master_listen_fd=sock.fileno())
+        sock.detach()  # the store owns and closes the descriptor
+        return cls(store, addr, port)
+
+
+def worker_env(base: dict, rank: int, world_size: int, store: AgentStore,
+               restart: int = 0, max_restarts: int = 0) -> dict:
+    """The variables torchrun sets for a worker on a single host."""
+    env = dict(base)
+    env.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR=store.addr, MASTER_PORT=str(store.port),
+        TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(restart),
+        TORCHELASTIC_MAX_RESTARTS=str(max_restarts), TORCHELASTIC_RUN_ID="microddp",
+        PYTHONUNBUFFERED="1",
+    )
+    # Like torchrun: N busy workers on a few cores must not each start a full thread pool.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    return env
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans, even on kill -9)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own cleanup still applies
+
+
+def kill_all(workers: list[tuple[int, Callable[[], bool]]], grace: float = 3.0,
+             groups: bool = True) -> None:
+    """SIGTERM each live worker (and its process group), then SIGKILL what is left after `grace`.
+
+    `workers` pairs each pid with a liveness check that also reaps it (Popen.poll,
+    Process.is_alive), so the caller still learns each worker's exit code.
+    """
+    def send(pid: int, sig: int) -> None:
+        try:
+            os.killpg(pid, sig) if groups else os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    alive = [(pid, check) for pid, check in workers if check()]
+    for pid, _ in alive:
+        send(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [(pid, check) for pid, check in alive if check()]
+    for pid, _ in alive:
+        send(pid, signal.SIGKILL)
+
+
+def describe_exit(code: int) -> str:
+    """'exit code 3' or 'killed by SIGKILL' from a Popen-style return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,246 @@
+"""Joining and leaving the world: `init`, `shutdown`, and the `World` record.
+
+`init` accepts every way PyTorch processes find each other (torchrun's environment, `env://`,
+`tcp://host:port`, `file://path`, a ready `Store`) and a world of one process that needs no
+process group at all.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import MicroDDPError
+
+# Much shorter than PyTorch's 30 minutes: a stuck collective should surface while someone is
+# still watching. Override with init(timeout=...) or MICRODDP_TIMEOUT (seconds).
+DEFAULT_TIMEOUT_S = 120.0
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+@dataclass(frozen=True)
+class World:
+    """Who this process is in the job, and where its tensors live."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None for a world of one process (no process group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+_world: World | None = None
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        timeout = float(os.environ.get("MICRODDP_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if isinstance(timeout, timedelta):
+        return timeout
+    if timeout <= 0:
+        raise MicroDDPError(f"timeout must be positive, got {timeout!r} seconds")
+    return timedelta(seconds=float(timeout))
+
+
+def backend_available(name: str) -> bool:
+    """Whether this torch build and machine can run backend `name`."""
+    checks = {
+        "gloo": dist.is_gloo_available,
+        "nccl": lambda: dist.is_nccl_available() and torch.cuda.is_available(),
+        "mpi": dist.is_mpi_available,
+        "ucc": lambda: getattr(dist, "is_ucc_available", lambda: False)(),
+    }
+    return name in checks and bool(checks[name]())
+
+
+def choose_backend(backend: str | None, local_rank: int) -> str:
+    """NCCL when this rank has a GPU of its own, gloo otherwise; validate an explicit choice."""
+    if backend is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "nccl" if dist.is_nccl_available() and local_rank < gpus else "gloo"
+    backend = backend.lower()
+    if backend not in BACKENDS:
+        raise MicroDDPError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not backend_available(backend):
+        hint = "gloo runs on any CPU" if backend != "gloo" else "reinstall torch"
+        why = "no CUDA GPU is usable here" if backend == "nccl" else "this torch build lacks it"
+        raise MicroDDPError(f"backend {backend!r} is not available: {why}; {hint}")
+    return backend
+
+
+def choose_device(backend: str | None, local_rank: int) -> torch.device:
+    """One GPU per local rank under NCCL; the CPU otherwise."""
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise MicroDDPError(
+                f"LOCAL_RANK {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                "start at most one process per GPU"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise MicroDDPError(f"environment variable {name}={raw!r} is not a whole number") from None
+
+
+def _bind(addr: str, port: int) -> socket.socket:
+    """Listen on exactly `addr:port` (not every interface), with a clear error if it is taken."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise MicroDDPError(
+                f"port {port} on {addr} is already in use; pick another MASTER_PORT "
+                "(or let `microddp run` choose a free one)"
+            ) from None
+        raise MicroDDPError(f"cannot listen on {addr}:{port}: {e.strerror}") from None
+    sock.listen(512)
+    return sock
+
+
+def _is_local(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def make_store(
+    addr: str, port: int, rank: int, world_size: int, timeout: timedelta
+) -> dist.Store:
+    """A TCPStore for rendezvous. Rank 0 hosts it on exactly `addr` (loopback stays loopback).
+
+    Under a launcher that already hosts the store (torchrun, `microddp run`), every rank is a
+    client, as PyTorch's own env:// handler does.
+    """
+    if port < 0 or port > 65535:
+        raise MicroDDPError(f"port must be between 0 and 65535, got {port}")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if rank != 0 or agent_store:
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    bind_addr = addr if _is_local(addr) else "0.0.0.0"  # a named host must be reachable
+    sock = _bind(bind_addr, port)
+    store = dist.TCPStore(
+        addr, sock.getsockname()[1], world_size, is_master=True, timeout=timeout,
+        wait_for_workers=False, master_listen_fd=sock.fileno(),
+    )
+    sock.detach()  # the store owns the descriptor now and closes it when it goes
+    return store
+
+
+def _parse_tcp(init_method: str) -> tuple[str, int]:
+    rest = init_method[len("tcp://"):].split("?")[0]
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise MicroDDPError(f"init_method {init_method!r} must look like tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _rendezvous(
+    init_method: str | None, store: dist.Store | None, rank: int, world_size: int,
+    timeout: timedelta,
+) -> dict:
+    """Arguments for init_process_group: always a store, except for file:// which torch owns."""
+    if store is not None:
+        return {"store": store}
+    if init_method is None or init_method == "env://":
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT", None)
+        if port is None:
+            raise MicroDDPError(
+                "MASTER_PORT is not set; start with `microddp run -n N script.py` or torchrun, "
+                "or pass init_method='tcp://127.0.0.1:PORT'"
+            )
+        return {"store": make_store(addr, port, rank, world_size, timeout)}
+    if init_method.startswith("tcp://"):
+        addr, port = _parse_tcp(init_method)
+        return {"store": make_store(addr, port, rank, world_size, timeout)}
+    if init_method.startswith("file://"):
+        return {"init_method": init_method}
+    raise MicroDDPError(
+        f"unsupported init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///PATH"
+    )
+
+
+def init(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: float | timedelta | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: dist.Store | None = None,
+) -> World:
+    """Join the job and return who we are.
+
+    Rank and world size come from the arguments, else from RANK / WORLD_SIZE (torchrun,
+    `microddp run`), else this is a world of one process, which needs no process group.
+    """
+    global _world
+    if _world is not None:
+        return _world
+    rank = _env_int("RANK", 0) if rank is None else rank
+    world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    local_rank = _env_int("LOCAL_RANK", rank)
+    if world_size < 1:
+        raise MicroDDPError(f"world size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise MicroDDPError(f"rank {rank} is outside the world of size {world_size}")
+    td = _as_timedelta(timeout)
+    if world_size == 1 and store is None and init_method is None:
+        chosen = None if backend is None else choose_backend(backend, local_rank)
+        _world = World(0, 1, local_rank, choose_device(chosen, local_rank), None)
+        return _world
+    chosen = choose_backend(backend, local_rank)
+    device = choose_device(chosen, local_rank)
+    kwargs = _rendezvous(init_method, store, rank, world_size, td)
+    try:
+        dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=td, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise MicroDDPError(f"could not form the process group (rank {rank}): {e}") from None
+    _world = World(rank, world_size, local_rank, device, chosen)
+    return _world
+
+
+def get_world() -> World:
+    """The World from `init`; a world of one process if `init` was never called."""
+    return _world if _world is not None else init()
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process group (if any) so the next `init` starts afresh."""
+    global _world
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _world = None
