@@ -1,4 +1,11 @@
-"""microddp: data parallelism from scratch, done for real."""
+"""microddp: data parallelism from scratch, done for real.
+
+    import microddp as mdp
+    world = mdp.init()                       # rank, world_size, local_rank, device, backend
+    model = mdp.DDP(mdp.FullMLP(128, 16))    # torch's DistributedDataParallel, rebuilt
+"""
+
+from importlib import import_module
 
 from . import comms
 from .comms import World, get_world, init, shutdown
@@ -7,4 +14,23 @@ from .spawn import spawn
 
 __version__ = "0.1.0"
 
-__all__ = ["MicroDDPError", "World", "comms", "get_world", "init", "shutdown", "spawn"]
+# Heavier parts load on first use, so `import microddp` and the CLI stay quick.
+_LAZY = {
+    "DistributedDataParallel": ("microddp.dp.ddp", "DistributedDataParallel"),
+    "DDP": ("microddp.dp.ddp", "DistributedDataParallel"),
+    "FullMLP": ("microddp.model", "FullMLP"),
+    "collectives": ("microddp.collectives", None),
+    "trace": ("microddp.trace", None),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'microddp' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = import_module(module)
+    return getattr(value, attr) if attr else value
+
+
+__all__ = ["MicroDDPError", "World", "comms", "get_world", "init", "shutdown", "spawn",
+           *_LAZY]
