@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import time
@@ -33,8 +34,9 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
     world._world = None  # a forked child must not inherit its parent's world
     try:
         w = world.init(backend=backend, timeout=timeout)
-        out = fn(w, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle copies tensors; torch's queue reducers would share memory through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(fn(w, *args))))
     except BaseException as e:  # report anything, including SystemExit, to the parent
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{text}"))
@@ -91,7 +93,7 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
         if rank is not None:
             if status == "error":
                 raise MicroDDPError(f"rank {rank} failed: {value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
             continue
         for rank, p in enumerate(procs):
             if rank not in out and not p.is_alive() and p.exitcode is not None:
@@ -113,7 +115,7 @@ def _drain(results, out: dict) -> None:
             rank, status, value = results.get(timeout=0.5)
             if status == "error":
                 raise MicroDDPError(f"rank {rank} failed: {value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     except queue.Empty:
         pass
 
