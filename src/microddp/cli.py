@@ -1,59 +1,68 @@
 """`microddp` command line: one sub-command per job, each a thin call into another module.
 
 Every command module offers `add_arguments(parser)`, `run(args) -> exit code`, a docstring
-whose first line is the command's summary, and optionally an `EPILOG` with examples.
+(shown by `--help`) and optionally an `EPILOG` with examples.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 from .errors import MicroDDPError
 
-# name -> module. A module not written yet is simply not offered.
+# name -> (module, summary). Only the chosen command's module is imported: startup stays
+# quick, and one command's missing extra dependency never breaks another command.
 COMMANDS = {
-    "doctor": "microddp.doctor",
-    "hello": "microddp.hello",
-    "run": "microddp.launch",
-    "train": "microddp.train",
-    "bench": "microddp.bench.cli",
-    "trace": "microddp.trace_cli",
-    "predict": "microddp.predict",
+    "doctor": ("microddp.doctor", "check this machine: backends, loopback, a live all-reduce"),
+    "hello": ("microddp.hello", "start N processes that introduce themselves and talk"),
+    "run": ("microddp.launch", "start N local workers of a script, as torchrun does"),
+    "train": ("microddp.train", "train a model data-parallel on real data (the main job)"),
+    "bench": ("microddp.bench.cli", "benchmarks against PyTorch: allreduce, ddp, scaling"),
+    "trace": ("microddp.trace_cli", "record and summarise a timeline of DDP steps"),
+    "predict": ("microddp.predict", "predict step time and scaling with a cost model"),
 }
 
 
-def _modules() -> dict:
-    found = {}
-    for name, path in COMMANDS.items():
-        try:
-            found[name] = importlib.import_module(path)
-        except ModuleNotFoundError as e:
-            if e.name is None or not path.startswith(e.name):
-                raise  # a real missing dependency inside an existing module
-    return found
+def _available(path: str) -> bool:
+    return importlib.util.find_spec(path) is not None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_commands(sub, table: dict[str, tuple[str, str]], argv: list[str]) -> None:
+    """Add one sub-parser per entry; import and fully configure only the one named in argv."""
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (path, summary) in table.items():
+        if not _available(path):
+            continue  # not part of this installation (yet)
+        if name != chosen:
+            sub.add_parser(name, help=summary)
+            continue
+        module = importlib.import_module(path)
+        p = sub.add_parser(name, help=summary, description=module.__doc__,
+                           epilog=getattr(module, "EPILOG", None),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if getattr(module, "NESTED", False):  # a command with commands of its own
+            module.add_arguments(p, argv[argv.index(name) + 1:])
+        else:
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="microddp",
         description="Data parallelism from scratch: launcher, training job, benchmarks, tools.",
         epilog="example: microddp hello -n 4     (each command has --help with examples)",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in _modules().items():
-        summary = (module.__doc__ or "").strip().splitlines()[0]
-        p = sub.add_parser(name, help=summary, description=module.__doc__,
-                           epilog=getattr(module, "EPILOG", None),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+    add_commands(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS, argv)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -83,7 +83,7 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
     try:
         while True:
             codes = [w.proc.poll() for w in workers]
-            failed = [w for w, c in zip(workers, codes) if c not in (None, 0)]
+            failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
             if failed:
                 first = failed[0]
                 kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in workers])

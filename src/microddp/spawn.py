@@ -24,7 +24,7 @@ from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_
 
 
 def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, results,
-            backend: str | None, timeout: float) -> None:
+            backend: str | None, timeout: float, join: bool) -> None:
     die_with_parent()
     os.environ.clear()
     os.environ.update(env)
@@ -33,7 +33,7 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
 
     world._world = None  # a forked child must not inherit its parent's world
     try:
-        w = world.init(backend=backend, timeout=timeout)
+        w = world.init(backend=backend, timeout=timeout) if join else rank
         # Plain pickle copies tensors; torch's queue reducers would share memory through file
         # descriptors that vanish when this process exits before the parent reads them.
         results.put((rank, "ok", pickle.dumps(fn(w, *args))))
@@ -55,8 +55,11 @@ def _start_method() -> str:
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
           timeout: float = 120.0, backend: str | None = None,
-          start_method: str | None = None) -> list[Any]:
+          start_method: str | None = None, join: bool = True) -> list[Any]:
     """Run `fn(world, *args)` on `world_size` ranks; return the results, indexed by rank.
+
+    With `join=False` the ranks do not join a process group first: `fn(rank, *args)` gets its
+    rank and torchrun's environment, and rendezvouses however it likes.
 
     Raises MicroDDPError naming the rank and showing its traceback if any rank fails, or naming
     the ranks still running if the deadline passes. No rank outlives this call.
@@ -71,7 +74,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
         for rank in range(world_size):
             env = worker_env(os.environ, rank, world_size, agent)
             p = ctx.Process(target=_worker, daemon=True,
-                            args=(rank, world_size, env, fn, args, results, backend, timeout))
+                            args=(rank, world_size, env, fn, args, results, backend, timeout, join))
             p.start()
             procs.append(p)
         return _collect(procs, results, world_size, timeout)

@@ -142,9 +142,20 @@ def make_store(
     """
     if port < 0 or port > 65535:
         raise MicroDDPError(f"port must be between 0 and 65535, got {port}")
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # The launcher's store serves MASTER_ADDR:MASTER_PORT only; any other address is ours to host.
+    agent_store = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                   and (addr, str(port)) == (os.environ.get("MASTER_ADDR"),
+                                             os.environ.get("MASTER_PORT")))
     if rank != 0 or agent_store:
-        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+        try:
+            return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+        except (RuntimeError, ValueError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MicroDDPError(
+                f"rank {rank} could not reach the rendezvous store at {addr}:{port} within "
+                f"{timeout.total_seconds():g} s ({first}); is rank 0 running with the same "
+                "MASTER_ADDR and MASTER_PORT?"
+            ) from None
     bind_addr = addr if _is_local(addr) else "0.0.0.0"  # a named host must be reachable
     sock = _bind(bind_addr, port)
     store = dist.TCPStore(

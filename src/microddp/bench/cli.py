@@ -1,9 +1,8 @@
-"""Measure microddp against PyTorch side by side: `microddp bench ddp|allreduce|scaling`."""
+"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling`."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 
 EPILOG = """\
 examples:
@@ -13,29 +12,19 @@ examples:
 each benchmark has its own --help.
 """
 
-# name -> module offering add_arguments(parser) and run(args) -> int
+# name -> (module offering add_arguments(parser) and run(args) -> int, summary)
 BENCHMARKS = {
-    "allreduce": "microddp.bench.allreduce",
-    "ddp": "microddp.bench.ddp",
-    "scaling": "microddp.bench.scaling",
+    "allreduce": ("microddp.bench.allreduce",
+                  "ring / tree / naive all-reduce vs gloo, with a fitted cost model"),
+    "ddp": ("microddp.bench.ddp", "microddp DDP vs PyTorch DDP vs the naive stage"),
+    "scaling": ("microddp.bench.scaling", "strong and weak scaling over world sizes"),
 }
+# add_arguments needs the words after `bench` to pick the benchmark, whose own run() is called
+NESTED = True
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, argv: list[str]) -> None:
+    from ..cli import add_commands
+
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, path in BENCHMARKS.items():
-        try:
-            module = importlib.import_module(path)
-        except ModuleNotFoundError as e:
-            if e.name is None or not path.startswith(e.name):
-                raise
-            continue  # not written yet
-        b = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
-                           description=module.__doc__, epilog=getattr(module, "EPILOG", None),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(b)
-        b.set_defaults(_bench=module.run)
-
-
-def run(args: argparse.Namespace) -> int:
-    return int(args._bench(args) or 0)
+    add_commands(sub, BENCHMARKS, argv)

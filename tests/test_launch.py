@@ -1,0 +1,152 @@
+"""`microddp run`: environment, prefixed output, failure propagation, restarts, no orphans."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+DEADLINE = 60  # seconds; a launcher that fails to stop its workers fails the test, never hangs
+
+
+def microddp(*args, timeout=DEADLINE, cwd=None):
+    return subprocess.run([sys.executable, "-m", "microddp", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+def write(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_workers_get_torchrun_environment_and_prefixed_output(tmp_path):
+    script = write(tmp_path, "env.py", """
+        import os, sys
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")   # plain torch, as a torchrun script would
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")
+        print(" ".join(os.environ[k] for k in keys), int(t.item()), sys.argv[1:])
+        dist.destroy_process_group()
+    """)
+    out = microddp("run", "-n", "3", script, "--flag", "x")
+    assert out.returncode == 0, out.stderr
+    lines = sorted(out.stdout.splitlines())
+    assert lines == [f"[rank {r}] {r} {r} 3 127.0.0.1 3 ['--flag', 'x']" for r in range(3)]
+
+
+SLEEPER = """
+    import os, sys, time
+    rank = int(os.environ["RANK"])
+    open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+    if rank == 1:
+        time.sleep(0.5)
+        {failure}
+    time.sleep(600)
+"""
+
+
+def _assert_all_gone(tmp_path: Path) -> None:
+    for pidfile in tmp_path.glob("pid*"):
+        pid = int(pidfile.read_text())
+        alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert not alive, f"worker {pidfile.name} (pid {pid}) outlived the launcher"
+
+
+@pytest.mark.parametrize(
+    "failure, code, says",
+    [
+        ("raise ValueError('boom from rank 1')", 1, "ValueError: boom from rank 1"),
+        ("sys.exit(3)", 3, "exit code 3"),
+        ("os.kill(os.getpid(), 9)", 128 + 9, "killed by SIGKILL"),
+    ],
+)
+def test_a_failing_rank_stops_the_others(tmp_path, failure, code, says):
+    script = write(tmp_path, "fail.py", SLEEPER.replace("{failure}", failure))
+    out = microddp("run", "-n", "3", script, str(tmp_path))
+    assert out.returncode == code
+    assert "rank 1 failed" in out.stderr
+    assert says in out.stderr + out.stdout
+    assert len(list(tmp_path.glob("pid*"))) == 3
+    _assert_all_gone(tmp_path)
+
+
+def test_killing_the_launcher_kills_its_workers(tmp_path):
+    script = write(tmp_path, "sleep.py", SLEEPER.replace("{failure}", "pass"))
+    launcher = subprocess.Popen([sys.executable, "-m", "microddp", "run", "-n", "2", script,
+                                 str(tmp_path)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("pid*"))) == 2
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+        gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)],
+                                 timeout=10)[1]
+        assert gone == [], "workers survived a SIGKILLed launcher"
+    finally:
+        launcher.kill()
+
+
+def test_max_restarts_starts_the_group_again(tmp_path):
+    script = write(tmp_path, "flaky.py", """
+        import os, sys
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+            sys.exit(7)
+        print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], "ok")
+    """)
+    out = microddp("run", "-n", "2", "--max-restarts", "1", script)
+    assert out.returncode == 0, out.stderr
+    assert "restart 1 of 1" in out.stderr
+    assert "[rank 0] attempt 1 ok" in out.stdout and "[rank 1] attempt 1 ok" in out.stdout
+    out = microddp("run", "-n", "2", "--max-restarts", "0", script)
+    assert out.returncode == 7
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["run", "-n", "2", "no/such/script.py"], "does not exist"),
+        (["run", "-n", "0", "x.py"], "--nproc must be between 1"),
+        (["hello", "-n", "0"], "--nproc must be between 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, says):
+    out = microddp(*args)
+    assert out.returncode == 2
+    assert says in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in out.stderr
+
+
+def test_taken_master_port_is_one_line_and_exit_2(tmp_path):
+    import socket
+
+    script = write(tmp_path, "ok.py", "print('never runs')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = microddp("run", "-n", "2", "--master-port", str(port), script)
+    assert out.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_module_mode_and_help():
+    out = microddp("run", "--help")
+    assert out.returncode == 0 and "torchrun --nnodes 2" in out.stdout
+    assert "microddp run -n 2 train.py" in out.stdout
+    for command in ("doctor", "hello", "run"):
+        assert command in microddp("--help").stdout
+    out = microddp("run", "-n", "2", "-m", "json.tool", "--help")
+    assert out.returncode == 0 and "[rank 1] usage:" in out.stdout
