@@ -1,0 +1,49 @@
+"""Chapter 1's scripts, `microddp hello` and `microddp doctor` run and print the right numbers."""
+
+import re
+import subprocess
+import sys
+
+TIMEOUT = 120
+
+
+def run(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_verify_setup_reports_backends_and_a_live_all_reduce():
+    out = run(sys.executable, "course/01_first_program/verify_setup.py", "--world-size", "3")
+    assert out.returncode == 0, out.stderr
+    assert "backend gloo : available" in out.stdout
+    assert "live all_reduce over 3 processes: [6.0, 6.0, 6.0] (expected 6 everywhere) -> OK" \
+        in out.stdout
+
+
+def test_hello_distributed_with_eight_processes():
+    out = run(sys.executable, "course/01_first_program/hello_distributed.py", "--world-size", "8")
+    assert out.returncode == 0, out.stderr
+    for rank in range(8):
+        parity = "even" if rank % 2 == 0 else "odd"
+        assert f"[rank {rank}] hello! rank {rank} of world size 8" in out.stdout
+        assert f"[rank {rank}] I handle {parity} data!" in out.stdout
+        assert f"[rank {rank}] sum of all ranks = 28 (expected 28)" in out.stdout
+        assert f"[rank {rank}] env: RANK=not set" in out.stdout
+
+
+def test_microddp_hello_shows_the_launcher_environment():
+    out = run(sys.executable, "-m", "microddp", "hello", "-n", "3")
+    assert out.returncode == 0, out.stderr
+    port = re.search(r"MASTER_PORT=(\d+)", out.stdout).group(1)
+    for rank in range(3):
+        assert (f"[rank {rank}] environment: RANK={rank} WORLD_SIZE=3 LOCAL_RANK={rank} "
+                f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}") in out.stdout
+        assert f"[rank {rank}] all_reduce(sum of ranks) = 3 (expected 3)" in out.stdout
+    assert "[rank 1] rank 1: I handle odd data!" in out.stdout
+
+
+def test_doctor_passes_on_this_machine():
+    out = run(sys.executable, "-m", "microddp", "doctor")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"ok\s+live all_reduce\s+2 ranks agree on 3", out.stdout)
+    assert "backends  nccl:" in out.stdout and "gloo:yes" in out.stdout
+    assert "microddp can run here" in out.stdout
