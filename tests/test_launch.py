@@ -150,3 +150,12 @@ def test_module_mode_and_help():
         assert command in microddp("--help").stdout
     out = microddp("run", "-n", "2", "-m", "json.tool", "--help")
     assert out.returncode == 0 and "[rank 1] usage:" in out.stdout
+
+
+def test_microddp_workers_run_unchanged_under_torchrun():
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "microddp.hello"], capture_output=True, text=True, timeout=DEADLINE)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("all_reduce(sum of ranks) = 1 (expected 1)") == 2
+    assert "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1" in out.stdout
