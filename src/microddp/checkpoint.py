@@ -1,0 +1,185 @@
+"""Checkpoints that survive a crash: atomic save from rank 0, safe load, exact resume.
+
+A checkpoint is written to a temporary file, flushed to disk and renamed over its final name,
+so a crash mid-write never leaves a half file under a checkpoint's name. Loading uses
+`weights_only=True` (no arbitrary code from a file) and skips an unreadable newest file in
+favour of the one before, with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .errors import MicroDDPError
+from .world import World
+
+FORMAT = 1
+REQUIRED = ("format", "model", "optimizer", "step", "epoch", "position", "sampler", "rng",
+            "world_size")
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+
+
+def path_for(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"ckpt-{step:08d}.pt"
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """Checkpoint files in `folder`, oldest step first (temporary files are ignored)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # some platforms cannot open a folder; the rename itself is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
+    """Write `state` as the checkpoint of `step` atomically, then keep only the newest `keep`."""
+    if keep < 1:
+        raise MicroDDPError(f"keep must be at least 1 checkpoint, got {keep}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = path_for(folder, step)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)  # make the rename itself durable
+    for old in list_checkpoints(folder)[:-keep]:
+        old.unlink(missing_ok=True)
+    # One writer, one file at a time: any other temporary file is debris of a killed writer.
+    for debris in folder.glob(".ckpt-*.tmp"):
+        debris.unlink(missing_ok=True)
+    return final
+
+
+def load(path: str | Path, map_location: torch.device | str = "cpu") -> dict:
+    """Read one checkpoint safely; MicroDDPError if it is unreadable or incomplete."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, unsupported type: all mean "corrupt"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MicroDDPError(f"checkpoint {path} is unreadable ({reason})") from None
+    missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise MicroDDPError(f"checkpoint {path} is incomplete (missing {', '.join(missing)})")
+    if state["format"] != FORMAT:
+        raise MicroDDPError(f"checkpoint {path} has format {state['format']}, expected {FORMAT}; "
+                            "it was written by another microddp version")
+    return state
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def load_latest(folder: str | Path, map_location: torch.device | str = "cpu",
+                warn: Callable[[str], None] = _warn) -> tuple[dict, Path] | None:
+    """The newest readable checkpoint in `folder` (and its path), or None if there is none.
+
+    An unreadable newer file is reported through `warn` and skipped, so a crash that damaged
+    the last checkpoint costs only the steps since the one before.
+    """
+    candidates = list_checkpoints(folder)
+    for path in reversed(candidates):
+        try:
+            return load(path, map_location), path
+        except MicroDDPError as e:
+            warn(f"{e}; falling back to the previous checkpoint")
+    if candidates:
+        warn(f"no readable checkpoint in {folder}; starting from scratch")
+    return None
+
+
+def rng_state() -> dict:
+    """Every random generator this process may draw from, in a weights_only-loadable form."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def gather_rng_states(world: World) -> list[dict] | None:
+    """Every rank's RNG states, on rank 0 (None elsewhere): one process writes the file."""
+    mine = rng_state()
+    if not world.distributed:
+        return [mine]
+    out: list | None = [None] * world.world_size if world.rank == 0 else None
+    dist.gather_object(mine, out, dst=0)
+    return out
+
+
+def broadcast_choice(value, world: World):
+    """Rank 0's `value` on every rank, so all ranks act on the same decision."""
+    if not world.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_from_rank0(make_state: Callable[[], dict], folder: str | Path, step: int,
+                    world: World, keep: int = 3) -> Path:
+    """Collect per-rank RNG states, let rank 0 write, then hold every rank at a barrier.
+
+    The barrier means no rank runs ahead (and possibly crashes) before the file is complete,
+    so after a restart every rank resumes from the same step.
+    """
+    rngs = gather_rng_states(world)
+    path = path_for(folder, step)
+    error = None
+    if world.rank == 0:
+        state = make_state()
+        state["rng"] = rngs
+        try:
+            save(state, folder, step, keep)
+        except OSError as e:
+            error = f"cannot write checkpoint {path}: {e.strerror or e}; free space or pick " \
+                    "another --checkpoint-dir"
+    error = broadcast_choice(error, world)
+    if world.distributed:
+        dist.barrier()
+    if error:
+        raise MicroDDPError(error)
+    return path

@@ -1,0 +1,215 @@
+"""Data for the training job: bundled real data, synthetic data, sharding and exact evaluation.
+
+Sharding is planned per *global* batch: every epoch is one permutation of the whole training
+set, cut into global batches, and each rank takes a contiguous slice of each. So the samples
+in a step do not depend on the world size, shuffling changes every epoch without `set_epoch`,
+and an uneven last batch is split as evenly as it goes instead of padded with duplicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import MicroDDPError
+from .world import World
+
+DATASETS = ("digits", "synthetic")
+# The test split must not move when the user changes --seed: one fixed split for every run.
+SPLIT_SEED = 0
+
+
+@dataclass
+class Split:
+    """Inputs and integer labels of one split, already tensors (these data sets fit in memory)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def to(self, device: torch.device | str) -> Split:
+        return Split(self.x.to(device), self.y.to(device))
+
+
+@dataclass
+class Dataset:
+    name: str
+    train: Split
+    test: Split
+    in_features: int
+    n_classes: int
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float) -> tuple[Split, Split]:
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_test = int(round(len(y) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return Split(x[train], y[train]), Split(x[test], y[test])
+
+
+def _digits_arrays():
+    """(pixels, labels) of scikit-learn's bundled digits file.
+
+    Read straight from the file the package ships: importing sklearn.datasets pulls in SciPy
+    and costs seconds on every rank, far longer than the whole training run.
+    """
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise MicroDDPError("the digits data set needs scikit-learn: "
+                            "pip install 'microddp[train]' (or use --dataset synthetic)")
+    for root in spec.submodule_search_locations or []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+            return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits  # a layout we do not know: the slow, sure way
+
+    return load_digits(return_X_y=True)
+
+
+def digits() -> Dataset:
+    """scikit-learn's handwritten digits (1797 8x8 images, 10 classes): real data, offline."""
+    x, y = _digits_arrays()
+    # Pixels are 0..16; centred to [-1, 1] so plain SGD trains well without extra care.
+    x = torch.as_tensor(x, dtype=torch.float32) / 8.0 - 1.0
+    train, test = _split(x, torch.as_tensor(y, dtype=torch.int64), 0.2)
+    return Dataset("digits", train, test, in_features=64, n_classes=10)
+
+
+def synthetic(n: int = 2560, in_features: int = 64, n_classes: int = 10) -> Dataset:
+    """Gaussian clusters around random centres: learnable, any size, no dependency."""
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    centres = torch.randn(n_classes, in_features, generator=g) * 0.4
+    y = torch.randint(0, n_classes, (n,), generator=g)
+    x = centres[y] + torch.randn(n, in_features, generator=g)
+    train, test = _split(x, y, 0.2)
+    return Dataset("synthetic", train, test, in_features, n_classes)
+
+
+def load_dataset(name: str) -> Dataset:
+    """The data set called `name` (one of DATASETS)."""
+    if name == "digits":
+        return digits()
+    if name == "synthetic":
+        return synthetic()
+    raise MicroDDPError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+class ShardedBatchSampler:
+    """This rank's share of each global batch, reshuffled every epoch on its own.
+
+    Iterating yields lists of sample indices (usable as a DataLoader `batch_sampler`). Each
+    `__iter__` continues where the last one stopped and then moves to the next epoch, so a plain
+    `for epoch ...: for batch in sampler` loop sees a new order every epoch with no `set_epoch`.
+    `state_dict()` records (epoch, position) so a resumed run picks up at the very next batch.
+    """
+
+    def __init__(self, n: int, global_batch_size: int, rank: int = 0, world_size: int = 1, *,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        if n < 1:
+            raise MicroDDPError(f"cannot sample from an empty data set (n={n})")
+        if global_batch_size < 1:
+            raise MicroDDPError(f"batch size must be at least 1, got {global_batch_size}")
+        if not 0 <= rank < world_size:
+            raise MicroDDPError(f"rank {rank} is outside the world of size {world_size}")
+        if drop_last and n < global_batch_size:
+            raise MicroDDPError(f"drop_last with {n} samples and batch size {global_batch_size} "
+                                "leaves no batch at all; lower the batch size")
+        self.n, self.batch_size, self.rank, self.world_size = n, global_batch_size, rank, world_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch, self.position = 0, 0  # where the next batch comes from
+
+    def __len__(self) -> int:
+        """Batches per epoch (the same on every rank, so collectives stay in step)."""
+        full, rest = divmod(self.n, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The whole epoch's sample order: a fixed function of (seed, epoch), as on every rank."""
+        if not self.shuffle:
+            return torch.arange(self.n)
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def global_batches(self, epoch: int) -> list[torch.Tensor]:
+        """Every rank's indices of each batch of `epoch`, before sharding."""
+        return list(torch.split(self.order(epoch), self.batch_size))[: len(self)]
+
+    def global_sizes(self, epoch: int) -> list[int]:
+        return [len(b) for b in self.global_batches(epoch)]
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice; sizes differ by at most one, never padded."""
+        return torch.tensor_split(batch, self.world_size)[self.rank]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its first batch (what torch's DistributedSampler needs each epoch)."""
+        self.epoch, self.position = epoch, 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start = self.epoch, self.position
+        if start >= len(self):  # the last epoch was finished: begin the next one
+            epoch, start = epoch + 1, 0
+        batches = self.global_batches(epoch)
+        for i in range(start, len(batches)):
+            self.epoch, self.position = epoch, i + 1
+            yield self.shard(batches[i]).tolist()
+        self.epoch, self.position = epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "n": self.n, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["n"], state["batch_size"]) != (self.n, self.batch_size):
+            raise MicroDDPError(
+                f"sampler state is for {state['n']} samples in batches of {state['batch_size']}, "
+                f"not {self.n} in batches of {self.batch_size}; use the original --batch-size")
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+
+
+def shard_range(n: int, rank: int, world_size: int) -> range:
+    """Contiguous, disjoint, covering: rank r's part of n items (sizes differ by at most 1)."""
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, split: Split, world: World | None = None,
+             batch_size: int = 1024) -> dict:
+    """Loss and accuracy over the whole split, each sample counted exactly once.
+
+    Every rank scores its own contiguous shard (no padding, no duplicates) and one all_reduce
+    adds up (loss sum, correct, count), so the result equals a single process scoring it all.
+    """
+    from . import comms
+
+    world = world or comms.get_world()
+    part = shard_range(len(split), world.rank, world.world_size)
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for lo in range(part.start, part.stop, batch_size):
+        hi = min(lo + batch_size, part.stop)
+        x, y = split.x[lo:hi].to(device), split.y[lo:hi].to(device)
+        logits = module(x).float()
+        totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        totals[1] += (logits.argmax(dim=1) == y).sum()
+        totals[2] += hi - lo
+    module.train(was_training)
+    comms.all_reduce(totals, "sum")
+    loss_sum, correct, count = totals.tolist()
+    return {"loss": loss_sum / count, "accuracy": correct / count,
+            "correct": int(correct), "count": int(count)}

@@ -1,0 +1,156 @@
+"""The settings of one training run, and the checks that turn bad input into one clear error."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from ..data import DATASETS
+from ..errors import MicroDDPError
+
+ENGINES = ("microddp", "naive", "hooks", "buckets", "overlap", "torch")
+OPTIMIZERS = ("sgd", "adam")
+AMP = ("bf16", "fp16")
+DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3}
+# Settings that change the numbers a checkpoint holds: a resume must keep them.
+RESUME_KEYS = ("dataset", "batch_size", "accumulate", "optimizer", "lr", "seed", "amp",
+               "hidden", "depth")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; `microddp train --help` documents each field."""
+
+    nproc: int = 2
+    epochs: int = 8
+    batch_size: int = 64
+    lr: float | None = None  # None: DEFAULT_LR of the optimizer
+    optimizer: str = "sgd"
+    engine: str = "microddp"
+    dataset: str = "digits"
+    accumulate: int = 1
+    amp: str | None = None
+    hidden: int = 128
+    depth: int = 2
+    checkpoint_dir: str | None = None  # None: <out>/checkpoints
+    checkpoint_every: int = 0  # optimizer steps; 0: at the end of every epoch
+    keep: int = 3
+    resume: bool = False
+    seed: int = 0
+    out: str | None = None
+    max_restarts: int = 0
+    max_steps: int = 0  # 0: run all epochs
+    log_every: int = 0  # 0: about five progress lines per epoch
+    trace: bool = False
+    plot: bool = True
+
+    @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+    @property
+    def ckpt_dir(self) -> Path:
+        if self.checkpoint_dir:
+            return Path(self.checkpoint_dir)
+        if self.out is None:
+            raise MicroDDPError("no run folder: pass --out DIR")
+        return Path(self.out) / "checkpoints"
+
+    def resume_settings(self) -> dict:
+        return {k: (self.learning_rate if k == "lr" else getattr(self, k)) for k in RESUME_KEYS}
+
+    def to_argv(self) -> list[str]:
+        """The command-line arguments that recreate this config (for the launched workers)."""
+        argv: list[str] = []
+        defaults = TrainConfig()
+        for f in fields(self):
+            value, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
+            if value == getattr(defaults, f.name) or f.name in ("nproc", "max_restarts"):
+                continue
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _choice(value, allowed: tuple, what: str) -> None:
+    if value not in allowed:
+        raise MicroDDPError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+
+
+def _at_least(value: int, low: int, flag: str) -> None:
+    if value < low:
+        raise MicroDDPError(f"{flag} must be at least {low}, got {value}")
+
+
+def max_sensible_nproc() -> int:
+    """One rank per GPU; on CPU, beyond a few ranks per core they only wait for each other."""
+    if torch.cuda.is_available():
+        return max(1, torch.cuda.device_count())
+    return max(1, 4 * (os.cpu_count() or 1))
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Raise MicroDDPError naming the first bad setting and how to fix it."""
+    _choice(cfg.dataset, DATASETS, "dataset")
+    if cfg.dataset == "digits" and importlib.util.find_spec("sklearn") is None:
+        raise MicroDDPError("the digits data set ships with scikit-learn, which is not "
+                            "installed: pip install 'microddp[train]' (or use --dataset synthetic)")
+    _choice(cfg.engine, ENGINES, "engine")
+    _choice(cfg.optimizer, OPTIMIZERS, "optimizer")
+    if cfg.amp is not None:
+        _choice(cfg.amp, AMP, "--amp precision")
+        if cfg.amp == "fp16" and not torch.cuda.is_available():
+            raise MicroDDPError("--amp fp16 needs a CUDA GPU (float16 autocast with a gradient "
+                                "scaler); on CPU use --amp bf16")
+    for value, low, flag in ((cfg.epochs, 1, "--epochs"), (cfg.batch_size, 1, "--batch-size"),
+                             (cfg.accumulate, 1, "--accumulate"), (cfg.hidden, 1, "--hidden"),
+                             (cfg.depth, 0, "--depth"), (cfg.keep, 1, "--keep"),
+                             (cfg.checkpoint_every, 0, "--checkpoint-every"),
+                             (cfg.max_restarts, 0, "--max-restarts"),
+                             (cfg.max_steps, 0, "--max-steps"), (cfg.log_every, 0, "--log-every"),
+                             (cfg.seed, 0, "--seed")):
+        _at_least(value, low, flag)
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise MicroDDPError(f"--lr must be a positive number, got {cfg.lr}")
+    n = cfg.nproc if world_size is None else world_size
+    if world_size is None:
+        limit = max_sensible_nproc()
+        if not 1 <= n <= limit:
+            where = "one per GPU" if torch.cuda.is_available() else "4 per CPU core"
+            raise MicroDDPError(f"--nproc must be between 1 and {limit} here ({where}), got {n}")
+    if cfg.batch_size % n:
+        raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch and must split "
+                            f"evenly over {n} ranks; use a multiple of {n}")
+    if cfg.resume and not (cfg.out or cfg.checkpoint_dir):
+        raise MicroDDPError("--resume needs the run to continue: pass its --out DIR "
+                            "(or --checkpoint-dir)")
+
+
+def check_folder(path: str | Path, flag: str) -> None:
+    """Create `path` if needed and prove it is writable, or say which flag to change."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise MicroDDPError(f"{flag} {p} is a file, not a folder; give a folder path")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise MicroDDPError(f"{flag} {p} is not writable ({e.strerror}); "
+                            "choose a folder you can write to") from None

@@ -1,0 +1,94 @@
+"""Deciding whether a run starts fresh or continues from a checkpoint, and restoring it.
+
+Rank 0 decides and broadcasts the decision, so every rank resumes from the same file or all
+stop with the same error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .. import checkpoint
+from ..errors import MicroDDPError
+from ..world import World
+from .config import TrainConfig
+
+
+def restart_count() -> int:
+    """How many times the launcher (microddp, torchrun) has restarted this group of workers."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _decide(cfg: TrainConfig, folder: Path, world: World) -> tuple[str | None, str | None]:
+    """(path to resume from or None, error or None): rank 0's view of the folder."""
+    restarted = restart_count() > 0
+    existing = checkpoint.list_checkpoints(folder)
+    if not (cfg.resume or restarted):
+        if existing:
+            return None, (f"{folder} already holds checkpoints of an earlier run; pass --resume "
+                          "to continue it, or choose a new --out / --checkpoint-dir")
+        return None, None
+    found = checkpoint.load_latest(folder, "cpu", warn=_warn)
+    if found is None:
+        if cfg.resume and not restarted:
+            return None, (f"--resume: no checkpoint in {folder}; check the folder, or drop "
+                          "--resume to start a new run")
+        return None, None  # restarted before the first checkpoint: start again from scratch
+    state, path = found
+    theirs, ours = state.get("config", {}), cfg.resume_settings()
+    changed = [k for k in ours if k in theirs and theirs[k] != ours[k]]
+    if changed:
+        diffs = ", ".join(f"--{k.replace('_', '-')} {theirs[k]} (now {ours[k]})" for k in changed)
+        return None, (f"checkpoint {path.name} was made with {diffs}; resume with the same "
+                      "settings, or start a new run in another folder")
+    return str(path), None
+
+
+def find(cfg: TrainConfig, world: World) -> dict | None:
+    """The checkpoint this run continues from (loaded onto this rank's device), or None."""
+    folder = cfg.ckpt_dir
+    decision = _decide(cfg, folder, world) if world.rank == 0 else (None, None)
+    path, error = checkpoint.broadcast_choice(decision, world)
+    if error:
+        raise MicroDDPError(error)
+    if path is None:
+        return None
+    try:
+        state = checkpoint.load(path, map_location=world.device)
+    except MicroDDPError as e:
+        raise MicroDDPError(f"rank {world.rank}: {e}; every rank must see the checkpoint "
+                            "folder (a shared file system)") from None
+    state["path"] = path
+    return state
+
+
+def restore(state: dict, world: World, module, optimizer, precision, sampler) -> int:
+    """Put every piece back as it was when `state` was saved; return its optimizer step."""
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    precision.load_state_dict(state.get("scaler"))
+    sampler.load_state_dict(state["sampler"])
+    rngs = state["rng"]
+    # After a world-size change there is no saved stream for a new rank; rank 0's is a
+    # deterministic stand-in (the job itself draws no random numbers after start-up).
+    checkpoint.set_rng_state(rngs[world.rank] if world.rank < len(rngs) else rngs[0])
+    return int(state["step"])
+
+
+def describe(state: dict, world: World) -> str:
+    text = (f"resuming from {Path(state['path']).name}: step {state['step']}, "
+            f"epoch {state['sampler']['epoch'] + 1}, batch {state['sampler']['position']}")
+    if state["world_size"] != world.world_size:
+        text += (f" (saved by {state['world_size']} ranks, now {world.world_size}: the same "
+                 "samples in every step, summed in another order, so results agree to "
+                 "rounding rather than bit for bit)")
+    return text

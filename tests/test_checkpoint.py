@@ -1,0 +1,116 @@
+"""Checkpoints: atomic writes, keep-last-K, safe loading, fallback past a corrupt file, RNG."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import microddp
+from microddp import checkpoint
+from microddp.errors import MicroDDPError
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"format": checkpoint.FORMAT, "model": {"w": torch.randn(3, 4, generator=g)},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+            "step": step, "epoch": 1, "position": 2, "sampler": {"epoch": 1, "position": 2},
+            "rng": [checkpoint.rng_state()], "world_size": 2, "config": {"seed": 0}}
+
+
+def test_save_load_round_trip_and_keep_last(tmp_path):
+    for step in (5, 10, 15, 20):
+        path = checkpoint.save(_state(step), tmp_path, step, keep=2)
+        assert path == tmp_path / f"ckpt-{step:08d}.pt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000015.pt", "ckpt-00000020.pt"]
+    state, path = checkpoint.load_latest(tmp_path)
+    assert path.name == "ckpt-00000020.pt" and state["step"] == 20
+    assert torch.equal(state["model"]["w"], _state(20)["model"]["w"])
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_and_no_debris(tmp_path, monkeypatch):
+    checkpoint.save(_state(1), tmp_path, 1)
+    real_save = torch.save
+
+    def dies_halfway(obj, f, *a, **k):
+        f.write(b"PK\x03\x04 half a zip file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(OSError):
+        checkpoint.save(_state(2), tmp_path, 2)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt"]
+    assert checkpoint.load_latest(tmp_path)[0]["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_corrupt_newest_falls_back_to_previous_with_a_warning(tmp_path, damage):
+    for step in (3, 6):
+        checkpoint.save(_state(step), tmp_path, step)
+    newest = tmp_path / "ckpt-00000006.pt"
+    data = newest.read_bytes()
+    newest.write_bytes({"truncate": data[: len(data) // 2], "garbage": b"\x00" * 999,
+                        "empty": b""}[damage])
+    warnings: list[str] = []
+    state, path = checkpoint.load_latest(tmp_path, warn=warnings.append)
+    assert path.name == "ckpt-00000003.pt" and state["step"] == 3
+    assert len(warnings) == 1 and "ckpt-00000006.pt" in warnings[0]
+    assert "falling back" in warnings[0]
+    with pytest.warns(RuntimeWarning, match="ckpt-00000006.pt is unreadable"):
+        checkpoint.load_latest(tmp_path)
+
+
+class NotAllowed:
+    pass
+
+
+def test_loading_refuses_arbitrary_objects(tmp_path):
+    state = _state(1)
+    state["extra"] = NotAllowed()
+    torch.save(state, tmp_path / "ckpt-00000001.pt")
+    with pytest.raises(MicroDDPError, match="unreadable"):
+        checkpoint.load(tmp_path / "ckpt-00000001.pt")
+    torch.save({"step": 1}, tmp_path / "ckpt-00000002.pt")
+    with pytest.raises(MicroDDPError, match="incomplete.*model"):
+        checkpoint.load(tmp_path / "ckpt-00000002.pt")
+    assert checkpoint.load_latest(tmp_path, warn=lambda m: None) is None
+
+
+def _draws() -> tuple:
+    return (torch.rand(3).tolist(), random.random(), np.random.rand(2).tolist(),
+            random.gauss(0, 1))
+
+
+def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
+    torch.manual_seed(1), random.seed(2), np.random.seed(3)
+    random.gauss(0, 1)  # leaves a cached Gaussian in the Python state
+    state = checkpoint.rng_state()
+    expected = _draws()
+    torch.save({"rng": state}, tmp_path / "rng.pt")
+    loaded = torch.load(tmp_path / "rng.pt", weights_only=True)["rng"]
+    _draws()
+    checkpoint.set_rng_state(loaded)
+    assert _draws() == expected
+
+
+def _save_worker(world, folder):
+    torch.manual_seed(100 + world.rank)
+    mine = torch.get_rng_state()
+    path = checkpoint.save_from_rank0(lambda: _state(7) | {"world_size": world.world_size},
+                                      folder, 7, world)
+    # After the barrier the file is complete on every rank.
+    state = checkpoint.load(path)
+    return torch.equal(state["rng"][world.rank]["torch"], mine), len(state["rng"]), path.name
+
+
+def test_save_from_rank0_gathers_every_ranks_rng_and_all_see_the_file(tmp_path):
+    results = microddp.spawn(_save_worker, 2, args=(str(tmp_path),), timeout=60)
+    assert results == [(True, 2, "ckpt-00000007.pt")] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt"]
+
+
+def test_save_needs_a_sane_keep(tmp_path):
+    with pytest.raises(MicroDDPError, match="keep must be at least 1"):
+        checkpoint.save(_state(1), tmp_path, 1, keep=0)

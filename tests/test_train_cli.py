@@ -1,0 +1,130 @@
+"""`microddp train` end to end: bad input, the default job, and surviving a SIGKILLed rank."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from microddp import checkpoint
+from microddp.cli import main
+
+
+def _bad_inputs(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    used = tmp_path / "used"
+    checkpoint.save({"step": 1}, used / "checkpoints", 1)
+    cases = [
+        (["--dataset", "mnist"], "unknown dataset 'mnist'"),
+        (["--engine", "fast"], "unknown engine 'fast'"),
+        (["--optimizer", "rmsprop"], "unknown optimizer 'rmsprop'"),
+        (["--amp", "fp8"], "unknown --amp precision 'fp8'"),
+        (["--batch-size", "63"], "must split evenly over 2 ranks"),
+        (["--nproc", "100000"], "--nproc must be between 1 and"),
+        (["--nproc", "0"], "--nproc must be between 1 and"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--accumulate", "0"], "--accumulate must be at least 1"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--out", str(a_file)], "is a file, not a folder"),
+        (["--out", str(a_file / "run")], "is not writable"),
+        (["--resume"], "--resume needs the run to continue"),
+        (["--resume", "--out", str(tmp_path / "nope")], "does not exist"),
+        (["--resume", "--out", str(empty)], "no checkpoint in"),
+        (["--out", str(used)], "already holds checkpoints of an earlier run"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--amp", "fp16"], "--amp fp16 needs a CUDA GPU"))
+    return cases
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # the launching side, not a worker
+    for args, message in _bad_inputs(tmp_path):
+        assert main(["train", *args]) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "", args
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("microddp train: error: "), (args, err)
+        assert message in lines[0], (args, lines[0])
+
+
+def test_a_restartable_worker_needs_a_fixed_run_folder(capsys, monkeypatch):
+    # As under torchrun --max-restarts 2: restarted workers must find the same folder.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["microddp train: error: with --max-restarts, pass --out DIR: restarted "
+                   "workers find the checkpoints to resume from there"]
+
+
+def _params(path):
+    return torch.load(path, weights_only=True)
+
+
+def _train(*args):
+    return [sys.executable, "-m", "microddp", "train", *args]
+
+
+def _rank_pid(launcher: psutil.Process, rank: int) -> int | None:
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank):
+                return child.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def test_default_job_learns_and_survives_a_killed_rank(tmp_path):
+    ref = subprocess.run(_train("--out", str(tmp_path / "ref")), capture_output=True,
+                         text=True, timeout=240)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    rows = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == list(range(1, 9))
+    assert rows[-1]["kind"] == "final" and rows[-1]["test_accuracy"] >= 0.90
+    assert "batch 64 global = 32 per rank x 2" in ref.stdout
+    assert (tmp_path / "ref" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    out = tmp_path / "crash"
+    job = subprocess.Popen(_train("--out", str(out), "--max-restarts", "1",
+                                  "--checkpoint-every", "5"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, killed = time.monotonic() + 180, None
+        while killed is None and time.monotonic() < deadline and job.poll() is None:
+            if checkpoint.list_checkpoints(out / "checkpoints"):
+                killed = _rank_pid(psutil.Process(job.pid), 1)
+                if killed:
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.01)
+        log, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert killed is not None, log
+    assert job.returncode == 0, log
+    assert "rank 1 failed (killed by SIGKILL)" in log
+    assert "restarting all 2 workers (restart 1 of 1)" in log
+    assert "resuming from ckpt-" in log
+    a, b = _params(tmp_path / "ref" / "model.pt"), _params(out / "model.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_help_shows_examples(flag, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", flag])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert "torchrun" in text and "--max-restarts" in text and "--accumulate" in text
