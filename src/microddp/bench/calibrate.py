@@ -1,0 +1,166 @@
+"""Measure this host for the cost model: compute rate, and all-reduce alpha and beta.
+
+`microddp predict --calibrate [--verify 2 4]` runs these, saves the figures as the
+'calibrated' hardware preset, and (with --verify) compares predicted with measured step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comms
+from ..model import FullMLP
+from ..predict import Hardware, fullmlp, predict, save_calibration
+from ..spawn import spawn
+from ..world import World
+from .timing import interleaved
+
+SIZES = [2**k for k in range(10, 24, 2)]  # 1 KiB .. 4 MiB of float32
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor) -> None:
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def host_rates(dim: int, depth: int, batch: int, repeats: int = 20) -> tuple[float, float]:
+    """Sustained training FLOP/s and memory bytes/s of the whole host.
+
+    One rank per core works at once, as in a DDP run, and their rates add up: this counts
+    the contention between ranks that a single process would not see.
+    """
+    cores = os.cpu_count() or 1
+    rates = spawn(_rate_job, cores, args=(dim, depth, batch, repeats), timeout=300)
+    return sum(r[0] for r in rates), sum(r[1] for r in rates)
+
+
+def _rate_job(world: World, dim: int, depth: int, batch: int,
+              repeats: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = FullMLP(dim, depth)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, dim), torch.randint(0, 2, (batch,))
+    grads = torch.randn(sum(p.numel() for p in model.parameters()))
+    bucket = torch.empty_like(grads)
+
+    def copies() -> None:  # what a DDP bucket costs: copy in, average, copy out
+        bucket.copy_(grads)
+        bucket.div_(2)
+        grads.copy_(bucket)
+
+    t = interleaved({"step": lambda: _train_step(model, opt, x, y), "copies": copies},
+                    repeats, warmup=3)
+    flops = fullmlp(dim, depth).flops_per_sample * batch / statistics.median(t["step"])
+    return flops, 3 * grads.numel() * 4 / statistics.median(t["copies"])
+
+
+def _allreduce_times(world: World, sizes: list[int], repeats: int) -> list[float]:
+    out = []
+    for n in sizes:
+        t = torch.ones(n // 4)
+        times = []
+        for i in range(repeats + 2):
+            comms.barrier()
+            t0 = time.perf_counter()
+            comms.all_reduce(t)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out
+
+
+def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[float, float]:
+    """Least squares t = a + b n, read as a ring: a = 2(N-1) alpha, b = 2(N-1)/N / beta."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times) / n
+    b = sum((s - mx) * (t - my) for s, t in zip(sizes, times, strict=True)) / sum(
+        (s - mx) ** 2 for s in sizes)
+    a = max(my - b * mx, 1e-7)
+    return a / (2 * (world - 1)), 2 * (world - 1) / world / max(b, 1e-15)
+
+
+def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float]:
+    times = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300)[0]
+    return fit_alpha_beta(SIZES, times, world)
+
+
+def _step_times(world: World, engine: str, dim: int, depth: int, batch: int,
+                repeats: int, bucket_mb: float) -> list[float]:
+    from ..trace_cli import wrap
+
+    torch.manual_seed(0)
+    model = FullMLP(dim, depth)
+    model = wrap(model, engine, bucket_mb) if world.distributed else model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, dim), torch.randint(0, 2, (batch,))
+    times = []
+    for i in range(repeats + 3):
+        if world.distributed:
+            dist.barrier()
+        t0 = time.perf_counter()
+        _train_step(model, opt, x, y)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def measured_step(world: int, engine: str, dim: int, depth: int, batch: int,
+                  bucket_mb: float = 25.0, repeats: int = 15) -> float:
+    """Median step time over ranks' medians, real ranks on this host."""
+    per_rank = spawn(_step_times, world, args=(engine, dim, depth, batch, repeats, bucket_mb),
+                     timeout=600)
+    return statistics.median(statistics.median(t) for t in per_rank)
+
+
+def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
+    """Measure, save, and with --verify compare predictions with real step times.
+
+    Calibration and verification alternate over `rounds` rounds and each figure is the median
+    over rounds, so a change in the machine's load between them does not decide the result.
+    """
+    dim, depth, batch = args.dim, args.depth, int(args.batch)
+    worlds = args.verify or []
+    print(f"calibrating on FullMLP({dim}, depth {depth}), batch {batch}, {os.cpu_count()} cores, "
+          f"{rounds} rounds ...")
+    got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "beta")}
+    steps: dict[int, list[float]] = {n: [] for n in worlds}
+    for _ in range(rounds):
+        flops, memory = host_rates(dim, depth, batch)
+        got["flops"].append(flops)
+        got["memory"].append(memory)
+        alpha, beta = alpha_beta(2)
+        got["alpha"].append(alpha)
+        got["beta"].append(beta)
+        for n in worlds:
+            steps[n].append(measured_step(n, "overlap", dim, depth, batch, args.bucket_mb))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    hw = Hardware(med["flops"], med["beta"], med["alpha"],
+                  "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
+                  memory=med["memory"])
+    save_calibration(hw, args.calibration)
+    print(f"compute {hw.flops:.3g} FLOP/s, memory {hw.memory:.3g} B/s, latency (alpha) "
+          f"{1e6 * hw.latency:.1f} us, bandwidth (beta) {hw.bandwidth:.3g} B/s; saved to "
+          f"{args.calibration} (--hardware calibrated)")
+    if not worlds:
+        return 0
+    print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  (engine overlap, "
+          f"batch {batch} per rank, local ranks share the host's compute)")
+    worst = 0.0
+    for n in worlds:
+        pred = predict(fullmlp(dim, depth), hw, n, batch, bucket_mb=args.bucket_mb,
+                       local_ranks=n)["step_s"]
+        meas = statistics.median(steps[n])
+        err = (pred - meas) / meas
+        worst = max(worst, abs(err))
+        print(f"{n:>5} {1e3 * pred:>13.2f} {1e3 * meas:>12.2f} {100 * err:>+6.1f}%")
+    print(f"worst error {100 * worst:.1f}% ({'within' if worst <= 0.25 else 'outside'} 25%)")
+    return 0

@@ -1,0 +1,74 @@
+"""Find out what went wrong: hang and desync reports, replica drift.
+
+    from microddp import monitor
+    monitor.enable(timeout=60)          # log collectives; a stall gives one report of all ranks
+    monitor.enable(timeout=60, debug=True)   # also compare every collective across ranks first
+    monitor.check_replicas(model)       # the first parameter that differs between ranks
+
+PyTorch's own tools for the same questions are TORCH_DISTRIBUTED_DEBUG=DETAIL (collective
+fingerprints) and, on NCCL, the flight recorder; this package gives the same answers on any
+backend, in one report a person can read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..errors import MicroDDPError
+from ..world import get_world
+from . import patch
+from .drift import DriftCheck, check_replicas, checksum
+from .hang import Monitor, format_report
+
+__all__ = ["enable", "disable", "active", "check_replicas", "DriftCheck", "checksum",
+           "Monitor", "format_report"]
+
+_generation = itertools.count()  # every rank enables the same number of times: fresh keys each
+
+
+def _seconds(timeout: float | timedelta) -> float:
+    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if s <= 0:
+        raise MicroDDPError(f"monitor timeout must be positive, got {timeout!r}")
+    return s
+
+
+def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
+           answer_timeout: float = 5.0, log_size: int = 64,
+           abort: bool = True) -> Monitor | None:
+    """Start logging this rank's collectives; every rank must call it, after init().
+
+    `timeout`: how long a collective may take before the ranks are asked where they are (keep
+    it below the process group's own timeout). `debug`: compare op, shape and dtype of every
+    collective across ranks before it runs. `abort`: when a stalled rank cannot raise (NCCL,
+    or a wait on a future), end it after the report instead of waiting for the process
+    group's timeout. Returns None in a world of one process.
+    """
+    world = get_world()
+    if not world.distributed:
+        return None
+    disable()
+    if store is None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            raise MicroDDPError("no rendezvous store found; call microddp.init() first or "
+                                "pass store=") from None
+    mon = Monitor(store, world.rank, world.world_size, _seconds(timeout), debug,
+                  f"microddp/monitor/{next(_generation)}/", answer_timeout, log_size, abort)
+    patch.install(mon)
+    return mon
+
+
+def disable() -> None:
+    """Stop logging and restore torch.distributed's functions."""
+    mon = patch.uninstall()
+    if mon is not None:
+        mon.close()
+
+
+def active() -> Monitor | None:
+    return patch.active()

@@ -1,0 +1,173 @@
+"""When a collective stalls, ask every rank where it is (through the store) and say it once.
+
+The store is the rendezvous TCPStore every rank already talks to; it keeps working when the
+process group is stuck. The first rank to notice a stall becomes the reporter: it raises a flag,
+every rank that can still answer writes a status (its open collective, or the Python line its
+main thread is on), and the reporter turns them into one report, grouped by what ranks do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from .log import CollectiveLog, Entry, main_thread_where
+
+POLL_S = 0.1  # at a few ranks; more ranks poll the shared store less often (see Monitor)
+
+
+class Monitor:
+    """Per-process monitoring state: the log, the store, the watchdog thread."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
+                 debug: bool, prefix: str, answer_s: float, log_size: int = 64,
+                 abort: bool = True) -> None:
+        self.abort = abort
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.debug, self.prefix = timeout_s, debug, prefix
+        # Every rank polls the one store: keep the total near 100 requests a second.
+        self.poll_s = max(POLL_S, world_size / 100)
+        self.answer_s = max(answer_s, 3 * self.poll_s)
+        self.log = CollectiveLog(log_size)
+        self.report: str | None = None
+        self._answered = False
+        self._stalled: Entry | None = None
+        self._report_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="microddp-monitor", daemon=True)
+        self._thread.start()
+
+    def key(self, *parts: object) -> str:
+        return self.prefix + "/".join(map(str, parts))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    # -- what this rank says about itself --------------------------------------------------
+    def status(self) -> dict:
+        # The collective this rank gave up on counts as open even though its Work has failed.
+        entry = self._stalled or self.log.oldest_open()
+        last = self.log.last_done()
+        return {
+            "rank": self.rank,
+            "in": entry.describe() if entry is not None else None,
+            "where": main_thread_where(),
+            "last": f"{last.op} #{last.seq}" if last is not None else None,
+        }
+
+    def _answer(self) -> None:
+        if not self._answered:
+            self._answered = True
+            self.store.set(self.key("status", self.rank), json.dumps(self.status()))
+
+    # -- the watchdog: notice stalls (async ops, NCCL) and answer other ranks' requests -------
+    def _watch(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.poll_s):
+            try:
+                if not self._answered and self.store.check([self.key("request")]):
+                    self._answer()
+                entry = self.log.oldest_open()
+                # A waiting caller on gloo raises the report itself; the watchdog speaks for
+                # NCCL (whose waits do not give up) and for async ops nobody waits on.
+                limit = self.timeout_s * (2 if entry is not None and entry.escapable else 1)
+                if entry is not None and time.monotonic() - entry.started > limit:
+                    text = self.collect(entry)
+                    print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
+                    if self.abort:
+                        self._abort(entry)
+                    return
+                failures = 0
+            except Exception:  # noqa: BLE001 (store gone at shutdown: nothing left to watch)
+                failures += 1
+                if self._stop.is_set() or failures > 20:
+                    return
+
+    def _abort(self, entry: Entry) -> None:
+        """The main thread is blocked where Python cannot reach it: end the process, as
+        PyTorch's NCCL watchdog does, rather than wait out the process group's timeout."""
+        if self._stop.wait(self.answer_s) or not entry.in_flight():
+            return  # it finished (or raised) after all
+        print(f"[rank {self.rank}] microddp monitor: ending this process (exit code 1) after "
+              "the hang report; pass abort=False to monitor.enable to keep waiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    # -- the report -----------------------------------------------------------------------
+    def collect(self, stalled: Entry | None, why: str = "") -> str:
+        """Raise the flag, gather every rank's status, build (or fetch) the one report."""
+        with self._report_lock:
+            if self.report is not None:
+                return self.report
+            self._stalled = stalled
+            first = self.store.add(self.key("request"), 1) == 1
+            self._answer()
+            if first:
+                statuses = self._statuses()
+                self.report = format_report(self.rank, stalled, statuses, self.world_size,
+                                            self.timeout_s, why)
+                self.store.set(self.key("report"), self.report)
+            else:
+                self.report = self._fetch_report()
+            return self.report
+
+    def _statuses(self) -> dict[int, dict]:
+        keys = {r: self.key("status", r) for r in range(self.world_size)}
+        try:  # usually everyone answers within a poll or two
+            self.store.wait(list(keys.values()), timedelta(seconds=self.answer_s))
+        except Exception:  # noqa: BLE001 (a store timeout: some rank is silent; take the rest)
+            pass
+        return {r: json.loads(self.store.get(k)) for r, k in keys.items()
+                if self.store.check([k])}
+
+    def _fetch_report(self) -> str:
+        try:
+            self.store.wait([self.key("report")], timedelta(seconds=self.answer_s + 2))
+            return self.store.get(self.key("report")).decode()
+        except Exception:  # noqa: BLE001 (the reporter itself died; say what we know)
+            return format_report(self.rank, self.log.oldest_open(), {self.rank: self.status()},
+                                 self.world_size, self.timeout_s, "")
+
+
+def _ranks(rs: list[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
+
+
+def format_report(rank: int, stalled: Entry | None, statuses: dict[int, dict],
+                  world_size: int, timeout_s: float, why: str) -> str:
+    """One paragraph: which ranks are where, grouped; ranks that did not answer named too."""
+    why = re.sub(r"^\[[^\]]*\]\s*", "", why)  # drop gloo's "[path/file.cc:553]" prefix
+    timed_out = not why or "timed out" in why.lower() or "timeout" in why.lower()
+    if stalled is None:
+        head = f"rank {rank} reports a stall"
+    elif timed_out:
+        head = (f"collective {stalled.op} #{stalled.seq} on rank {rank} did not complete within "
+                f"{timeout_s:g} s")
+    else:
+        head = f"collective {stalled.op} #{stalled.seq} on rank {rank} failed"
+    groups: dict[str, list[int]] = {}
+    for r, st in sorted(statuses.items()):
+        if st["in"] is not None:
+            line = f"in {st['in']}"
+        else:
+            last = f"; last collective {st['last']}" if st["last"] else "; no collective yet"
+            line = f"in {st['where']} (not in a collective{last})"
+        groups.setdefault(line, []).append(r)
+    lines = [f"microddp hang report: {head}" + (f" ({why})" if why else "")]
+    for line, rs in groups.items():
+        verb = "is" if len(rs) == 1 else "are"
+        lines.append(f"  {_ranks(rs)} {verb} {line}")
+    silent = [r for r in range(world_size) if r not in statuses]
+    if silent:
+        lines.append(f"  {_ranks(silent)} did not answer (exited, crashed, or frozen outside "
+                     "Python)")
+    lines.append("fix: every rank must call the same collectives in the same order; look at "
+                 "the rank that is elsewhere")
+    return "\n".join(lines)

@@ -1,0 +1,284 @@
+"""Predict DDP step time, communication and scaling efficiency, from one GPU to thousands.
+
+An alpha-beta model: sending n bytes over a link costs alpha + n / beta. Compute is
+6 x parameters x samples FLOPs per step (2 forward, 4 backward), at the device's sustained rate;
+DDP adds three passes over the gradients in memory (into the buckets, average, back out).
+Buckets of gradients are all-reduced one after another on one link, each as soon as backward has
+produced it; whatever is still running when backward ends is exposed and lengthens the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from .errors import MicroDDPError
+
+EPILOG = """\
+examples:
+  microddp predict --model bert-large --hardware a100-ib --batch 32
+  microddp predict --params 1.5e9 --hardware h100-ib --world 8 64 512 4096
+  microddp predict --model resnet50 --hardware 10gbe --algorithm tree --no-overlap
+  microddp predict --calibrate                 # measure this host, then predict FullMLP on it
+  microddp predict --calibrate --verify 2 4    # ... and compare with measured step times
+presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
+--latency; list them with --list.
+"""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device and the link between devices. flops: sustained FLOP/s (not the peak)."""
+
+    flops: float
+    bandwidth: float  # bytes/s each way per device, as seen by all-reduce (NCCL's "bus bw")
+    latency: float  # seconds per message (alpha)
+    note: str = ""
+    cores: int = 0  # CPU ranks: cores of the host; ranks beyond it time-share them (0: GPUs)
+    memory: float = 0.0  # device memory bytes/s, for DDP's bucket copies (0: leave them out)
+
+
+# Sustained rates assume ~40% of the bf16 dense peak, a typical large-model training figure.
+HARDWARE = {
+    "a100-nvlink": Hardware(125e12, 230e9, 10e-6, "A100 SXM, 8 per node on NVLink",
+                            memory=1.5e12),
+    "a100-ib": Hardware(125e12, 25e9, 20e-6, "A100 across nodes, 200 Gb/s InfiniBand per GPU",
+                        memory=1.5e12),
+    "h100-nvlink": Hardware(400e12, 360e9, 10e-6, "H100 SXM, 8 per node on NVLink 4",
+                            memory=3e12),
+    "h100-ib": Hardware(400e12, 50e9, 20e-6, "H100 across nodes, 400 Gb/s InfiniBand per GPU",
+                        memory=3e12),
+    "rtx4090-pcie": Hardware(60e12, 12e9, 15e-6, "RTX 4090s in one box, PCIe 4, no NVLink",
+                             memory=0.9e12),
+    "10gbe": Hardware(60e12, 1.1e9, 50e-6, "one GPU per host, plain 10 Gb Ethernet",
+                      memory=0.9e12),
+    "cpu-loopback": Hardware(50e9, 1e9, 50e-6, "CPU ranks on one 8-core host, gloo over "
+                             "loopback", cores=8, memory=40e9),
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    params: float
+    flops_per_sample: float  # training FLOPs per sample (forward + backward)
+    note: str = ""
+
+
+def _llm(params: float, seq: int, note: str) -> Model:
+    return Model(params, 6 * params * seq, note)
+
+
+MODELS = {
+    "resnet50": Model(25.6e6, 3 * 4.1e9, "ResNet-50, 224x224 images"),
+    "bert-large": _llm(340e6, 512, "BERT-Large, 512 tokens per sample"),
+    "gpt2": _llm(124e6, 1024, "GPT-2 small, 1024 tokens per sample"),
+    "gpt2-xl": _llm(1.5e9, 1024, "GPT-2 XL, 1024 tokens per sample"),
+    "llama-7b": _llm(6.7e9, 4096, "a 7B decoder, 4096 tokens per sample"),
+}
+ALGORITHMS = ("ring", "tree", "naive")
+
+
+def fullmlp(dim: int, depth: int, n_classes: int = 2) -> Model:
+    """microddp's FullMLP: every weight used once per sample, so 6 FLOPs per weight."""
+    params = depth * (dim * dim + dim) + dim * n_classes + n_classes
+    return Model(params, 6.0 * params, f"FullMLP({dim}, depth {depth})")
+
+
+def allreduce_time(nbytes: float, world: int, hw: Hardware, algorithm: str = "ring") -> float:
+    """Seconds to all-reduce nbytes over `world` ranks with the chosen algorithm."""
+    if world <= 1:
+        return 0.0
+    a, b = hw.latency, 1.0 / hw.bandwidth
+    if algorithm == "ring":  # reduce-scatter + all-gather: 2(N-1) steps of n/N bytes
+        return 2 * (world - 1) * (a + nbytes / world * b)
+    if algorithm == "tree":  # reduce up a binary tree, broadcast down, whole message per hop
+        return 2 * math.ceil(math.log2(world)) * (a + nbytes * b)
+    if algorithm == "naive":  # everyone to rank 0, rank 0 to everyone, one at a time
+        return 2 * (world - 1) * (a + nbytes * b)
+    raise MicroDDPError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str = "ring",
+            bucket_mb: float = 25.0, grad_bytes: int = 4, overlap: bool = True,
+            local_ranks: int = 1) -> dict:
+    """One step at `world` ranks with `batch` samples per rank; times in seconds.
+
+    `local_ranks` ranks that share one host also share its compute (CPU ranks do).
+    """
+    if world < 1 or batch <= 0:
+        raise MicroDDPError(f"world size and batch must be positive, got {world} and {batch}")
+    flops = hw.flops / max(1, local_ranks)
+    compute = model.flops_per_sample * batch / flops
+    forward, backward = compute / 3, 2 * compute / 3
+    total = model.params * grad_bytes
+    k = max(1, math.ceil(total / (bucket_mb * 2**20)))
+    per_bucket = allreduce_time(total / k, world, hw, algorithm)
+    if hw.cores and local_ranks > hw.cores:  # CPU collectives are CPU work: they time-share too
+        per_bucket *= local_ranks / hw.cores
+    comm = k * per_bucket
+    link_free = 0.0
+    for i in range(k):  # bucket i is full once (i+1)/k of backward is done
+        ready = forward + backward * (i + 1) / k
+        link_free = max(link_free, ready) + per_bucket
+    hidden_end = forward + backward
+    exposed_overlap = max(0.0, link_free - hidden_end) if world > 1 else 0.0
+    exposed = exposed_overlap if overlap else comm
+    # DDP copies gradients into buckets, averages them and copies them back: 3 passes
+    copies = 3 * total / (hw.memory / max(1, local_ranks)) if world > 1 and hw.memory else 0.0
+    step = compute + copies + exposed
+    return {"world": world, "batch": batch, "compute_s": compute, "comm_s": comm,
+            "copies_s": copies,
+            "exposed_no_overlap_s": comm, "exposed_overlap_s": exposed_overlap,
+            "step_s": step, "comm_comp_ratio": comm / compute, "buckets": k,
+            "efficiency": compute / step, "samples_per_s": world * batch / step}
+
+
+def scaling(model: Model, hw: Hardware, worlds: list[int], batch: float, strong: bool = False,
+            **kw) -> list[dict]:
+    """Rows for each world size. Weak: `batch` per rank. Strong: `batch` is the global batch.
+
+    speedup = throughput(N) / throughput(1 rank); efficiency = speedup / N.
+    """
+    local = kw.pop("local_ranks", 1)  # ranks sharing a host: never more than the world
+    base = predict(model, hw, 1, batch, **kw)["samples_per_s"]
+    rows = []
+    for n in worlds:
+        row = predict(model, hw, n, batch / n if strong else batch, local_ranks=min(local, n),
+                      **kw)
+        row["speedup"] = row["samples_per_s"] / base
+        row["efficiency"] = row["speedup"] / n
+        rows.append(row)
+    return rows
+
+
+def verdict(rows: list[dict], threshold: float = 0.5) -> str:
+    """Plain words: where does adding ranks stop paying, and why."""
+    bad = [r for r in rows if r["world"] > 1 and r["efficiency"] < threshold]
+    if not bad:
+        last = rows[-1]
+        return (f"data parallelism pays up to {last['world']} ranks: efficiency "
+                f"{100 * last['efficiency']:.0f}% there (comm/compute {last['comm_comp_ratio']:.2f})")
+    r = bad[0]
+    why = ("communication outweighs the compute it could hide behind" if
+           r["comm_comp_ratio"] > 1 else "each rank's share of the batch is too small to keep it "
+           "busy while gradients travel")
+    return (f"data parallelism stops paying at {r['world']} ranks: efficiency "
+            f"{100 * r['efficiency']:.0f}% < {100 * threshold:.0f}%; comm/compute = "
+            f"{r['comm_comp_ratio']:.2f}: {why}. A bigger batch per rank, fewer/larger buckets, "
+            "or a faster link moves the limit")
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'ranks':>6} {'batch':>7} {'compute':>10} {'comm':>10} {'exp.no-ovl':>10} "
+            f"{'exp.ovl':>10} {'step':>10} {'comm/comp':>9} {'speedup':>8} {'eff':>5}")
+    out = [head]
+    for r in rows:
+        ms = [f"{1e3 * r[k]:>10.3f}" for k in ("compute_s", "comm_s", "exposed_no_overlap_s",
+                                              "exposed_overlap_s", "step_s")]
+        out.append(f"{r['world']:>6} {r['batch']:>7.4g} {' '.join(ms)} {r['comm_comp_ratio']:>9.3f} "
+                   f"{r.get('speedup', float('nan')):>8.1f} {100 * r['efficiency']:>4.0f}%")
+    return "\n".join(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), help="a model preset")
+    p.add_argument("--params", type=float, help="parameter count (instead of --model)")
+    p.add_argument("--flops-per-sample", type=float, help="training FLOPs per sample "
+                   "(default 6 x params)")
+    p.add_argument("--dim", type=int, default=512, help="FullMLP width when no model is given")
+    p.add_argument("--depth", type=int, default=8, help="FullMLP depth when no model is given")
+    p.add_argument("--hardware", default="a100-ib", help="hardware preset (see --list) or "
+                   "'calibrated' for the figures saved by --calibrate")
+    p.add_argument("--flops", type=float, help="sustained FLOP/s per device (overrides preset)")
+    p.add_argument("--bandwidth", type=float, help="link bytes/s per device (overrides preset)")
+    p.add_argument("--latency", type=float, help="seconds per message (overrides preset)")
+    p.add_argument("--memory", type=float, help="memory bytes/s (overrides preset)")
+    p.add_argument("--batch", type=float, default=32, help="samples per rank (weak scaling) "
+                   "or global batch with --strong (default 32)")
+    p.add_argument("--strong", action="store_true", help="fixed global batch (strong scaling)")
+    p.add_argument("--world", type=int, nargs="+", help="world sizes (default 1, 2, 4 .. 4096)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (default 25)")
+    p.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient value (4 fp32, "
+                   "2 bf16)")
+    p.add_argument("--no-overlap", action="store_true", help="all-reduce after backward only")
+    p.add_argument("--local-ranks", type=int, default=1, help="ranks sharing one host's compute")
+    p.add_argument("--calibrate", action="store_true", help="measure this host's compute rate, "
+                   "alpha and beta first (saved to --calibration)")
+    p.add_argument("--verify", type=int, nargs="*", help="with --calibrate: measure real step "
+                   "times at these local world sizes and compare")
+    p.add_argument("--calibration", default=str(Path.home() / ".cache/microddp/calibration.json"))
+    p.add_argument("--list", action="store_true", help="list the presets and exit")
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    if args.hardware == "calibrated":
+        try:
+            hw = Hardware(**json.loads(Path(args.calibration).read_text()))
+        except FileNotFoundError:
+            raise MicroDDPError(f"no calibration at {args.calibration}; run "
+                                "`microddp predict --calibrate` first") from None
+    elif args.hardware in HARDWARE:
+        hw = HARDWARE[args.hardware]
+    else:
+        raise MicroDDPError(f"unknown hardware {args.hardware!r}; choose one of "
+                            f"{', '.join(HARDWARE)} or 'calibrated'")
+    for name in ("flops", "bandwidth", "latency", "memory"):
+        v = getattr(args, name)
+        if v is not None:
+            if not v > 0:
+                raise MicroDDPError(f"--{name} must be positive, got {v}")
+            hw = replace(hw, **{name: v}, note=hw.note + f" ({name} overridden)")
+    return hw
+
+
+def _model(args: argparse.Namespace) -> Model:
+    if args.params is not None:
+        if not args.params > 0:
+            raise MicroDDPError(f"--params must be positive, got {args.params:g}")
+        return Model(args.params, args.flops_per_sample or 6 * args.params, "custom")
+    if args.model:
+        return MODELS[args.model]
+    return fullmlp(args.dim, args.depth)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for name, hw in HARDWARE.items():
+            print(f"{name:13} {hw.flops:9.3g} FLOP/s {hw.bandwidth:9.3g} B/s "
+                  f"{1e6 * hw.latency:5.0f} us {hw.memory:9.3g} B/s memory  {hw.note}")
+        for name, m in MODELS.items():
+            print(f"{name:13} {m.params:9.3g} params {m.flops_per_sample:9.3g} FLOP/sample  "
+                  f"{m.note}")
+        return 0
+    if args.calibrate:
+        from .bench.calibrate import calibrate_and_verify
+
+        return calibrate_and_verify(args)
+    if args.verify is not None:
+        raise MicroDDPError("--verify needs --calibrate")
+    model, hw = _model(args), _hardware(args)
+    worlds = args.world or [2**i for i in range(13)]
+    if any(n < 1 for n in worlds):
+        raise MicroDDPError(f"world sizes must be at least 1, got {worlds}")
+    rows = scaling(model, hw, sorted(set(worlds)), args.batch, args.strong,
+                   algorithm=args.algorithm, bucket_mb=args.bucket_mb, grad_bytes=args.grad_bytes,
+                   overlap=not args.no_overlap, local_ranks=args.local_ranks)
+    kind = "strong scaling, global batch" if args.strong else "weak scaling, batch per rank"
+    print(f"model: {model.note}, {model.params:.3g} parameters, {model.flops_per_sample:.3g} "
+          f"FLOP/sample; {kind} {args.batch:g}")
+    print(f"assumed hardware: {hw.note}: {hw.flops:.3g} FLOP/s, {hw.bandwidth:.3g} B/s, "
+          f"{1e6 * hw.latency:.0f} us per message; {args.algorithm} all-reduce, buckets of "
+          f"{args.bucket_mb:g} MB, {'no ' if args.no_overlap else ''}overlap")
+    print("times in ms per step; exp. = exposed communication without / with overlap")
+    print(table(rows))
+    print(verdict(rows))
+    return 0
+
+
+def save_calibration(hw: Hardware, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(asdict(hw)))

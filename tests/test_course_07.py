@@ -1,0 +1,84 @@
+"""Chapter 7's scripts run as a learner runs them, and print numbers that hold together."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COURSE = Path(__file__).resolve().parents[1] / "course" / "07_observability"
+
+
+def _run(name: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(COURSE / name), *args], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def _line_of(name: str, text: str) -> int:
+    lines = (COURSE / name).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def test_scaling_laws_by_hand():
+    out = _run("scaling_laws.py")
+    rows = [list(map(float, m)) for m in re.findall(
+        r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+"
+        r"([\d.]+)\s+([\d.]+)%$", out, re.M)]
+    weak, strong = rows[:5], rows[5:]
+    assert [r[0] for r in weak] == [1, 2, 8, 64, 512] and [r[1] for r in strong] == [
+        512, 256, 64, 8, 1]
+    flops, beta, alpha = 125e12, 25e9, 20e-6
+    compute = 6 * 110e6 * 512 * 16 / flops
+    assert weak[0][2] == pytest.approx(1e3 * compute, abs=0.005)
+    k = math.ceil(440e6 / (25 * 2**20))  # 17 buckets of fp32 gradients
+    assert weak[1][4] == pytest.approx(1e3 * k * 2 * (alpha + 440e6 / k / 2 / beta), abs=0.005)
+    assert weak[1][3] == pytest.approx(1e3 * 3 * 440e6 / 1.5e12, abs=0.005)  # 3 passes, HBM
+    assert weak[0][3] == 0  # one process: no DDP, no copies
+    for n, _, comp, _, comm, exposed, ratio, speedup, eff in rows:
+        assert ratio == pytest.approx(comm / comp, rel=2e-3, abs=2e-3)
+        # speedup is printed to 2 decimals, efficiency to 1
+        assert eff == pytest.approx(100 * speedup / n, abs=0.5 / n + 0.05)
+        assert 0 <= exposed <= comm + 0.005
+    for n, _, comp, copies, _, exposed, _, speedup, _ in weak:  # weak: N x compute / step
+        assert speedup == pytest.approx(n * comp / (comp + copies + exposed), abs=0.01)
+    assert "InfiniBand: data parallelism stops paying at 64 ranks" in out
+    assert "10 GbE: data parallelism stops paying at 2 ranks" in out
+
+
+def test_read_timeline(tmp_path):
+    out = _run("read_timeline.py", "--out", str(tmp_path))
+    for engine in ("overlap", "torch"):
+        block = out.split(f"engine {engine}:")[1]
+        step, comp, exp, data, other = map(float, re.search(
+            r"step ([\d.]+) ms = compute ([\d.]+) \+ exposed comm ([\d.]+) \+ data ([\d.]+) \+ "
+            r"other ([\d.]+)", block).groups())
+        assert step == pytest.approx(comp + exp + data + other, abs=0.03)
+        comm, hidden, exp2, overlap = map(float, re.search(
+            r"communication ([\d.]+) ms = hidden ([\d.]+) \+ exposed ([\d.]+); overlap ([\d.]+)%",
+            block).groups())
+        assert exp2 == exp and comm == pytest.approx(hidden + exp, abs=0.015)
+        assert overlap == pytest.approx(100 * hidden / comm, abs=0.1)
+        doc = json.loads((tmp_path / engine / "trace.json").read_text())
+        assert {e["pid"] for e in doc["traceEvents"]} == {0, 1}
+        assert (tmp_path / engine / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_debug_hang():
+    out = _run("debug_hang.py")
+    hang, mismatch, drift = out.split("\n\n")
+    stuck = _line_of("debug_hang.py", 'mdp.comms.all_reduce(loss, "avg")')
+    sleep = _line_of("debug_hang.py", "time.sleep(20)")
+    assert "did not complete within 3 s" in hang
+    assert f"rank 0 is in all_reduce #3 (float32[1] sum) called from hang at debug_hang.py:{stuck}" in hang
+    assert (f"rank 1 is in save_checkpoint at debug_hang.py:{sleep} (not in a collective; "
+            "last collective all_reduce #2)") in hang
+    line = _line_of("debug_hang.py", "mdp.comms.all_reduce(grads)")
+    assert f"rank 0: all_reduce (float32[4] sum) called from mismatch at debug_hang.py:{line}" in mismatch
+    assert f"rank 1: all_reduce (float32[5] sum) called from mismatch at debug_hang.py:{line}" in mismatch
+    assert ("replica drift at step 10: parameter 'net.2.bias' differs between rank 0 and "
+            "rank(s) 1") in drift

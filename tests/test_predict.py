@@ -1,0 +1,159 @@
+"""The cost model against hand calculation, and the `microddp predict` command."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from microddp import cli, predict
+from microddp.bench.calibrate import fit_alpha_beta
+from microddp.model import FullMLP
+
+HW = predict.Hardware(flops=1e12, bandwidth=1e9, latency=1e-5)
+
+
+def test_allreduce_formulas_by_hand():
+    n = 1e6
+    assert predict.allreduce_time(n, 4, HW, "ring") == pytest.approx(6 * (1e-5 + 2.5e5 / 1e9))
+    assert predict.allreduce_time(n, 5, HW, "tree") == pytest.approx(2 * 3 * (1e-5 + 1e-3))
+    assert predict.allreduce_time(n, 4, HW, "naive") == pytest.approx(6 * (1e-5 + 1e-3))
+    assert predict.allreduce_time(n, 1, HW, "ring") == 0.0
+    with pytest.raises(predict.MicroDDPError, match="unknown algorithm 'star'"):
+        predict.allreduce_time(n, 2, HW, "star")
+
+
+def test_fullmlp_parameter_count_matches_the_model():
+    for dim, depth in ((8, 0), (16, 3), (512, 8)):
+        m = predict.fullmlp(dim, depth)
+        assert m.params == sum(p.numel() for p in FullMLP(dim, depth).parameters())
+        assert m.flops_per_sample == 6 * m.params
+
+
+def test_step_with_buckets_by_hand():
+    # 2.5e6 params x 4 B = 10 MB -> 4 buckets of 2.5 MB at bucket_mb = 10 MB / 4 / 2**20
+    model = predict.Model(params=2.5e6, flops_per_sample=6e6)
+    r = predict.predict(model, HW, 2, 1000, bucket_mb=2.5e6 / 2**20)
+    compute = 6e9 / 1e12  # 6 ms: forward 2 ms, backward 4 ms
+    per = 2 * (1e-5 + 1.25e6 / 1e9)  # ring, 2 ranks, 2.5 MB
+    assert r["buckets"] == 4 and r["compute_s"] == pytest.approx(compute)
+    assert r["comm_s"] == pytest.approx(4 * per)
+    # buckets ready at 3, 4, 5, 6 ms; each takes 2.52 ms on the link, one after another
+    end = 3e-3
+    for i in range(4):
+        end = max(end, 3e-3 + 1e-3 * i) + per
+    assert r["exposed_overlap_s"] == pytest.approx(end - 6e-3)
+    assert r["step_s"] == pytest.approx(compute + end - 6e-3)
+    no = predict.predict(model, HW, 2, 1000, bucket_mb=2.5e6 / 2**20, overlap=False)
+    assert no["step_s"] == pytest.approx(compute + 4 * per)
+    assert r["comm_comp_ratio"] == pytest.approx(4 * per / compute)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(1e5, 1e10), st.integers(1, 4096), st.floats(1, 512), st.floats(0.5, 100))
+def test_overlap_never_hurts_and_hides_at_most_backward(params, world, batch, bucket_mb):
+    model = predict.Model(params, 6 * params)
+    r = predict.predict(model, HW, world, batch, bucket_mb=bucket_mb)
+    assert 0 <= r["exposed_overlap_s"] <= r["exposed_no_overlap_s"] * (1 + 1e-9)
+    backward = 2 * r["compute_s"] / 3
+    assert r["exposed_overlap_s"] >= r["comm_s"] - backward - 1e-12
+    assert 0 < r["efficiency"] <= 1
+
+
+def test_scaling_speedup_and_efficiency():
+    model = predict.Model(1e6, 6e6)
+    weak = predict.scaling(model, HW, [1, 2, 8], 64)
+    assert [r["batch"] for r in weak] == [64, 64, 64]
+    assert weak[0]["speedup"] == 1 and weak[0]["efficiency"] == 1
+    for r in weak:
+        assert r["speedup"] == pytest.approx(r["world"] * r["compute_s"] / r["step_s"])
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["world"])
+    strong = predict.scaling(model, HW, [1, 4], 64, strong=True)
+    assert strong[1]["batch"] == 16
+    assert strong[1]["speedup"] == pytest.approx(strong[0]["step_s"] / strong[1]["step_s"])
+
+
+def test_shared_host_divides_compute_and_time_shares_comm():
+    cpu = predict.Hardware(1e10, 1e9, 1e-5, cores=2)
+    model = predict.Model(1e6, 6e6)
+    one = predict.predict(model, cpu, 2, 10, local_ranks=1)
+    four = predict.predict(model, cpu, 4, 10, local_ranks=4)
+    assert four["compute_s"] == pytest.approx(4 * one["compute_s"])
+    assert four["comm_s"] == pytest.approx(2 * predict.allreduce_time(4e6, 4, cpu))
+
+
+def test_bucket_copies_are_three_passes_over_the_gradients():
+    hw = predict.Hardware(1e12, 1e9, 1e-5, memory=2e9, cores=2)
+    model = predict.Model(1e6, 6e6)  # 4 MB of gradients
+    assert predict.predict(model, hw, 1, 8)["copies_s"] == 0  # no DDP, no buckets
+    two = predict.predict(model, hw, 2, 8, local_ranks=2)
+    assert two["copies_s"] == pytest.approx(3 * 4e6 / (2e9 / 2))
+    assert two["step_s"] == pytest.approx(two["compute_s"] + two["copies_s"]
+                                          + two["exposed_overlap_s"])
+
+
+def test_verdict_names_the_limit():
+    model = predict.MODELS["bert-large"]
+    rows = predict.scaling(model, predict.HARDWARE["a100-ib"], [1, 2, 4, 8, 16], 8)
+    first_bad = next(r["world"] for r in rows if r["efficiency"] < 0.5)
+    text = predict.verdict(rows)
+    assert text.startswith(f"data parallelism stops paying at {first_bad} ranks")
+    good = predict.scaling(model, predict.HARDWARE["h100-nvlink"], [1, 8], 64)
+    assert predict.verdict(good).startswith("data parallelism pays up to 8 ranks")
+
+
+def test_fit_alpha_beta_recovers_a_ring():
+    sizes = [1e3, 1e5, 1e6, 4e6]
+    alpha, beta, n = 3e-5, 2e9, 4
+    times = [2 * (n - 1) * (alpha + s / n / beta) for s in sizes]
+    a, b = fit_alpha_beta(sizes, times, n)
+    assert a == pytest.approx(alpha) and b == pytest.approx(beta)
+
+
+def test_cli_table_and_errors(capsys, tmp_path):
+    assert cli.main(["predict", "--model", "gpt2", "--hardware", "h100-ib",
+                     "--world", "1", "64", "--latency", "1e-5"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert [r[0] for r in rows] == ["1", "64"]
+    hw = predict.Hardware(400e12, 50e9, 1e-5, memory=3e12)
+    expect = predict.scaling(predict.MODELS["gpt2"], hw, [1, 64], 32)[1]
+    assert float(rows[1][6]) == pytest.approx(1e3 * expect["step_s"], abs=1e-3)
+    assert "latency overridden" in out
+    assert cli.main(["predict", "--hardware", "tpu"]) == 2
+    assert "unknown hardware 'tpu'" in capsys.readouterr().err
+    assert cli.main(["predict", "--hardware", "calibrated", "--calibration",
+                     str(tmp_path / "none.json")]) == 2
+    assert "run `microddp predict --calibrate` first" in capsys.readouterr().err
+    (tmp_path / "c.json").write_text(json.dumps({"flops": 1e10, "bandwidth": 1e9,
+                                                 "latency": 1e-4, "note": "x", "cores": 2}))
+    assert cli.main(["predict", "--hardware", "calibrated", "--calibration",
+                     str(tmp_path / "c.json"), "--world", "2"]) == 0
+    assert cli.main(["predict", "--list"]) == 0 and "a100-nvlink" in capsys.readouterr().out
+
+
+def test_scaling_bench_arithmetic_and_verdicts():
+    from microddp.bench import scaling
+
+    def row(mode, n, per_rank, step, compute, exposed, engine="overlap"):
+        return {"mode": mode, "ranks": n, "engine": engine if n > 1 else "1 process",
+                "batch_per_rank": per_rank, "step_ms": step, "samples_per_s": n * per_rank / step,
+                "compute_ms": compute, "exposed_comm_ms": exposed,
+                "other_ms": step - compute - exposed}
+
+    rows = [row("strong", 1, 64, 100, 100, 0), row("strong", 2, 32, 80, 50, 30),
+            row("strong", 4, 16, 200, 40, 150), row("weak", 1, 64, 100, 100, 0),
+            row("weak", 2, 64, 110, 100, 10), row("weak", 4, 64, 300, 260, 40)]
+    scaling.add_speedup(rows)
+    assert [round(r["speedup"], 4) for r in rows] == [1, 1.25, 0.5, 1, 1.8182, 1.3333]
+    assert [round(r["efficiency"], 4) for r in rows] == [1, 0.625, 0.125, 1, 0.9091, 0.3333]
+    text = scaling.verdicts(rows, grad_mb=8.0, cores=2)
+    assert text[0].startswith("strong, 4 ranks, overlap: DDP is not worth it (speedup 0.50, "
+                              "efficiency 12%): exposed communication (150.0 ms for 8.0 MB")
+    assert text[1].startswith("weak, 4 ranks, overlap: DDP is barely worth it (speedup 1.33, "
+                              "efficiency 33%): compute per rank took 260.0 ms where one "
+                              "process needed 100.0 ms")
+    assert text[2].startswith("note: more ranks than this host's 2 cores")
+    assert len(text) == 3 and len(scaling.table(rows).splitlines()) == 7
+    with pytest.raises(predict.MicroDDPError, match="1-rank baseline"):
+        scaling.add_speedup([row("weak", 2, 64, 1, 1, 0)])
