@@ -158,3 +158,12 @@ def test_fp16_without_cuda_is_a_clear_error(tmp_path):
         validate(_cfg(tmp_path, amp="fp16"))
     with pytest.raises(MicroDDPError, match="needs a CUDA GPU"):
         Precision("fp16", torch.device("cpu"))
+
+
+def test_hang_monitor_and_drift_check_leave_training_unchanged(tmp_path):
+    """The monitor (on by default) and a drift check every step observe without touching the
+    numbers: same parameters as with both off."""
+    watched = _spawn(2, tmp_path / "on", batch_size=32, max_steps=4, drift_every=1)
+    bare = _spawn(2, tmp_path / "off", batch_size=32, max_steps=4, monitor_timeout=0)
+    _assert_equal(watched[0]["params"], bare[0]["params"])
+    _assert_equal(watched[1]["params"], bare[0]["params"])

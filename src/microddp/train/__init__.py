@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=d.seed, help="seed of the weights and the shuffling")
     a("--log-every", type=int, default=0, help="steps between progress lines (default: auto)")
     a("--trace", action="store_true", help="record a timeline of every step (Chrome trace and summary)")
+    a("--monitor-timeout", type=float, default=d.monitor_timeout,
+      help="seconds a collective may stall before every rank reports where it is "
+           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off)")
+    a("--drift-every", type=int, default=0,
+      help="every K steps check that all replicas hold the same parameters (default 0: off)")
     a("--no-plot", dest="plot", action="store_false", help="skip curves.png")
 
 

@@ -48,6 +48,8 @@ class TrainConfig:
     max_steps: int = 0  # 0: run all epochs
     log_every: int = 0  # 0: about five progress lines per epoch
     trace: bool = False
+    monitor_timeout: float = 60.0  # seconds a collective may stall before the hang report; 0 off
+    drift_every: int = 0  # compare replicas every K optimizer steps; 0 off
     plot: bool = True
 
     @property
@@ -124,7 +126,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                              (cfg.checkpoint_every, 0, "--checkpoint-every"),
                              (cfg.max_restarts, 0, "--max-restarts"),
                              (cfg.max_steps, 0, "--max-steps"), (cfg.log_every, 0, "--log-every"),
-                             (cfg.seed, 0, "--seed")):
+                             (cfg.seed, 0, "--seed"), (cfg.drift_every, 0, "--drift-every"),
+                             (cfg.monitor_timeout, 0, "--monitor-timeout")):
         _at_least(value, low, flag)
     if cfg.lr is not None and not cfg.lr > 0:
         raise MicroDDPError(f"--lr must be a positive number, got {cfg.lr}")

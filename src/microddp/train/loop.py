@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import checkpoint, trace
+from .. import checkpoint, monitor, trace, trace_report
 from ..data import ShardedBatchSampler, evaluate, load_dataset
 from ..world import World
 from . import resume
@@ -75,6 +75,10 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                                   seed=cfg.seed)
     if cfg.trace:
         trace.start()
+    # On by default because it is cheap: a stalled collective names every rank's line.
+    if world.distributed and cfg.monitor_timeout:
+        monitor.enable(timeout=cfg.monitor_timeout)
+    drift = monitor.DriftCheck(bare(model), every=cfg.drift_every) if cfg.drift_every else None
 
     state = resume.find(cfg, world)
     step = resume.restore(state, world, module, optimizer, precision, sampler) if state else 0
@@ -139,6 +143,8 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                 optimizer.zero_grad(set_to_none=True)
             step += 1
             trace.next_step()
+            if drift is not None:
+                drift.check(step)
             last = w == len(windows) - 1
             done = math.ceil(window.stop / cfg.accumulate)  # optimizer steps into this epoch
             if done % log_every == 0 or last:
@@ -179,14 +185,8 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
 def _finish(world: World, cfg: TrainConfig, model, out: Path, rep: Reporter, step: int,
             evaluated: dict, state: dict | None) -> Result:
     """model.pt, the curves, the trace summary; then the result every rank returns."""
-    stats = None
-    if cfg.trace:
-        try:
-            from .. import trace_report
-
-            stats = trace_report.finish(out, world)
-        except ImportError:
-            rep.say("--trace: the trace report is not available in this build")
+    monitor.disable()
+    stats = trace_report.finish(out, world) if cfg.trace else None
     if world.rank == 0:
         tmp = out / ".model.pt.tmp"
         torch.save(bare(model).state_dict(), tmp)
@@ -199,7 +199,7 @@ def _finish(world: World, cfg: TrainConfig, model, out: Path, rep: Reporter, ste
         rep.say(f"done: test accuracy {100 * evaluated['accuracy']:.2f}% after {step} steps; "
                 f"wrote {out / 'model.pt'}, {rep.metrics_path}" + (f", {png}" if png else ""))
         if stats:
-            rep.say("trace: " + ", ".join(f"{k} {v}" for k, v in stats.items()))
+            rep.say(trace_report.format_summary(stats))
     params = {k: v.detach().cpu().clone() for k, v in bare(model).state_dict().items()}
     return Result(step, evaluated["accuracy"],
                   evaluated["loss"], out, params, state["path"] if state else None, stats)
