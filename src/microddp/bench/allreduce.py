@@ -1,0 +1,200 @@
+"""All-reduce algorithms from send/recv (ring, tree, naive) against gloo's own all_reduce.
+
+Measures this host's latency, bandwidth and reduction speed, fits the alpha-beta-gamma cost
+model, then times every algorithm and gloo interleaved in one run and prints, per size:
+measured time, the model's prediction, and the ratio to gloo (below 1 = faster than gloo).
+The algorithms run with check=False, like gloo, which does not compare shapes across ranks;
+the row "ring+check" shows what microddp's default metadata check adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
+from ..collectives._group import Peers, wait_all
+from ..collectives.cost import CostModel, fit_line
+from ..errors import MicroDDPError
+from ..spawn import spawn
+from .timing import interleaved, median, ratio_of_medians
+
+EPILOG = """\
+examples:
+  microddp bench allreduce                      # 2 ranks, 1 KiB .. 64 MiB
+  microddp bench allreduce -n 4 --repeats 30    # 4 ranks, more repetitions
+  microddp bench allreduce --sizes 1M,8M,32M --algorithms ring --out results/
+writes allreduce_<N>ranks.png and .json into --out.
+"""
+
+DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
+ALGOS = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce}
+MODELLED = {"ring": "ring_all_reduce", "ring+check": "ring_all_reduce",
+            "tree": "tree_all_reduce", "naive": "naive_all_reduce"}
+CALIBRATION_SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--world-size", type=int, default=2, help="ranks to start (default 2)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"tensor sizes in bytes, K/M suffixes allowed (default {DEFAULT_SIZES})")
+    p.add_argument("--algorithms", default="ring,tree,naive",
+                   help="comma-separated subset of ring,tree,naive (gloo is always timed)")
+    p.add_argument("--repeats", type=int, default=30,
+                   help="timed calls per contender at <= 1 MiB; fewer for larger sizes "
+                        "(never below --min-repeats)")
+    p.add_argument("--min-repeats", type=int, default=9)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default="bench-out", help="folder for the PNG plot and JSON")
+    p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, s")
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '1M' -> 1048576, '4096' -> 4096."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if mult > 1 else t
+    if not digits.isdigit() or int(digits) <= 0:
+        raise MicroDDPError(f"size {text!r} is not a positive number of bytes like 4096, 64K, 1M")
+    return int(digits) * mult
+
+
+def human(nbytes: float) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def repeats_for(nbytes: int, repeats: int, min_repeats: int) -> int:
+    """Full repeats up to 1 MiB, then fewer in proportion, so every size costs about the same."""
+    return max(min_repeats, min(repeats, repeats * (1 << 20) // max(nbytes, 1)))
+
+
+def _calibrate(world, reps: int) -> dict:
+    """Median time of one ring step and of one add, per size n.
+
+    A step is every rank sending n bytes to the next and receiving n from the previous, all
+    at once (the ring's own contention), timed as the ring takes them: a chain of 2(p-1)
+    steps, each waiting for the one before.
+    """
+    peers = Peers()
+    nxt, prv = (peers.me + 1) % peers.size, (peers.me - 1) % peers.size
+    chain = 2 * (peers.size - 1)
+
+    def steps(a, b):
+        for i in range(chain):
+            wait_all(peers.exchange(a, nxt, b, prv, 1 + i))
+
+    step, add = [], []
+    for n in CALIBRATION_SIZES:
+        a, b = torch.zeros(n // 4), torch.zeros(n // 4)
+        t = interleaved({"step": lambda a=a, b=b: steps(a, b),
+                         "add": lambda a=a, b=b: a.add_(b)}, reps, 2, dist.barrier)
+        step.append(median(t["step"]) / chain)
+        add.append(median(t["add"]))
+    alpha, beta = fit_line(CALIBRATION_SIZES, step)
+    _, gamma = fit_line(CALIBRATION_SIZES, add)
+    return {"alpha": max(alpha, 0.0), "beta": beta, "gamma": gamma,
+            "step_s": step, "add_s": add}
+
+
+def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
+          warmup: int):
+    cal = _calibrate(world, max(min_repeats, repeats // 2))
+    rows = []
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)  # zeros stay zeros under sum: every call does equal work
+        contenders = {name: (lambda f=ALGOS[name], t=t: f(t, check=False)) for name in algos}
+        if "ring" in algos:
+            contenders["ring+check"] = lambda t=t: ring_all_reduce(t)
+        contenders["gloo"] = lambda t=t: dist.all_reduce(t)
+        times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
+                            sync=dist.barrier)
+        rows.append({"bytes": nbytes, "times": times})
+    return {"calibration": cal, "rows": rows} if world.rank == 0 else None
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [a for a in algos if a not in ALGOS]
+    if bad or not algos:
+        raise MicroDDPError(f"unknown algorithm(s) {bad or algos}; choose from ring,tree,naive")
+    if args.world_size < 2:
+        raise MicroDDPError(f"need at least 2 ranks to compare all-reduces, got {args.world_size}")
+    if args.repeats < 1 or args.min_repeats < 1:
+        raise MicroDDPError("--repeats and --min-repeats must be at least 1")
+    p = args.world_size
+    print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
+          "contenders interleaved, medians")
+    start = time.perf_counter()
+    out = spawn(_rank, p, (sizes, algos, args.repeats, args.min_repeats, args.warmup),
+                timeout=args.timeout, backend="gloo")[0]
+    cal = out["calibration"]
+    model = CostModel(cal["alpha"], cal["beta"], cal["gamma"])
+    print(f"fitted: alpha {model.alpha * 1e6:.1f} us/message, beta "
+          f"{1 / model.beta / 1e9:.2f} GB/s per link, gamma {1 / model.gamma / 1e9:.2f} GB/s "
+          "reduction" if model.beta > 0 and model.gamma > 0 else f"fitted: {model}")
+    shown = [a for a in ("ring", "ring+check", "tree", "naive") if a in out["rows"][0]["times"]]
+    table = _table(out["rows"], shown, model, p)
+    for line in table["lines"]:
+        print(line)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"allreduce_{p}ranks")
+    with open(stem + ".json", "w") as f:
+        json.dump({"world_size": p, "calibration": cal, "rows": table["records"]}, f, indent=1)
+    _plot(table["records"], shown, p, stem + ".png")
+    print(f"wrote {stem}.png and {stem}.json in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def _table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:
+    lines = [f"{'size':>9}  {'algorithm':<10} {'measured':>11} {'predicted':>11} "
+             f"{'model err':>9} {'x gloo time':>11}"]
+    records = []
+    for row in rows:
+        n, times = row["bytes"], row["times"]
+        gloo = median(times["gloo"])
+        lines.append(f"{human(n):>9}  {'gloo':<10} {gloo * 1e3:>9.3f}ms {'':>11} {'':>9} "
+                     f"{1.0:>11.2f}")
+        rec = {"bytes": n, "gloo_s": gloo, "repeats": len(times["gloo"])}
+        for a in algos:
+            got = median(times[a])
+            pred = model.predict(MODELLED[a], n, p)
+            ratio = ratio_of_medians(times[a], times["gloo"])
+            lines.append(f"{'':>9}  {a:<10} {got * 1e3:>9.3f}ms {pred * 1e3:>9.3f}ms "
+                         f"{(pred - got) / got:>+9.0%} {ratio:>11.2f}")
+            rec.update({f"{a}_s": got, f"{a}_predicted_s": pred, f"{a}_vs_gloo": ratio})
+        records.append(rec)
+    return {"lines": lines, "records": records}
+
+
+def _plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
+    import matplotlib  # noqa: PLC0415 (only the benchmark needs it)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    sizes = [r["bytes"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(sizes, [r["gloo_s"] * 1e3 for r in records], "k-o", label="gloo all_reduce")
+    for a, color in zip(algos, ("tab:blue", "tab:purple", "tab:orange", "tab:green"),
+                        strict=False):
+        ax.plot(sizes, [r[f"{a}_s"] * 1e3 for r in records], "-o", color=color,
+                label=f"{a} (measured)")
+        if a != "ring+check":  # same model line as the ring
+            ax.plot(sizes, [r[f"{a}_predicted_s"] * 1e3 for r in records], "--", color=color,
+                    alpha=0.6, label=f"{a} (model)")
+    ax.set(xscale="log", yscale="log", xlabel="tensor size (bytes)", ylabel="time per call (ms)",
+           title=f"all-reduce on {p} ranks: from send/recv vs gloo")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,18 @@
+"""Collectives from scratch, built on point-to-point send/recv only.
+
+Each algorithm gives the same result as torch.distributed's collective of the same name
+(bit for bit for integers and min/max, to rounding for float sums and products), on the
+default group or on any sub-group. Ranks given as `src`/`dst` are global ranks, as in torch.
+Every call first checks, with one tiny exchange, that all ranks passed the same shape, dtype
+and op, so a mistake is the same clear MicroDDPError on every rank, never a hang.
+"""
+
+from ._group import Traffic, traffic
+from .naive import gather, naive_all_reduce, scatter
+from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .tree import tree_all_reduce, tree_broadcast, tree_reduce
+
+__all__ = [
+    "Traffic", "traffic", "gather", "naive_all_reduce", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
+    "scatter", "tree_all_reduce", "tree_broadcast", "tree_reduce",
+]

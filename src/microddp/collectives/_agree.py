@@ -1,0 +1,85 @@
+"""Recursive doubling, and the cheap metadata check built on it.
+
+Recursive doubling (a butterfly) lets every rank end with op over all ranks in ceil(log2 p)
+exchange rounds. It serves twice: as `tree_all_reduce` for small tensors, and to make every
+rank agree on shapes, dtypes and ops *before* any data moves, so that a mismatch becomes the
+same clear error on every rank instead of a hang or a silently wrong result.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from ..errors import MicroDDPError
+from ._group import Peers, wait_all
+
+
+def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
+               combine: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    """In place: every rank's `buf` becomes combine over all ranks' `buf`, bit-identical.
+
+    For p not a power of two, the first 2*rem ranks pair up (even folds into odd) so that a
+    power of two take part; the folded ranks get the result back at the end.
+    """
+    p, r = peers.size, peers.me
+    pof2 = 1 << (p.bit_length() - 1)
+    rem = p - pof2
+    if r < 2 * rem and r % 2 == 0:
+        peers.send(buf, r + 1, 1)
+        peers.recv(buf, r + 1, 2)
+        return
+    if r < 2 * rem:
+        peers.recv(scratch, r - 1, 1)
+        combine(buf, scratch)
+    vr = r // 2 if r < 2 * rem else r - rem
+    mask, tag = 1, 3
+    while mask < pof2:
+        vpeer = vr ^ mask
+        peer = 2 * vpeer + 1 if vpeer < rem else vpeer + rem
+        wait_all(peers.exchange(buf, peer, scratch, peer, tag))
+        combine(buf, scratch)  # same operands on both sides; + and min/max commute exactly
+        mask, tag = mask << 1, tag + 1
+    if r < 2 * rem:
+        peers.send(buf, r - 1, 2)
+
+
+def _code(value) -> int:
+    """A stable integer for a shape, a dtype or a name (Python's hash() differs per process)."""
+    return value if isinstance(value, int) else zlib.crc32(repr(value).encode())
+
+
+def agree(peers: Peers, where: str, device: torch.device, problem: Exception | None = None,
+          check: bool = True, **fields) -> None:
+    """Raise the same MicroDDPError on every rank unless all ranks passed equal `fields`.
+
+    `problem` is this rank's own complaint about its arguments (found by local checks): it is
+    shared too, so that the other ranks raise instead of waiting for a rank that gave up. One
+    butterfly over max(v) and max(-v) gives every rank both the maximum and the minimum of
+    each field; a field is consistent exactly when they are equal. With `check=False` nothing
+    is exchanged and only this rank's own problem is raised.
+    """
+    if not check or peers.size <= 1:
+        if problem is not None:
+            raise problem
+        return
+    fields = {"arguments": int(problem is not None), **fields}
+    codes = [_code(v) for v in fields.values()]
+    buf = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=device)
+    butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
+    k = len(codes)
+    highs, lows = buf[:k].tolist(), (-buf[k:]).tolist()
+    if problem is not None:
+        raise problem
+    if highs[0]:
+        raise MicroDDPError(f"{where}: another rank of the group rejected its arguments (its "
+                            "error says why); fix them there")
+    differ = [name for name, hi, lo in zip(fields, highs, lows, strict=True) if hi != lo]
+    if differ:
+        mine = ", ".join(f"{name}={fields[name]}" for name in list(fields)[1:])
+        raise MicroDDPError(
+            f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
+            f"{peers.me}: {mine}); every rank of the group must call it with the same "
+            f"{', '.join(differ)}")

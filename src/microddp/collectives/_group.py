@@ -1,0 +1,249 @@
+"""What every algorithm shares: the group as a list of peers, point-to-point calls, reductions.
+
+Algorithms think in group ranks 0..p-1 (a ring is `me + 1 mod p`); `Peers` turns them into
+calls on the process group, so the same code runs on the default group and on any sub-group.
+Only point-to-point operations are used here: that is the whole point of this package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ..comms import _check_op_dtype, _op_name
+from ..errors import MicroDDPError
+from ..world import get_world
+
+# In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.
+COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    "sum": lambda acc, x: acc.add_(x),
+    "avg": lambda acc, x: acc.add_(x),
+    "product": lambda acc, x: acc.mul_(x),
+    "min": lambda acc, x: torch.minimum(acc, x, out=acc),
+    "max": lambda acc, x: torch.maximum(acc, x, out=acc),
+    "band": lambda acc, x: acc.bitwise_and_(x),
+    "bor": lambda acc, x: acc.bitwise_or_(x),
+    "bxor": lambda acc, x: acc.bitwise_xor_(x),
+}
+
+
+def op_name(op, tensor: torch.Tensor, where: str) -> str:
+    """Validate `op` for `tensor`'s dtype; the same rules as microddp.comms."""
+    try:
+        name = _op_name(op)
+        _check_op_dtype(name, tensor)
+    except MicroDDPError as e:
+        raise MicroDDPError(f"{where}: {e}") from None
+    if name in ("min", "max", "product") and tensor.is_complex():
+        raise MicroDDPError(f"{where}: op {name!r} is not defined for complex tensors; "
+                            "use 'sum' or 'avg'")
+    return name
+
+
+def try_op(op, tensor: torch.Tensor, where: str) -> tuple[str, MicroDDPError | None]:
+    """The op's name, or the error to share with the other ranks before raising it."""
+    try:
+        return op_name(op, tensor, where), None
+    except MicroDDPError as e:
+        return str(op), e
+
+
+def try_root(peers: Peers, rank: int, what: str) -> tuple[int, MicroDDPError | None]:
+    """The group rank of global rank `rank` (a src or dst), or the error to share."""
+    try:
+        return peers.group_rank(rank, what), None
+    except MicroDDPError as e:
+        return 0, e
+
+
+def try_list(tensors, like: torch.Tensor, size: int, where: str,
+             name: str) -> tuple[list, MicroDDPError | None]:
+    """check_list, returning the error to share instead of raising it."""
+    try:
+        return check_list(tensors, like, size, where, name), None
+    except MicroDDPError as e:
+        return [], e
+
+
+class Traffic:
+    """What this process sent through the algorithms: messages and bytes (see `traffic()`)."""
+
+    def __init__(self):
+        self.messages = 0
+        self.bytes = 0
+
+    def __repr__(self) -> str:
+        return f"Traffic(messages={self.messages}, bytes={self.bytes})"
+
+
+_counters: list[Traffic] = []
+
+
+@contextmanager
+def traffic() -> Iterator[Traffic]:
+    """Count the messages and bytes this rank sends inside the block.
+
+        with traffic() as sent:
+            ring_all_reduce(t)
+        print(sent.bytes)      # 2 (p-1)/p * t's bytes, for any p
+    """
+    counter = Traffic()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _count(tensor: torch.Tensor) -> None:
+    for c in _counters:
+        c.messages += 1
+        c.bytes += tensor.numel() * tensor.element_size()
+
+
+class Peers:
+    """This process's view of a group: its size, its own rank in it, and p2p calls by group rank."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.distributed = get_world().distributed
+        if not self.distributed:
+            self.size, self.me, self.pg, self.nccl = 1, 0, None, False
+            return
+        self.pg = group if group is not None else dist.group.WORLD
+        self.me = dist.get_rank(group)  # -1 if this process is not a member
+        self.size = dist.get_world_size(group) if self.me >= 0 else 0
+        self.nccl = self.me >= 0 and dist.get_backend(group) == "nccl"
+
+    @property
+    def member(self) -> bool:
+        return self.me >= 0
+
+    def group_rank(self, global_rank: int, what: str) -> int:
+        """The group rank of a global `src`/`dst`, with an error naming the members if absent."""
+        if not self.distributed:
+            if global_rank != 0:
+                raise MicroDDPError(f"{what}={global_rank}, but a world of one process has only "
+                                    "rank 0")
+            return 0
+        ranks = dist.get_process_group_ranks(self.pg)
+        if global_rank not in ranks:
+            raise MicroDDPError(f"{what}={global_rank} is not a member of the group (global "
+                                f"ranks {ranks}); pass a global rank from that list")
+        return ranks.index(global_rank)
+
+    # The process group's own send/recv take group ranks: no translation on the hot path.
+    # Tags tell apart the messages of consecutive steps between the same two ranks; NCCL
+    # ignores them (its messages match in order), gloo is much faster with them: with one tag
+    # for every step, a receive posted early can stall for milliseconds on a busy machine.
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        if _counters:
+            _count(tensor)
+        return self.pg.send([_wire(tensor)], peer, 0 if self.nccl else tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        return self.pg.recv([_wire(tensor)], peer, 0 if self.nccl else tag)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.isend(tensor, peer, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        self.irecv(tensor, peer, tag).wait()
+
+    def exchange(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
+                 src: int, tag: int = 0) -> list:
+        """Start a send to `dst` and a receive from `src` together; return the works to wait on.
+
+        NCCL needs the pair posted as one batch (else two ranks that both send first can block
+        each other on their streams); gloo sends and receives independently, and is faster
+        when the send goes first.
+        """
+        if self.nccl:
+            ops = []
+            ranks = dist.get_process_group_ranks(self.pg)
+            if recv is not None and recv.numel():
+                ops.append(dist.P2POp(dist.irecv, recv, ranks[src], self.group))
+            if send is not None and send.numel():
+                if _counters:
+                    _count(send)
+                ops.append(dist.P2POp(dist.isend, send, ranks[dst], self.group))
+            return dist.batch_isend_irecv(ops) if ops else []
+        works = []
+        if send is not None and send.numel():
+            works.append(self.isend(send, dst, tag))
+        if recv is not None and recv.numel():
+            works.append(self.irecv(recv, src, tag))
+        return works
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def wait_all(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class Flat:
+    """A 1-D contiguous view of `tensor` to work on; `done()` writes it back if it was a copy.
+
+    Non-contiguous tensors (a transposed matrix, a strided slice) cannot go on the wire as they
+    are, so the algorithm works on a packed copy and the result is copied back in place.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.packed = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self.data = self.packed.view(-1)
+
+    def done(self) -> torch.Tensor:
+        if self.packed is not self.tensor:
+            self.tensor.copy_(self.packed)
+        return self.tensor
+
+
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(purpose: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable 1-D buffer of at least `numel` elements, kept between calls.
+
+    Fresh memory for every call is not free: a 32 MiB buffer is 8192 pages the kernel must
+    fault in and zero. Each `purpose` has its own buffer, so two users never share one.
+    """
+    key = (purpose, dtype, device)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _scratch[key] = buf
+    return buf[:numel]
+
+
+def bounds(numel: int, parts: int) -> list[int]:
+    """Offsets splitting `numel` elements into `parts` near-equal chunks (some may be empty)."""
+    return [i * numel // parts for i in range(parts + 1)]
+
+
+def check_tensor(tensor, where: str, name: str = "tensor") -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise MicroDDPError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def check_list(tensors, like: torch.Tensor, size: int, where: str, name: str) -> list:
+    """A list of `size` tensors, each the same shape, dtype and device as `like`."""
+    if tensors is None or len(tensors) != size:
+        got = "None" if tensors is None else f"{len(tensors)} tensors"
+        raise MicroDDPError(f"{where}: {name} must hold one tensor per rank of the group "
+                            f"({size}), got {got}")
+    for i, t in enumerate(tensors):
+        check_tensor(t, where, f"{name}[{i}]")
+        if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+            raise MicroDDPError(
+                f"{where}: {name}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the "
+                f"tensor is {tuple(like.shape)} {like.dtype} on {like.device}; make them match")
+    return list(tensors)

@@ -1,0 +1,101 @@
+"""The ring all-reduce as a pipeline: each chunk cut into segments that travel independently.
+
+In the plain ring every rank waits for a whole chunk before reducing it and passing it on, so
+the wire is idle while the CPU adds and the CPU is idle while the wire moves. Cutting each
+chunk into k segments lets segment j+1 arrive while segment j is being reduced, and lets a
+segment move on to the next step (even into the gather phase) the moment it is ready.
+Receives are posted ahead into a fixed pool of buffers; nothing is allocated per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ._group import COMBINE, Peers, bounds, scratch
+
+
+def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
+                               segment_bytes: int, window: int = 4) -> None:
+    """In place on a 1-D tensor: op over ranks, via 2(p-1) ring steps of k segments each."""
+    p, r = peers.size, peers.me
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    off = bounds(data.numel(), p)
+    width = max(off[i + 1] - off[i] for i in range(p))
+    k = max(1, min(width, -(-width * data.element_size() // segment_bytes)))
+    # seg[c][j]: segment j of chunk c, as a view; chunks differ by at most one element.
+    seg = [[data[off[c] + a:off[c] + b] for a, b in _pairs(bounds(off[c + 1] - off[c], k))]
+           for c in range(p)]
+    steps = 2 * (p - 1)
+    rs_steps = p - 1
+    combine = COMBINE[name]
+
+    # Numbering the gather steps on after the reduce-scatter ones, step s always sends chunk
+    # r-s-1 and receives chunk r-s-2 (mod p), in both phases.
+    def send_chunk(s: int) -> int:
+        return (r - s - 1) % p
+
+    def recv_chunk(s: int) -> int:
+        return (r - s - 2) % p
+
+    tasks = [(s, j) for s in range(steps) for j in range(k)]
+    seg_width = max(t.numel() for chunk in seg for t in chunk)
+    slots = min(window, len(tasks))
+    pool = scratch("ring-pipeline", slots * seg_width, data.dtype, data.device).view(
+        slots, seg_width)
+    free = deque(range(len(pool)))
+    last_send = {}  # (chunk, j) -> work: the gather phase must not overwrite data still in flight
+    posted = deque()  # (pool buffer or None, work or None) per task, in task order
+
+    def post(i: int) -> None:
+        s, j = tasks[i]
+        c = recv_chunk(s)
+        target = seg[c][j]
+        if not target.numel():
+            posted.append((None, None))
+            return
+        if s < rs_steps:
+            b = free.popleft()
+            posted.append((b, peers.irecv(pool[b][: target.numel()], prv, 1 + i)))
+        else:
+            pending = last_send.pop((c, j), None)
+            if pending is not None:
+                pending.wait()
+            posted.append((None, peers.irecv(target, prv, 1 + i)))
+
+    def send(s: int, j: int) -> None:  # the tag is the task's index: 1 + s*k + j
+        c = send_chunk(s)
+        if seg[c][j].numel():
+            last_send[(c, j)] = peers.isend(seg[c][j], nxt, 1 + s * k + j)
+
+    def fill() -> None:  # keep up to `window` receives posted ahead, in task order
+        nonlocal ahead
+        while ahead < len(tasks) and len(posted) < window and (
+                free or tasks[ahead][0] >= rs_steps):
+            post(ahead)
+            ahead += 1
+
+    ahead = 0
+    for j in range(k):
+        send(0, j)
+    fill()
+    for s, j in tasks:
+        b, work = posted.popleft()
+        if work is not None:
+            work.wait()
+            if s < rs_steps:
+                target = seg[recv_chunk(s)][j]
+                combine(target, pool[b][: target.numel()])
+                free.append(b)
+                if s == rs_steps - 1 and name == "avg":  # this segment is complete here
+                    target.div_(p)
+        if s + 1 < steps:  # pass the segment on first, then post more receives
+            send(s + 1, j)
+        fill()
+    for w in last_send.values():
+        w.wait()
+
+
+def _pairs(offsets: list[int]) -> list[tuple[int, int]]:
+    return list(zip(offsets[:-1], offsets[1:], strict=True))

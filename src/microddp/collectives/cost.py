@@ -1,0 +1,131 @@
+"""An alpha-beta-gamma cost model of each collective: predicted seconds for n bytes on p ranks.
+
+alpha is the fixed cost of one message (latency), beta the cost of moving one byte (inverse
+bandwidth), gamma the cost of reducing one byte (an add). Every algorithm is a number of
+rounds, each a message of some size: counting them is the whole model, and it says which
+algorithm to use for which size before anything is measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import MicroDDPError
+
+ALGORITHMS = ("ring_all_reduce", "tree_all_reduce", "naive_all_reduce", "ring_reduce_scatter",
+              "ring_all_gather", "tree_broadcast", "tree_reduce", "scatter", "gather")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per message (alpha), per byte sent (beta), per byte reduced (gamma)."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+
+    def _msg(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.beta
+
+    def ring_all_reduce(self, n: float, p: int) -> float:
+        """2(p-1) steps of n/p bytes, and (p-1) reductions of n/p bytes on each rank."""
+        if p <= 1:
+            return 0.0
+        return 2 * (p - 1) * self._msg(n / p) + (p - 1) * (n / p) * self.gamma
+
+    def ring_reduce_scatter(self, n: float, p: int) -> float:
+        """The first half of the ring all-reduce (n = bytes of the whole input)."""
+        return (p - 1) * (self._msg(n / p) + (n / p) * self.gamma) if p > 1 else 0.0
+
+    def ring_all_gather(self, n: float, p: int) -> float:
+        """The second half (n = bytes of the gathered result)."""
+        return (p - 1) * self._msg(n / p) if p > 1 else 0.0
+
+    def tree_all_reduce(self, n: float, p: int) -> float:
+        """log2 of the largest power of two <= p full exchanges, plus a fold and an unfold
+        when p is not a power of two."""
+        if p <= 1:
+            return 0.0
+        pof2 = 1 << (p.bit_length() - 1)
+        rounds = int(math.log2(pof2))
+        extra = 2 * self._msg(n) + n * self.gamma if pof2 != p else 0.0
+        return rounds * (self._msg(n) + n * self.gamma) + extra
+
+    def naive_all_reduce(self, n: float, p: int) -> float:
+        """The root receives p-1 tensors one by one, reduces them, sends p-1 back."""
+        return 2 * (p - 1) * self._msg(n) + (p - 1) * n * self.gamma
+
+    def tree_broadcast(self, n: float, p: int) -> float:
+        return _ceil_log2(p) * self._msg(n)
+
+    def tree_reduce(self, n: float, p: int) -> float:
+        return _ceil_log2(p) * (self._msg(n) + n * self.gamma)
+
+    def scatter(self, n: float, p: int) -> float:
+        """The root sends p-1 parts of n/p bytes (n = bytes of all parts together)."""
+        return (p - 1) * self._msg(n / p)
+
+    def gather(self, n: float, p: int) -> float:
+        return (p - 1) * self._msg(n / p)
+
+    def predict(self, algorithm: str, nbytes: float, p: int) -> float:
+        """Predicted seconds for `algorithm` (a name from ALGORITHMS) on `nbytes` and `p` ranks."""
+        if algorithm not in ALGORITHMS:
+            raise MicroDDPError(f"no cost model for {algorithm!r}; choose one of "
+                                f"{', '.join(ALGORITHMS)}")
+        if p < 1 or nbytes < 0:
+            raise MicroDDPError(f"need p >= 1 ranks and nbytes >= 0, got p={p}, nbytes={nbytes}")
+        return getattr(self, algorithm)(float(nbytes), p)
+
+
+def bytes_sent(algorithm: str, n: float, p: int) -> float:
+    """Bytes the busiest rank sends for an n-byte tensor on p ranks: the bandwidth term."""
+    if algorithm not in ALGORITHMS:
+        raise MicroDDPError(f"unknown algorithm {algorithm!r}; choose one of "
+                            f"{', '.join(ALGORITHMS)}")
+    if p <= 1:
+        return 0.0
+    pof2 = 1 << (p.bit_length() - 1)
+    return {
+        "ring_all_reduce": 2 * (p - 1) * n / p,
+        "tree_all_reduce": math.log2(pof2) * n + (n if pof2 != p else 0.0),
+        "naive_all_reduce": (p - 1) * n,
+        "ring_reduce_scatter": (p - 1) * n / p,
+        "ring_all_gather": (p - 1) * n / p,
+        "tree_broadcast": _ceil_log2(p) * n,  # the root sends to one subtree per round
+        "tree_reduce": n,
+        "scatter": (p - 1) * n / p,
+        "gather": n / p,
+    }[algorithm]
+
+
+def _ceil_log2(p: int) -> int:
+    return (p - 1).bit_length() if p > 1 else 0
+
+
+def fit_line(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of time = intercept + slope * size, minimising *relative* error.
+
+    Plain least squares would let the largest sizes decide everything and leave the
+    intercept (the latency) meaningless; weighting each point by 1/time fits small and
+    large messages alike.
+    """
+    if len(sizes) != len(times) or len(sizes) < 2 or len(set(sizes)) < 2:
+        raise MicroDDPError("fitting needs at least two different sizes, one time per size")
+    if min(times) <= 0:
+        raise MicroDDPError("fitting needs positive times")
+    # Weighted normal equations for weights w = 1/t^2.
+    sw = sx = sxx = sy = sxy = 0.0
+    for x, t in zip(sizes, times, strict=True):
+        w = 1.0 / (t * t)
+        sw += w
+        sx += w * x
+        sxx += w * x * x
+        sy += w * t
+        sxy += w * x * t
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det
+    intercept = (sy - slope * sx) / sw
+    return intercept, slope

@@ -1,0 +1,108 @@
+"""Root-does-everything algorithms: naive all-reduce, and linear scatter and gather.
+
+The first thing anyone writes: every rank sends its tensor to one root, the root combines
+and sends the result back. Correct, and the baseline to beat: the root sends and receives
+(p-1) whole tensors, so its time grows linearly with the number of ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._agree import agree
+from ._group import (
+    COMBINE,
+    Flat,
+    Peers,
+    check_tensor,
+    scratch,
+    try_list,
+    try_op,
+    try_root,
+    wait_all,
+)
+
+
+def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,
+                     check: bool = True) -> torch.Tensor:
+    """In place, every rank ends with op over all ranks' `tensor`: reduce at group rank 0,
+    then send the result to every rank. Returns `tensor`."""
+    where = "naive_all_reduce"
+    check_tensor(tensor, where)
+    peers = Peers(group)
+    if not peers.member:
+        return tensor
+    name, problem = try_op(op, tensor, where)
+    agree(peers, where, tensor.device, problem, check,
+          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+    p = peers.size
+    if p == 1:
+        return tensor
+    flat = Flat(tensor)
+    if peers.me != 0:
+        peers.send(flat.data, 0, 1)  # tag 1 on the way up, 2 on the way down
+        peers.recv(flat.data, 0, 2)
+        return flat.done()
+    incoming = scratch("naive", flat.data.numel(), flat.data.dtype, flat.data.device)
+    for src in range(1, p):  # one at a time, in rank order: the root is the bottleneck
+        peers.recv(incoming, src, 1)
+        COMBINE[name](flat.data, incoming)
+    if name == "avg":
+        flat.data.div_(p)
+    wait_all([peers.isend(flat.data, dst, 2) for dst in range(1, p)])
+    return flat.done()
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
+            group=None, *, check: bool = True) -> torch.Tensor:
+    """Group rank i receives scatter_list[i] (given on global rank `src`) into `tensor`."""
+    where = "scatter"
+    check_tensor(tensor, where)
+    peers = Peers(group)
+    if not peers.member:
+        return tensor
+    root, problem = try_root(peers, src, "src")
+    parts: list = []
+    if problem is None and peers.me == root:
+        parts, problem = try_list(scatter_list, tensor, peers.size, where, "scatter_list")
+    agree(peers, where, tensor.device, problem, check,
+          shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
+    flat = Flat(tensor)
+    if peers.me != root:
+        peers.recv(flat.data, root)
+        return flat.done()
+    # Packed copies only for parts that are not contiguous already.
+    works = [peers.isend(part.contiguous(), dst) for dst, part in enumerate(parts)
+             if dst != root]
+    tensor.copy_(parts[root])
+    wait_all(works)
+    return tensor
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+           group=None, *, check: bool = True) -> list[torch.Tensor] | None:
+    """Global rank `dst` receives every rank's `tensor`: gather_list[i] is group rank i's.
+
+    Returns gather_list on `dst`, None elsewhere.
+    """
+    where = "gather"
+    check_tensor(tensor, where)
+    peers = Peers(group)
+    if not peers.member:
+        return None
+    root, problem = try_root(peers, dst, "dst")
+    outs: list = []
+    if problem is None and peers.me == root:
+        outs, problem = try_list(gather_list, tensor, peers.size, where, "gather_list")
+    agree(peers, where, tensor.device, problem, check,
+          shape=tuple(tensor.shape), dtype=tensor.dtype, dst=dst)
+    if peers.me != root:
+        peers.send(tensor.contiguous(), root)
+        return None
+    flats = [Flat(out) for out in outs]
+    works = [peers.irecv(f.data, i) for i, f in enumerate(flats) if i != root]
+    flats[root].data.copy_(tensor.reshape(-1))
+    wait_all(works)
+    for f in flats:
+        f.done()
+    return gather_list

@@ -1,0 +1,199 @@
+"""Ring algorithms: reduce-scatter, all-gather, and all-reduce as one followed by the other.
+
+Ranks sit on a ring and only ever talk to their two neighbours. The tensor is cut into p
+chunks; in each of p-1 steps every rank passes one chunk on while receiving another, so each
+rank sends 2(p-1)/p of the tensor in total, however many ranks there are: the bandwidth cost
+does not grow with the world size, which is why data parallelism uses it for gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MicroDDPError
+from ._agree import agree
+from ._group import (
+    COMBINE,
+    Flat,
+    Peers,
+    bounds,
+    check_tensor,
+    scratch,
+    try_list,
+    try_op,
+    wait_all,
+)
+from ._pipeline import pipelined_ring_all_reduce_
+
+# Chunks larger than this travel as two segments, so that reducing one overlaps receiving the
+# other (see _pipeline.py); smaller ones go whole, with every receive posted up front. Two
+# segments, like gloo's own ring: measured on a 2-core host, more segments cost more in
+# per-message overhead than they win in overlap.
+PIPELINE_MIN_CHUNK = 256 << 10
+
+
+def reduce_scatter_flat_(peers: Peers, data: torch.Tensor, name: str,
+                         off: list[int] | None = None) -> list[int]:
+    """In place on a 1-D tensor: afterwards chunk `me` holds op over ranks of that chunk.
+
+    Returns the chunk offsets (near-equal chunks unless `off` is given). At step s a rank
+    sends chunk me-s-1 (its running partial) and folds the incoming partial into chunk
+    me-s-2; after p-1 steps chunk me is complete.
+    """
+    p, r = peers.size, peers.me
+    off = bounds(data.numel(), p) if off is None else off
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    combine = COMBINE[name]
+    incoming = scratch("ring-incoming", max(off[i + 1] - off[i] for i in range(p)), data.dtype,
+                       data.device)  # one buffer for all steps
+    for s in range(p - 1):
+        si, ri = (r - s - 1) % p, (r - s - 2) % p
+        part = incoming[: off[ri + 1] - off[ri]]
+        wait_all(peers.exchange(data[off[si]:off[si + 1]], nxt, part, prv, 1 + s))
+        if part.numel():
+            combine(data[off[ri]:off[ri + 1]], part)
+    return off
+
+
+def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
+    """In place: rank me owns chunk me of `data`; afterwards every rank holds every chunk."""
+    p, r = peers.size, peers.me
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    for s in range(p - 1):
+        si, ri = (r - s) % p, (r - s - 1) % p
+        # Received chunks land straight in their place: no copies in the gather phase.
+        wait_all(peers.exchange(data[off[si]:off[si + 1]], nxt, data[off[ri]:off[ri + 1]], prv,
+                                p + s))
+
+
+def preposted_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str) -> None:
+    """The ring for small chunks (one message per step), with all 2(p-1) receives posted
+    before the first send.
+
+    gloo holds a send back until the receiver has announced its buffer; announcing every
+    buffer up front takes that round trip out of each step, which is most of a small
+    message's cost.
+    """
+    p, r = peers.size, peers.me
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    off = bounds(data.numel(), p)
+    width = max(off[i + 1] - off[i] for i in range(p))
+    steps = 2 * (p - 1)
+    inbox = scratch("ring-inbox", steps * width, data.dtype, data.device).view(steps, width)
+
+    # Numbering the gather steps on after the reduce-scatter ones, step s always sends chunk
+    # r-s-1 and receives chunk r-s-2 (mod p), in both phases.
+    def recv_chunk(s: int) -> int:
+        return (r - s - 2) % p
+
+    def send_chunk(s: int) -> int:
+        return (r - s - 1) % p
+
+    def size(c: int) -> int:
+        return off[c + 1] - off[c]
+
+    recvs = [peers.irecv(inbox[s, : size(recv_chunk(s))], prv, 1 + s) if size(recv_chunk(s))
+             else None for s in range(steps)]
+    sends = []
+    for s in range(steps):
+        if s == p - 1:  # the gather phase overwrites chunks sent earlier: let those sends finish
+            wait_all(sends)
+            sends = []
+        c = send_chunk(s)
+        if size(c):
+            sends.append(peers.isend(data[off[c]:off[c + 1]], nxt, 1 + s))
+        c = recv_chunk(s)
+        if recvs[s] is None:
+            continue
+        recvs[s].wait()
+        if s < p - 1:
+            COMBINE[name](data[off[c]:off[c + 1]], inbox[s, : size(c)])
+            if s == p - 2 and name == "avg":
+                data[off[c]:off[c + 1]].div_(p)
+        else:
+            data[off[c]:off[c + 1]].copy_(inbox[s, : size(c)])
+    wait_all(sends)
+
+
+def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check: bool = True,
+                    segment_bytes: int | None = None) -> torch.Tensor:
+    """In place, every rank ends with op over all ranks' `tensor`; returns `tensor`.
+
+    `check=False` skips the metadata agreement (one small exchange per round of log2 p) when
+    the caller already knows every rank passes the same shape, dtype and op.
+    `segment_bytes` sets the pipeline's segment size (default: two segments per chunk for
+    chunks above 256 KiB, one otherwise).
+    """
+    where = "ring_all_reduce"
+    check_tensor(tensor, where)
+    peers = Peers(group)
+    if not peers.member:
+        return tensor
+    name, problem = try_op(op, tensor, where)
+    agree(peers, where, tensor.device, problem, check,
+          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+    if peers.size == 1:
+        return tensor
+    flat = Flat(tensor)
+    chunk_bytes = -(-flat.data.numel() // peers.size) * flat.data.element_size()
+    if segment_bytes is None:
+        segment_bytes = -(-chunk_bytes // 2) if chunk_bytes > PIPELINE_MIN_CHUNK else chunk_bytes
+    if segment_bytes < 1:
+        raise MicroDDPError(f"segment_bytes must be positive, got {segment_bytes}")
+    if not peers.nccl:
+        if chunk_bytes > segment_bytes:
+            pipelined_ring_all_reduce_(peers, flat.data, name, segment_bytes)
+        else:
+            preposted_ring_all_reduce_(peers, flat.data, name)
+        return flat.done()
+    # NCCL: one batched exchange per step keeps unmatched pairs from blocking its streams.
+    off = reduce_scatter_flat_(peers, flat.data, name)
+    if name == "avg":  # divide only the chunk this rank owns: 1/p of the work
+        flat.data[off[peers.me]:off[peers.me + 1]].div_(peers.size)
+    all_gather_flat_(peers, flat.data, off)
+    return flat.done()
+
+
+def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: str = "sum",
+                        group=None, *, check: bool = True) -> torch.Tensor:
+    """Group rank i ends with op over ranks of input_list[i] in `output` (inputs untouched)."""
+    where = "ring_reduce_scatter"
+    check_tensor(output, where, "output")
+    peers = Peers(group)
+    if not peers.member:
+        return output
+    name, problem = try_op(op, output, where)
+    inputs, problem2 = try_list(input_list, output, peers.size, where, "input_list")
+    agree(peers, where, output.device, problem or problem2, check,
+          shape=tuple(output.shape), dtype=output.dtype, op=name)
+    # One packed working copy: the ring reduces in place, the caller's inputs stay as they were.
+    data = torch.cat([t.reshape(-1) for t in inputs])
+    n = output.numel()
+    if peers.size > 1:
+        reduce_scatter_flat_(peers, data, name, [i * n for i in range(peers.size + 1)])
+    mine = data[peers.me * n:(peers.me + 1) * n]
+    if name == "avg" and peers.size > 1:
+        mine.div_(peers.size)
+    output.copy_(mine.view(output.shape))
+    return output
+
+
+def ring_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, *,
+                    check: bool = True) -> list[torch.Tensor]:
+    """tensor_list[i] becomes group rank i's `tensor`, on every rank; returns tensor_list."""
+    where = "ring_all_gather"
+    check_tensor(tensor, where)
+    peers = Peers(group)
+    if not peers.member:
+        return tensor_list
+    outs, problem = try_list(tensor_list, tensor, peers.size, where, "tensor_list")
+    agree(peers, where, tensor.device, problem, check,
+          shape=tuple(tensor.shape), dtype=tensor.dtype)
+    n = tensor.numel()
+    data = torch.empty(n * peers.size, dtype=tensor.dtype, device=tensor.device)
+    data[peers.me * n:(peers.me + 1) * n].copy_(tensor.reshape(-1))
+    if peers.size > 1:
+        all_gather_flat_(peers, data, [i * n for i in range(peers.size + 1)])
+    for i, out in enumerate(outs):
+        out.copy_(data[i * n:(i + 1) * n].view(out.shape))
+    return tensor_list

@@ -1,0 +1,117 @@
+"""microddp.collectives against torch.distributed: every algorithm, world sizes 1 to 8,
+shapes, dtypes and ops drawn by hypothesis, the default group and sub-groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import microddp
+from microddp import collectives as C
+from test_collectives_cases import DTYPES, TORCH_OPS, run_cases
+
+CASE = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**20),
+    "shape": st.lists(st.integers(0, 9), max_size=3).map(tuple),
+    "dtype": st.sampled_from(sorted(DTYPES)),
+    "op": st.sampled_from(sorted(TORCH_OPS)),
+    "root": st.integers(0, 7),
+    "segment": st.sampled_from([8, 64, 1 << 20]),  # tiny segments: many pipelined messages
+})
+
+
+def _failures(world_size: int, cases: list[dict], group_ranks=None) -> list[str]:
+    out = microddp.spawn(run_cases, world_size, (cases, group_ranks), timeout=120)
+    return [f"[rank {r}] {f}" for r, fails in enumerate(out) for f in fails]
+
+
+# One spawn runs a whole batch of drawn cases: starting ranks costs far more than a case.
+@pytest.mark.parametrize("world_size", range(1, 9))
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases=st.lists(CASE, min_size=6, max_size=6))
+def test_every_algorithm_matches_torch(world_size, cases):
+    assert _failures(world_size, cases) == []
+
+
+def test_edge_sizes_match_torch():
+    """numel below the world size, zero, one, 0-d, odd sizes across several segments, and the
+    default segment policy on a tensor large enough to be pipelined."""
+    cases = [
+        {"seed": 1, "shape": (2,), "dtype": "float32", "op": "sum", "root": 0, "segment": 8},
+        {"seed": 2, "shape": (0,), "dtype": "int64", "op": "max", "root": 1, "segment": 8},
+        {"seed": 3, "shape": (), "dtype": "float64", "op": "product", "root": 4, "segment": 8},
+        {"seed": 4, "shape": (1,), "dtype": "bfloat16", "op": "min", "root": 2, "segment": 8},
+        {"seed": 5, "shape": (1001, 7), "dtype": "float32", "op": "avg", "root": 3,
+         "segment": 4096},
+        {"seed": 6, "shape": (10007,), "dtype": "int64", "op": "sum", "root": 0,
+         "segment": 8192},
+        # the default policy: chunks of 320 KB go as two pipelined segments
+        {"seed": 7, "shape": (400_003,), "dtype": "float32", "op": "sum", "root": 1,
+         "segment": None},
+    ]
+    assert _failures(5, cases) == []
+
+
+@pytest.mark.parametrize("group_ranks", [[1, 2, 3], [0, 3]])
+def test_sub_groups_match_torch(group_ranks):
+    cases = [
+        {"seed": 7, "shape": (5, 3), "dtype": "float32", "op": "sum", "root": 1, "segment": 16},
+        {"seed": 8, "shape": (2,), "dtype": "int64", "op": "product", "root": 2, "segment": 8},
+        {"seed": 9, "shape": (17,), "dtype": "bfloat16", "op": "max", "root": 0, "segment": 8},
+    ]
+    assert _failures(4, cases, group_ranks) == []
+
+
+def _non_member(world) -> list[bool]:
+    """Ranks outside a group leave their tensors alone, as torch does."""
+    group = dist.new_group([0, 1])
+    x = torch.full((4,), float(world.rank))
+    C.ring_all_reduce(x, group=group)
+    C.tree_all_reduce(x, group=group)
+    C.naive_all_reduce(x, group=group)
+    C.tree_broadcast(x, 1, group)
+    return x.tolist()
+
+
+def test_non_members_are_untouched():
+    out = microddp.spawn(_non_member, 3, timeout=60)
+    # members: 0+1 = 1, doubled by the tree and by naive, then broadcast; rank 2 keeps its 2
+    assert out == [[4.0] * 4, [4.0] * 4, [2.0] * 4]
+
+
+def _strided(world) -> list[list[float]]:
+    """A transposed matrix (not contiguous) is reduced in place like a contiguous one."""
+    base = torch.arange(12, dtype=torch.float64).reshape(3, 4) * (world.rank + 1)
+    results = []
+    for fn in (C.ring_all_reduce, C.tree_all_reduce, C.naive_all_reduce):
+        x = base.clone().t()
+        assert not x.is_contiguous()
+        out = fn(x, "sum", segment_bytes=16) if fn is C.ring_all_reduce else fn(x, "sum")
+        assert out is x
+        ref = base.clone().t().contiguous()
+        dist.all_reduce(ref)
+        results.append(torch.equal(x, ref))
+    y = (torch.arange(12.0).reshape(3, 4) + world.rank).t()
+    C.tree_broadcast(y, src=1)
+    results.append(torch.equal(y, (torch.arange(12.0).reshape(3, 4) + 1).t()))
+    return results
+
+
+def test_non_contiguous_tensors_are_handled():
+    assert microddp.spawn(_strided, 3, timeout=60) == [[True] * 4] * 3
+
+
+def test_single_process_world_is_identity():
+    """No process group at all: every algorithm returns the rank's own data."""
+    x = torch.arange(6.0)
+    assert torch.equal(C.ring_all_reduce(x.clone(), "avg"), x)
+    assert torch.equal(C.tree_reduce(x.clone(), 0, "max"), x)
+    out = [torch.empty(6)]
+    C.ring_all_gather(out, x)
+    assert torch.equal(out[0], x)
+    rs = torch.empty(6)
+    C.ring_reduce_scatter(rs, [x], "sum")
+    assert torch.equal(rs, x)

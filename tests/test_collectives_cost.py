@@ -1,0 +1,107 @@
+"""The alpha-beta-gamma cost model and its fit: exact formulas, exact recovery of known
+parameters, and agreement with the bytes the algorithms really send."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import microddp
+from microddp import MicroDDPError
+from microddp import collectives as C
+from microddp.bench.allreduce import parse_size, repeats_for
+from microddp.collectives.cost import ALGORITHMS, CostModel, bytes_sent, fit_line
+
+M = CostModel(alpha=1e-5, beta=1e-9, gamma=2e-10)
+
+
+def test_ring_formula():
+    n, p = 8 << 20, 4
+    expected = 2 * 3 * (1e-5 + (n / 4) * 1e-9) + 3 * (n / 4) * 2e-10
+    assert M.ring_all_reduce(n, p) == pytest.approx(expected, rel=1e-12)
+    # the two halves add up to the whole
+    assert M.ring_reduce_scatter(n, p) + M.ring_all_gather(n, p) == pytest.approx(
+        M.ring_all_reduce(n, p), rel=1e-12)
+
+
+def test_ring_bandwidth_term_is_bounded_in_p():
+    """With no latency, the ring's time approaches 2n*beta + n*gamma from below as p grows;
+    the naive one grows linearly in p."""
+    bw = CostModel(alpha=0.0, beta=1e-9, gamma=0.0)
+    n = 1 << 30
+    ring = [bw.ring_all_reduce(n, p) for p in (2, 4, 8, 64, 1024)]
+    assert ring == sorted(ring) and ring[-1] < 2 * n * 1e-9
+    assert bw.naive_all_reduce(n, 1024) == pytest.approx(2 * 1023 * n * 1e-9)
+
+
+def test_tree_formula_power_of_two_and_not():
+    n = 1000
+    one_round = 1e-5 + n * 1e-9 + n * 2e-10
+    assert M.tree_all_reduce(n, 8) == pytest.approx(3 * one_round)
+    # 6 ranks: fold 2 into their partners, 2 rounds among 4, unfold
+    fold = 2 * (1e-5 + n * 1e-9) + n * 2e-10
+    assert M.tree_all_reduce(n, 6) == pytest.approx(2 * one_round + fold)
+    assert M.tree_broadcast(n, 5) == pytest.approx(3 * (1e-5 + n * 1e-9))
+
+
+def test_single_rank_costs_nothing():
+    for a in ("ring_all_reduce", "tree_all_reduce", "naive_all_reduce"):
+        assert M.predict(a, 1 << 20, 1) == 0.0
+
+
+def test_crossover_small_tree_large_ring():
+    assert M.predict("tree_all_reduce", 1 << 10, 16) < M.predict("ring_all_reduce", 1 << 10, 16)
+    assert M.predict("ring_all_reduce", 1 << 28, 16) < M.predict("tree_all_reduce", 1 << 28, 16)
+
+
+def test_fit_recovers_known_parameters_exactly():
+    sizes = [1 << k for k in range(10, 27, 2)]
+    times = [3e-5 + s * 7e-10 for s in sizes]
+    alpha, beta = fit_line(sizes, times)
+    assert alpha == pytest.approx(3e-5, rel=1e-9)
+    assert beta == pytest.approx(7e-10, rel=1e-9)
+
+
+def test_fit_rejects_unusable_data():
+    with pytest.raises(MicroDDPError, match="two different sizes"):
+        fit_line([1024, 1024], [1.0, 2.0])
+    with pytest.raises(MicroDDPError, match="positive"):
+        fit_line([1, 2], [0.0, 1.0])
+    with pytest.raises(MicroDDPError, match="no cost model"):
+        M.predict("bogus", 1, 2)
+
+
+def _sent(world, nbytes: int) -> dict:
+    x = torch.ones(nbytes // 4)
+    out = {}
+    for name, fn in (("ring_all_reduce", C.ring_all_reduce),
+                     ("tree_all_reduce", C.tree_all_reduce),
+                     ("naive_all_reduce", C.naive_all_reduce)):
+        with C.traffic() as t:
+            fn(x.clone(), check=False)
+        out[name] = t.bytes
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+def test_model_counts_the_bytes_the_algorithms_send(p):
+    nbytes = 4 * 3000  # divisible by every p here, so the ring's chunks are exact
+    per_rank = microddp.spawn(_sent, p, (nbytes,), timeout=90)
+    for a in ("ring_all_reduce", "tree_all_reduce", "naive_all_reduce"):
+        busiest = max(r[a] for r in per_rank)
+        assert busiest == pytest.approx(bytes_sent(a, nbytes, p), rel=1e-12), a
+    assert set(ALGORITHMS) >= {"ring_all_reduce", "tree_all_reduce", "naive_all_reduce"}
+    assert math.isclose(per_rank[0]["ring_all_reduce"], 2 * (p - 1) / p * nbytes)
+
+
+def test_bench_size_parsing_and_repeats():
+    assert [parse_size(s) for s in ("4096", "64K", "1M", "2MiB")] == [4096, 65536, 1 << 20,
+                                                                      2 << 20]
+    for bad in ("", "x", "-1K", "0"):
+        with pytest.raises(MicroDDPError, match="positive number of bytes"):
+            parse_size(bad)
+    assert repeats_for(1 << 10, 30, 9) == 30
+    assert repeats_for(4 << 20, 30, 9) == 9
+    assert repeats_for(2 << 20, 30, 5) == 15

@@ -1,0 +1,88 @@
+"""Course chapters 2-4 run as a learner runs them (`python course/...`), and print the right
+numbers."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script: str, timeout: float = 150) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "course" / script)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_ping_pong():
+    out = run("02_point_to_point/ping_pong.py")
+    for i in (1, 2, 3):
+        assert f"round {i}: rank 0 got back [{i}.0, {i}.0, {i}.0, {i}.0]" in out
+    assert "after 203 round trips rank 0 holds [203.0, 203.0, 203.0, 203.0]" in out
+    assert re.search(r"one-way latency of a 16-byte message: about \d+ us", out)
+
+
+def test_nonblocking_ring_shift():
+    out = run("02_point_to_point/nonblocking.py").splitlines()
+    assert len(out) == 4
+    for me, line in enumerate(out):
+        left = (me - 1) % 4
+        assert line.startswith(f"rank {me}: sent [{me * 10}.0, {me * 10}.0, {me * 10}.0] to "
+                               f"rank {(me + 1) % 4}, received [{left * 10}.0, {left * 10}.0, "
+                               f"{left * 10}.0] from rank {left}")
+
+
+def test_deadlock_is_detected_and_both_fixes_work():
+    out = run("02_point_to_point/deadlock.py")
+    stuck = re.findall(r"rank (\d): stuck in send, (its send timed out|its peer gave up first) "
+                       r"after (\d+) s", out)
+    assert sorted(r for r, _, _ in stuck) == ["0", "1"]
+    assert any(how == "its send timed out" for _, how, _ in stuck)  # the timeout fired
+    assert all(int(s) >= 2 for _, how, s in stuck if how == "its send timed out")
+    assert "deadlock detected" in out
+    assert "fix, even/odd ordering: rank 0 received 1, rank 1 received 0" in out
+    assert "fix, isend + recv: rank 0 received 1, rank 1 received 0" in out
+
+
+def test_cheatsheet_every_collective_matches_torch():
+    out = run("03_collectives/collective_cheatsheet.py")
+    headers = re.findall(r"^(.+?): .*\(same as torch.distributed: (\w+)\)$", out, re.M)
+    assert [h for h, _ in headers] == ["broadcast(src=0)", "reduce(dst=0, sum)",
+                                       "all_reduce(sum)", "all_gather", "reduce_scatter(sum)",
+                                       "scatter(src=0)", "gather(dst=0)"]
+    assert [same for _, same in headers] == ["yes"] * 7
+    rows = {tuple(line.split()[:1] + line.split()[-1:]) for line in out.splitlines()}
+    # all_reduce of [1,2],[3,4],[5,6],[7,8]; reduce_scatter of chunks 10*i + rank
+    assert ("0", "[16,20]") in rows and ("3", "[16,20]") in rows
+    for rank, value in enumerate((6, 46, 86, 126)):
+        assert (str(rank), f"[{value},{value}]") in rows
+    assert ("2", "[200,201]") in rows  # scatter: rank 2 got item 2 of rank 0's list
+    assert out.count("[[1,2],[3,4],[5,6],[7,8]]") == 5  # all_gather x4, gather on rank 0
+
+
+def test_compare_algorithms_counts_match_the_model():
+    out = run("04_allreduce_algorithms/compare_algorithms.py")
+    rows = re.findall(r"^\s+(\d+)\s+(naive|ring|tree)\s+([\d.]+) n\s+([\d.]+) n\s+(\d+)\s+(\w+)$",
+                      out, re.M)
+    assert len(rows) == 9
+    for p, name, busiest, quietest, messages, ok in rows:
+        p, busiest, quietest, messages = int(p), float(busiest), float(quietest), int(messages)
+        assert ok == "yes"
+        expect = {"naive": (p - 1, 1.0, p - 1), "ring": (2 * (p - 1) / p, 2 * (p - 1) / p,
+                                                          2 * (p - 1)),
+                  "tree": (math_log2(p), math_log2(p), math_log2(p))}[name]
+        assert busiest == pytest.approx(expect[0], abs=0.005)
+        assert quietest == pytest.approx(expect[1], abs=0.005)
+        assert messages == expect[2]
+    fastest = re.findall(r"^\s+(\d+)\s+[\d.ms ]+\s+(naive|ring|tree)$", out, re.M)
+    assert [f for _, f in fastest] == ["tree"] * 5 + ["ring"] * 5
+
+
+def math_log2(p: int) -> int:
+    return p.bit_length() - 1
