@@ -16,7 +16,8 @@ HW = predict.Hardware(flops=1e12, bandwidth=1e9, latency=1e-5)
 def test_allreduce_formulas_by_hand():
     n = 1e6
     assert predict.allreduce_time(n, 4, HW, "ring") == pytest.approx(6 * (1e-5 + 2.5e5 / 1e9))
-    assert predict.allreduce_time(n, 5, HW, "tree") == pytest.approx(2 * 3 * (1e-5 + 1e-3))
+    # recursive doubling on 5 ranks: 2 full exchanges among 4, plus a fold in and a fold out
+    assert predict.allreduce_time(n, 5, HW, "tree") == pytest.approx((2 + 2) * (1e-5 + 1e-3))
     assert predict.allreduce_time(n, 4, HW, "naive") == pytest.approx(6 * (1e-5 + 1e-3))
     assert predict.allreduce_time(n, 1, HW, "ring") == 0.0
     with pytest.raises(predict.MicroDDPError, match="unknown algorithm 'star'"):

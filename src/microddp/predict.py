@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .collectives.cost import CostModel
 from .errors import MicroDDPError
 
 EPILOG = """\
@@ -88,17 +89,13 @@ def fullmlp(dim: int, depth: int, n_classes: int = 2) -> Model:
 
 
 def allreduce_time(nbytes: float, world: int, hw: Hardware, algorithm: str = "ring") -> float:
-    """Seconds to all-reduce nbytes over `world` ranks with the chosen algorithm."""
-    if world <= 1:
-        return 0.0
-    a, b = hw.latency, 1.0 / hw.bandwidth
-    if algorithm == "ring":  # reduce-scatter + all-gather: 2(N-1) steps of n/N bytes
-        return 2 * (world - 1) * (a + nbytes / world * b)
-    if algorithm == "tree":  # reduce up a binary tree, broadcast down, whole message per hop
-        return 2 * math.ceil(math.log2(world)) * (a + nbytes * b)
-    if algorithm == "naive":  # everyone to rank 0, rank 0 to everyone, one at a time
-        return 2 * (world - 1) * (a + nbytes * b)
-    raise MicroDDPError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    """Seconds to all-reduce nbytes over `world` ranks: the collectives' own cost model, so
+    the prediction describes the algorithms microddp actually runs."""
+    if algorithm not in ALGORITHMS:
+        raise MicroDDPError(f"unknown algorithm {algorithm!r}; choose one of "
+                            f"{', '.join(ALGORITHMS)}")
+    model = CostModel(alpha=hw.latency, beta=1.0 / hw.bandwidth)
+    return model.predict(f"{algorithm}_all_reduce", nbytes, world)
 
 
 def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str = "ring",

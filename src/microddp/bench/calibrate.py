@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comms
+from ..collectives.cost import fit_line
 from ..model import FullMLP
 from ..predict import Hardware, fullmlp, predict, save_calibration
 from ..spawn import spawn
@@ -79,13 +80,10 @@ def _allreduce_times(world: World, sizes: list[int], repeats: int) -> list[float
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[float, float]:
-    """Least squares t = a + b n, read as a ring: a = 2(N-1) alpha, b = 2(N-1)/N / beta."""
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(times) / n
-    b = sum((s - mx) * (t - my) for s, t in zip(sizes, times, strict=True)) / sum(
-        (s - mx) ** 2 for s in sizes)
-    a = max(my - b * mx, 1e-7)
-    return a / (2 * (world - 1)), 2 * (world - 1) / world / max(b, 1e-15)
+    """Fit t = a + b n to ring all-reduce times, read as a ring: a = 2(N-1) alpha and
+    b = 2(N-1)/N / bandwidth. Returns (alpha seconds, bandwidth bytes/s)."""
+    a, b = fit_line(sizes, times)
+    return max(a, 1e-7) / (2 * (world - 1)), 2 * (world - 1) / world / max(b, 1e-15)
 
 
 def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float]:
