@@ -1,0 +1,108 @@
+"""microddp DDP vs PyTorch DDP vs the naive stage: training step time, side by side.
+
+Every contender trains its own copy of the same FullMLP on the same batches, on the same ranks;
+their steps are interleaved (round-robin, who goes first rotating, a barrier before each) so
+machine noise hits all alike. Reports the median step time (the slowest rank's, per step) and microddp / PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import MicroDDPError
+from .timing import interleaved, median
+
+EPILOG = """\
+examples:
+  microddp bench ddp                              # dims 128 512 1024, depth 16, 2 ranks
+  microddp bench ddp --dims 1024 --repeats 50     # one size, more repetitions
+  microddp bench ddp --engines microddp torch overlap --bucket-cap-mb 4
+"""
+
+DEFAULT_ENGINES = ("microddp", "torch", "naive")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dims", type=int, nargs="+", default=[128, 512, 1024],
+                   help="FullMLP widths to measure (default: 128 512 1024)")
+    p.add_argument("--depth", type=int, default=16, help="Linear+ReLU layers (default: 16)")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step (default: 64)")
+    p.add_argument("-n", "--world-size", type=int, default=2, help="ranks (default: 2)")
+    p.add_argument("--repeats", type=int, default=30, help="timed steps per contender (default: 30)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
+    p.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES),
+                   help="contenders: microddp torch naive hooks buckets overlap")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket size for every contender (default: each one's default, 25 MiB)")
+
+
+def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None, rank: int):
+    from ..dp import wrap
+    from ..model import FullMLP
+
+    torch.manual_seed(0)
+    kwargs = {} if cap is None else {"bucket_cap_mb": cap}
+    model = wrap(FullMLP(dim, depth), engine, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(batch, dim, generator=g)
+    y = torch.randint(0, 2, (batch,), generator=g)
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
+    results = {}
+    for dim in dims:
+        contenders = {e: _contender(e, dim, depth, batch, cap, world.rank) for e in engines}
+        interleaved(contenders, 0, warmup, sync=dist.barrier)
+        # Rotate who goes first each round: a step runs a little differently right after
+        # another contender's step (caches, the network), and no one should always pay that.
+        times: dict[str, list[float]] = {e: [] for e in engines}
+        for r in range(repeats):
+            order = engines[r % len(engines):] + engines[:r % len(engines)]
+            for e, t in interleaved({e: contenders[e] for e in order}, 1, 0,
+                                    sync=dist.barrier).items():
+                times[e] += t
+        # A step is as slow as its slowest rank: take the maximum over ranks, step by step.
+        table = torch.tensor([times[e] for e in engines], dtype=torch.float64)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        results[dim] = {e: table[k].tolist() for k, e in enumerate(engines)}
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..dp import ENGINES
+    from ..spawn import spawn
+
+    bad = [e for e in args.engines if e not in ENGINES]
+    if bad:
+        raise MicroDDPError(f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINES)}")
+    if args.world_size < 2:
+        raise MicroDDPError("the DDP benchmark needs at least 2 ranks (-n 2)")
+    if args.repeats < 1 or args.warmup < 0 or args.batch < 1:
+        raise MicroDDPError("--repeats and --batch must be positive, --warmup at least 0")
+    results = spawn(_measure, args.world_size, args=(
+        args.dims, args.depth, args.batch, args.engines, args.repeats, args.warmup,
+        args.bucket_cap_mb), timeout=3600)[0]
+    print(f"FullMLP depth {args.depth}, batch {args.batch}/rank, {args.world_size} ranks, gloo; "
+          f"median of {args.repeats} interleaved steps (slowest rank), ms")
+    head = "".join(f"{e:>10}" for e in args.engines)
+    has_ratio = "microddp" in args.engines and "torch" in args.engines
+    print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}" if has_ratio else ""))
+    for dim, times in results.items():
+        row = "".join(f"{median(times[e]) * 1e3:>10.2f}" for e in args.engines)
+        ratio = ""
+        if has_ratio:
+            ratio = f"{median(times['microddp']) / median(times['torch']):>15.3f}x"
+        print(f"{dim:>6}{row}{ratio}")
+    return 0

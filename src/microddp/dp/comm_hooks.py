@@ -1,0 +1,127 @@
+"""Communication hooks: how a full bucket of gradients becomes its average over ranks.
+
+A hook is `hook(state, bucket) -> torch.futures.Future[Tensor]`, PyTorch's contract: `bucket`
+is a GradBucket (`buffer()`, `index()`, `is_last()`, `parameters()`, `gradients()`), the
+future's value is the averaged flat tensor. Register one with `ddp.register_comm_hook(state,
+hook)`; `state` is what the hook needs (here: the process group, or None for the default one).
+PyTorch's own hooks (torch.distributed.algorithms.ddp_comm_hooks) work too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..comms import get_world
+from .buckets import Bucket, bucket_view
+
+Future = torch.futures.Future
+CommHook = Callable[[object, "GradBucket"], Future]
+
+
+class GradBucket:
+    """What a communication hook sees of one bucket (the same methods as torch's GradBucket)."""
+
+    def __init__(self, bucket: Bucket, count: int) -> None:
+        self._bucket, self._count = bucket, count
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat tensor holding every gradient of the bucket, back to back."""
+        return self._bucket.flat
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._bucket.flat.copy_(tensor)
+
+    def is_last(self) -> bool:
+        """True for the bucket reduced last in the backward pass."""
+        return self._bucket.index == self._count - 1
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [bucket_view(self._bucket.flat, p, o)
+                for p, o in zip(self._bucket.params, self._bucket.offsets, strict=True)]
+
+    def offsets(self) -> list[int]:
+        return list(self._bucket.offsets)
+
+    def lengths(self) -> list[int]:
+        return list(self._bucket.lengths)
+
+
+def done(value) -> Future:
+    """A future that has already finished with `value`."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _group_size(group) -> int:
+    if not (get_world().distributed and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def sum_future(tensor: torch.Tensor, group=None) -> Future:
+    """Start an all-reduce (sum) of `tensor` in place; the future's value is the tensor."""
+    if _group_size(group) == 1 or not dist.is_initialized():
+        return done(tensor)
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
+class Summing:
+    """An all-reduce (sum) in flight that, unlike a chained Future, runs no Python when it
+    completes: the default path of the reducer, where every bucket counts."""
+
+    def __init__(self, tensor: torch.Tensor, group=None) -> None:
+        self.tensor = tensor
+        self.work = None
+        if _group_size(group) > 1:
+            self.work = dist.all_reduce(tensor, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.tensor
+
+    def add_done_callback(self, fn: Callable) -> None:
+        if self.work is None:
+            fn(done(self.tensor))
+        else:
+            self.work.get_future().add_done_callback(fn)
+
+
+def allreduce(state, bucket: GradBucket) -> Future:
+    """Average the bucket: divide by the number of ranks, then sum over ranks (what DDP does)."""
+    flat = bucket.buffer()
+    flat.div_(_group_size(state))
+    return sum_future(flat, state)
+
+
+def _compressed(dtype: torch.dtype) -> CommHook:
+    def hook(state, bucket: GradBucket) -> Future:
+        flat = bucket.buffer()
+        small = flat.to(dtype).div_(_group_size(state))  # divide first: no overflow in the sum
+
+        def restore(fut: Future) -> torch.Tensor:
+            return flat.copy_(fut.value())
+
+        return sum_future(small, state).then(restore)
+
+    return hook
+
+
+fp16_compress = _compressed(torch.float16)
+fp16_compress.__doc__ = "Send gradients as float16 (half the bytes), averaged, then cast back."
+bf16_compress = _compressed(torch.bfloat16)
+bf16_compress.__doc__ = ("Send gradients as bfloat16 (half the bytes, float32's range), "
+                         "averaged, then cast back.")
+
+BUILTIN = {"allreduce": allreduce, "fp16_compress": fp16_compress, "bf16_compress": bf16_compress}

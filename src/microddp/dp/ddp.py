@@ -1,0 +1,162 @@
+"""`microddp.DistributedDataParallel`: a drop-in replacement for PyTorch's, built from scratch.
+
+    model = microddp.DDP(FullMLP(128))     # instead of torch.nn.parallel.DistributedDataParallel
+    loss_fn(model(x), y).backward()         # gradients are averaged over ranks when this returns
+
+Construction checks that every rank built the same model (names, shapes, dtypes) and copies
+rank 0's parameters and buffers everywhere. Each forward broadcasts buffers (BatchNorm running
+statistics) from rank 0; each backward runs the overlapped, bucketed Reducer (reducer.py).
+Same constructor names, defaults and results as PyTorch's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..errors import MicroDDPError
+from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
+from .comm_hooks import BUILTIN, CommHook
+from .join import Join
+from .reducer import Reducer
+from .sync import broadcast_coalesced, global_rank, sync_module_states, verify_same_model
+from .unused import output_tensors
+
+
+class DistributedDataParallel(nn.Module):
+    """Replicate `module` on every rank and average its gradients during backward."""
+
+    def __init__(self, module: nn.Module, device_ids: list | None = None, output_device=None,
+                 dim: int = 0, broadcast_buffers: bool = True, init_sync: bool = True,
+                 process_group=None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise MicroDDPError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.device_ids = _device_ids(module, device_ids)
+        self.output_device, self.dim = output_device, dim
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.process_group = process_group
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True  # buffers are synced after a syncing forward
+        self._join: Join | None = None
+        self._has_buffers = any(True for _ in module.buffers())
+        names, params = _reducer_params(module)
+        if not params:
+            raise MicroDDPError("the module has no parameter that requires a gradient, so there "
+                                "is nothing to average; wrap a trainable module")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise MicroDDPError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+        cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MiB)
+        first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+        verify_same_model(module, process_group)
+        if init_sync:
+            sync_module_states(module, self._src(), process_group, buffers=self.broadcast_buffers)
+        with torch.enable_grad():
+            self.reducer = Reducer(params, names, process_group, cap, first,
+                                   find_unused_parameters, gradient_as_bucket_view, static_graph)
+
+    def _src(self, group_rank: int = 0) -> int:
+        return global_rank(self.process_group, group_rank)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def forward(self, *inputs, **kwargs):
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        src = self._src()
+        if self._join is not None:  # tell ranks that ran out of data what to shadow
+            src = self._join.notify(grad_sync)
+        if torch.is_grad_enabled():
+            self.reducer.rebuild_buckets()
+        if self._will_sync_buffers():
+            broadcast_coalesced(list(self.module.buffers()), src, self.process_group)
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = grad_sync
+        if grad_sync:
+            self.reducer.prepare_for_backward(list(output_tensors(output)))
+        else:
+            self.reducer.skip_backward()
+        return output
+
+    def _will_sync_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block averages them all.
+
+        Put the forward inside the block too: whether a backward syncs is decided at forward.
+        """
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs: a rank that runs out of batches keeps answering
+        the others' collectives (with zero gradients) until every rank is done."""
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def register_comm_hook(self, state: object, hook: CommHook | str) -> None:
+        """Replace how a bucket is averaged: `hook(state, bucket)` returns a Future of the
+        averaged flat tensor (PyTorch's contract; its built-in hooks work here too)."""
+        if isinstance(hook, str):
+            if hook not in BUILTIN:
+                raise MicroDDPError(f"unknown built-in hook {hook!r}; choose one of "
+                                    f"{', '.join(BUILTIN)}")
+            hook = BUILTIN[hook]
+        if not callable(hook):
+            raise MicroDDPError(f"a comm hook must be callable as hook(state, bucket), got {hook!r}")
+        if self.reducer.comm_hook is not None:
+            raise MicroDDPError("register_comm_hook can be called only once per model")
+        self.reducer.comm_hook, self.reducer.comm_state = hook, state
+
+
+def _reducer_params(module: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+    """Trainable parameters in module order, each once even if tied (shared) between layers."""
+    names, params, seen = [], [], set()
+    for mod_name, mod in module.named_modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and p not in seen:
+                seen.add(p)
+                names.append(f"{mod_name}.{name}" if mod_name else name)
+                params.append(p)
+    return names, params
+
+
+def _device_ids(module: nn.Module, device_ids) -> list[torch.device] | None:
+    devices = {p.device for p in module.parameters()}
+    if device_ids is None:
+        return None
+    if any(d.type == "cpu" for d in devices):
+        raise MicroDDPError("device_ids must be None for a module on the CPU; "
+                            "move the module to its GPU first, or drop device_ids")
+    if len(device_ids) != 1 or len(devices) > 1:
+        raise MicroDDPError(f"device_ids={device_ids!r}: one process drives exactly one device; "
+                            "pass device_ids=[local_rank] for a module on that GPU")
+    d = device_ids[0]
+    return [torch.device("cuda", d) if isinstance(d, int) else torch.device(d)]
+
+
+def _to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj

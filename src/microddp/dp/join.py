@@ -1,0 +1,109 @@
+"""Uneven inputs: `with ddp.join():` lets a rank that has run out of batches keep answering
+the collectives of the ranks still training (with zero gradients), so nobody waits forever.
+
+Protocol (ours; every rank runs the same code): before each forward, a rank still training
+all-reduces a small tensor saying "I am active" and "this backward will sync". A rank that
+has left its loop all-reduces "not active" instead and, while anyone is active, repeats
+whatever the active ranks do: bucket rebuild, buffer broadcast, one all-reduce per bucket.
+When nobody is active, everyone takes the parameters of a rank that was active to the end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..errors import MicroDDPError
+from .comm_hooks import GradBucket, Summing
+from .sync import broadcast_coalesced, distributed, sync_module_states
+
+if TYPE_CHECKING:
+    from .ddp import DistributedDataParallel
+    from .reducer import Reducer
+
+
+class Join:
+    """Context manager returned by `DistributedDataParallel.join()`."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool = True,
+                 enable: bool = True, throw_on_early_termination: bool = False) -> None:
+        self.ddp, self.divide_by_initial = ddp, divide_by_initial_world_size
+        self.enable = enable and distributed(ddp.process_group)
+        self.throw = throw_on_early_termination
+        group = ddp.process_group
+        self.size = dist.get_world_size(group) if self.enable else 1
+        self.rank = dist.get_rank(group) if self.enable else 0
+
+    def __enter__(self) -> Join:
+        if self.enable:
+            self.ddp._join = self
+        return self
+
+    def _exchange(self, active: bool, sync: bool) -> tuple[int, int, int]:
+        """All-reduce (active flags per rank, sync votes): how many are active, how many will
+        sync gradients, and the highest active rank (the buffers' source)."""
+        t = torch.zeros(self.size + 1, dtype=torch.int64, device=self.ddp.device)
+        t[self.rank] = int(active)
+        t[self.size] = int(active and sync)
+        dist.all_reduce(t, group=self.ddp.process_group)
+        flags = t[: self.size].tolist()
+        top = max((r for r, f in enumerate(flags) if f), default=-1)
+        return sum(flags), int(t[self.size]), top
+
+    def notify(self, grad_sync: bool) -> int:
+        """Called by an active rank before each forward; returns the buffers' source rank."""
+        n_active, _, top = self._exchange(True, grad_sync)
+        if self.throw and n_active < self.size:
+            raise MicroDDPError(f"{self.size - n_active} rank(s) ran out of data first "
+                                "(throw_on_early_termination=True); give every rank the same "
+                                "number of batches, or drop throw_on_early_termination")
+        self.ddp.reducer.div_factor = self.size if self.divide_by_initial else n_active
+        return self.ddp._src(top)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.ddp._join = None
+        if not self.enable or exc_type is not None:
+            return False
+        ddp, reducer, shadowed = self.ddp, self.ddp.reducer, 0
+        while True:
+            n_active, n_sync, top = self._exchange(False, False)
+            if n_active == 0:
+                break
+            if self.throw:
+                raise MicroDDPError("this rank ran out of data before the others "
+                                    "(throw_on_early_termination=True)")
+            shadowed += 1
+            reducer.rebuild_buckets()
+            if ddp._will_sync_buffers():
+                broadcast_coalesced(list(ddp.module.buffers()), ddp._src(top), ddp.process_group)
+            ddp.require_forward_param_sync = n_sync > 0
+            if n_sync:
+                shadow_backward(reducer)
+        reducer.div_factor = reducer.world_size
+        # The ranks that trained until the end hold the final model; take the highest one's.
+        last = torch.tensor([self.rank if shadowed == 0 else -1], device=ddp.device)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        sync_module_states(ddp.module, ddp._src(int(last.item())), ddp.process_group,
+                           buffers=ddp.broadcast_buffers)
+        return False
+
+
+def shadow_backward(reducer: Reducer) -> None:
+    """Issue the same collectives as a real backward would, in the same order, with zeros."""
+    futures = []
+    for bucket in reducer.buckets:
+        bucket.flat.zero_()
+        if reducer.comm_hook is None:
+            futures.append(Summing(bucket.flat, reducer.group))
+        else:
+            futures.append(reducer.comm_hook(reducer.comm_state,
+                                             GradBucket(bucket, len(reducer.buckets))))
+    if reducer.find_unused:
+        used = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
+        futures.append(Summing(used, reducer.group))
+    for fut in futures:
+        fut.wait()
+    if reducer.will_rebuild and not reducer.rebuild_due:  # the others will rebuild: so must we
+        reducer.arrival, reducer.rebuild_due = list(range(len(reducer.params))), True

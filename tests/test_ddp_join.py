@@ -1,0 +1,59 @@
+"""Uneven inputs: with `ddp.join()` ranks with fewer batches shadow the others; results match
+PyTorch's DDP join bit for bit, and throw_on_early_termination fails every rank at once."""
+
+import torch
+from torch import nn
+
+import microddp as mdp
+from microddp import MicroDDPError
+from microddp.dp import wrap
+from test_ddp_equivalence import DIM, MODELS
+
+
+def uneven(world, engine, model="mlp", **join_kwargs):
+    torch.manual_seed(0)
+    module = MODELS[model]()
+    ddp = wrap(module, engine)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(world.rank)
+    n_batches = 2 + 2 * world.rank  # rank 0 runs out first
+    with ddp.join(**join_kwargs):
+        for i in range(n_batches):
+            opt.zero_grad()
+            x, y = torch.randn(6, DIM, generator=g), torch.randint(0, 2, (6,), generator=g)
+            if i == 1:  # accumulate across one no_sync micro-step as well
+                with ddp.no_sync():
+                    nn.functional.cross_entropy(ddp(x), y).backward()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return [t.detach().clone() for t in [*module.parameters(), *module.buffers()]]
+
+
+def join_cases(world):
+    out = {}
+    for name, kwargs in {"default": {}, "bn": {"model": "bn"},
+                         "divide by active ranks": {"divide_by_initial_world_size": False}}.items():
+        ours, theirs = uneven(world, "microddp", **kwargs), uneven(world, "torch", **kwargs)
+        out[name] = all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    return out, uneven(world, "microddp")
+
+
+def test_join_matches_torch_and_ends_with_identical_replicas():
+    results = mdp.spawn(join_cases, 3, timeout=120)
+    for same, _ in results:
+        assert same == {"default": True, "bn": True, "divide by active ranks": True}
+    final = [params for _, params in results]
+    assert all(torch.equal(a, b) for other in final[1:] for a, b in zip(final[0], other, strict=True))
+
+
+def early(world):
+    try:
+        uneven(world, "microddp", throw_on_early_termination=True)
+    except MicroDDPError as e:
+        return str(e)
+    return "no error"
+
+
+def test_throw_on_early_termination_fails_every_rank():
+    messages = mdp.spawn(early, 2, timeout=60)
+    assert "ran out of data" in messages[0] and "ran out of data" in messages[1]
