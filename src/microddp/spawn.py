@@ -46,9 +46,10 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
     world.shutdown()
 
 
-def _start_method() -> str:
-    """fork is fast (no re-import of torch), but unsafe once CUDA is initialised."""
-    if sys.platform == "linux" and not torch.cuda.is_initialized():
+def _start_method(threads_per_rank: int) -> str:
+    """fork is fast (no re-import of torch), but unsafe once CUDA is initialised, and GNU
+    OpenMP deadlocks in a forked child that starts a thread pool after the parent used one."""
+    if sys.platform == "linux" and not torch.cuda.is_initialized() and threads_per_rank == 1:
         return "fork"
     return "spawn"
 
@@ -66,13 +67,13 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
     """
     if world_size < 1:
         raise MicroDDPError(f"world size must be at least 1, got {world_size}")
-    ctx = mp.get_context(start_method or _start_method())
     agent = AgentStore.start(timeout=timeout)
+    envs = [worker_env(os.environ, rank, world_size, agent) for rank in range(world_size)]
+    ctx = mp.get_context(start_method or _start_method(int(envs[0]["OMP_NUM_THREADS"])))
     results = ctx.Queue()
     procs = []
     try:
-        for rank in range(world_size):
-            env = worker_env(os.environ, rank, world_size, agent)
+        for rank, env in enumerate(envs):
             p = ctx.Process(target=_worker, daemon=True,
                             args=(rank, world_size, env, fn, args, results, backend, timeout, join))
             p.start()

@@ -64,15 +64,10 @@ def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
     results = {}
     for dim in dims:
         contenders = {e: _contender(e, dim, depth, batch, cap, world.rank) for e in engines}
-        interleaved(contenders, 0, warmup, sync=dist.barrier)
-        # Rotate who goes first each round: a step runs a little differently right after
-        # another contender's step (caches, the network), and no one should always pay that.
-        times: dict[str, list[float]] = {e: [] for e in engines}
-        for r in range(repeats):
-            order = engines[r % len(engines):] + engines[:r % len(engines)]
-            for e, t in interleaved({e: contenders[e] for e in order}, 1, 0,
-                                    sync=dist.barrier).items():
-                times[e] += t
+        # interleaved() rotates who goes first each round: a step runs a little differently
+        # right after another contender's step (caches, the network), and no one should
+        # always pay that.
+        times = interleaved(contenders, repeats, warmup, sync=dist.barrier)
         # A step is as slow as its slowest rank: take the maximum over ranks, step by step.
         table = torch.tensor([times[e] for e in engines], dtype=torch.float64)
         dist.all_reduce(table, op=dist.ReduceOp.MAX)

@@ -11,12 +11,16 @@ def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
                 warmup: int = 2, sync: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """Time each contender `repeats` times, round-robin, so drift in machine load hits all alike.
 
+    The order rotates every round, so no contender always runs first (or right after another).
+
     `sync` (e.g. a barrier) runs before each timed call so that every rank starts together.
     Returns seconds per call for each contender.
     """
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
     for i in range(warmup + repeats):
-        for name, fn in contenders.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = contenders[name]
             if sync is not None:
                 sync()
             start = time.perf_counter()

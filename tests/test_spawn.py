@@ -1,0 +1,51 @@
+"""microddp.spawn: results by rank, a failing rank's traceback, the deadline, no survivors."""
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+import microddp as mdp
+
+
+def _matmul(world):
+    a = torch.ones(256, 256)
+    return float((a @ a)[0, 0]), torch.get_num_threads()
+
+
+def test_one_rank_after_the_parent_used_threads_does_not_deadlock():
+    """GNU OpenMP hangs a forked child whose parent already ran a parallel region; spawn must
+    pick a start method that cannot (threads per rank > 1 here on a multi-core machine)."""
+    a = torch.randn(512, 512)
+    a @ a
+    [(value, threads)] = mdp.spawn(_matmul, 1, timeout=60)
+    assert value == 256.0
+    assert threads == max(1, (os.cpu_count() or 1))
+
+
+def _fail_on_rank_one(world):
+    if world.rank == 1:
+        raise ValueError("rank one is unhappy")
+    return world.rank
+
+
+def test_a_failing_rank_raises_with_its_traceback():
+    with pytest.raises(mdp.MicroDDPError, match="rank 1 failed: ValueError: rank one is unhappy"):
+        mdp.spawn(_fail_on_rank_one, 2, timeout=60)
+
+
+def _stuck(world):
+    if world.rank == 0:
+        mdp.comms.barrier()  # rank 1 never arrives
+    time.sleep(600)
+
+
+def test_the_deadline_names_the_stuck_rank_and_kills_it():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(mdp.MicroDDPError, match=r"ranks \[0, 1\] did not finish within 5 s"):
+        mdp.spawn(_stuck, 2, timeout=5)
+    after = {p.pid for p in psutil.Process().children(recursive=True)
+             if p.status() != psutil.STATUS_ZOMBIE}
+    assert after - before == set()
