@@ -66,6 +66,21 @@ def note_wait(model: nn.Module) -> None:
         trace.add_span("wait comm", last[0], time.perf_counter(), track="comm_wait")
 
 
+def traced_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor) -> None:
+    """One training step with forward, backward (and its wait for communication) and
+    optimizer spans; the spans are dropped when no recorder is active."""
+    with trace.span("forward"):
+        loss = nn.functional.cross_entropy(model(x), y)
+    with trace.span("backward"):
+        loss.backward()
+        note_wait(model)
+    with trace.span("optimizer", track="optim"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    trace.next_step()
+
+
 def wrap(module: nn.Module, engine: str, bucket_cap_mb: float = 25.0) -> nn.Module:
     """A data-parallel wrapper whose communication shows up in the trace."""
     if engine == "torch":
@@ -92,15 +107,7 @@ def run_steps(world: World, engine: str = "overlap", dim: int = 256, depth: int 
     for i in range(steps):
         with trace.span("data", track="data"):
             x, y = (t.to(world.device) for t in batches[i % len(batches)])
-        with trace.span("forward"):
-            loss = nn.functional.cross_entropy(model(x), y)
-        with trace.span("backward"):
-            loss.backward()
-            note_wait(model)
-        with trace.span("optimizer", track="optim"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        trace.next_step()
+        traced_step(model, opt, x, y)
     return model
 
 
@@ -133,15 +140,7 @@ def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[fl
     def step(recording: bool, monitoring: bool) -> None:
         patch._active = mon if monitoring else None  # wrappers stay installed: one lookup
         with trace.use(rec if recording else None):
-            with trace.span("forward"):
-                loss = nn.functional.cross_entropy(model(x), y)
-            with trace.span("backward"):
-                loss.backward()
-                note_wait(model)
-            with trace.span("optimizer", track="optim"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            trace.next_step()
+            traced_step(model, opt, x, y)
 
     sync = dist.barrier if world.distributed else None
     # "control" is plain again, last in each round: its ratio to plain is the noise floor.

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import trace, trace_report
 from ..errors import MicroDDPError
@@ -37,7 +36,7 @@ writes scaling.csv and scaling.png into --out; a table and a verdict on stdout.
 
 def _contender(world: World, engine: str, dim: int, depth: int, batch: int):
     """A step function for one engine, recording its spans into its own recorder."""
-    from ..trace_cli import note_wait, wrap
+    from ..trace_cli import traced_step, wrap
 
     torch.manual_seed(0)
     model = FullMLP(dim, depth).to(world.device)
@@ -51,15 +50,7 @@ def _contender(world: World, engine: str, dim: int, depth: int, batch: int):
 
     def step() -> None:
         with trace.use(rec):
-            with trace.span("forward"):
-                loss = nn.functional.cross_entropy(model(x), y)
-            with trace.span("backward"):
-                loss.backward()
-                note_wait(model)
-            with trace.span("optimizer", track="optim"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            trace.next_step()
+            traced_step(model, opt, x, y)
 
     return step, rec
 
