@@ -1,8 +1,9 @@
 """All-reduce algorithms from send/recv (ring, tree, naive) against gloo's own all_reduce.
 
-Measures this host's latency, bandwidth and reduction speed, fits the alpha-beta-gamma cost
-model, then times every algorithm and gloo interleaved in one run and prints, per size:
-measured time, the model's prediction, and the ratio to gloo (below 1 = faster than gloo).
+Times every algorithm and gloo interleaved in one run and, in the same loop, this host's ring
+step (latency and bandwidth) and add (reduction speed) at each size's chunk; fits the
+alpha-beta-gamma cost model to those, then prints, per size: measured time, the model's
+prediction, and the ratio to gloo (below 1 = faster than gloo).
 The algorithms run with check=False, like gloo, which does not compare shapes across ranks;
 the row "ring+check" shows what microddp's default metadata check adds.
 """
@@ -77,7 +78,8 @@ def repeats_for(nbytes: int, repeats: int, min_repeats: int) -> int:
 
 
 def _calibrate(world, reps: int) -> dict:
-    """Median time of one ring step and of one add, per size n.
+    """Median time of one ring step and of one add, per size n (used when only one size is
+    benchmarked, so the interleaved calibration has too few points to fit a line).
 
     A step is every rank sending n bytes to the next and receiving n from the previous, all
     at once (the ring's own contention), timed as the ring takes them: a chain of 2(p-1)
@@ -106,17 +108,43 @@ def _calibrate(world, reps: int) -> dict:
 
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
           warmup: int):
-    cal = _calibrate(world, max(min_repeats, repeats // 2))
-    rows = []
+    peers = Peers()
+    p = peers.size
+    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
+    chain = 2 * (p - 1)
+
+    def steps(a, b):  # the ring's own rhythm: 2(p-1) exchanges, each waiting for the last
+        for i in range(chain):
+            wait_all(peers.exchange(a, nxt, b, prv, 1 + i))
+
+    # The cost model is calibrated inside the same interleaved loop as the algorithms, at each
+    # size's own chunk (n/p bytes), so a change in the machine's load moves the calibration and
+    # the measurement together instead of turning into model error.
+    interleave_cal = len(sizes) >= 2
+    cal = None if interleave_cal else _calibrate(world, max(min_repeats, repeats // 2))
+    rows, step, add = [], [], []
     for nbytes in sizes:
         t = torch.zeros(nbytes // 4)  # zeros stay zeros under sum: every call does equal work
         contenders = {name: (lambda f=ALGOS[name], t=t: f(t, check=False)) for name in algos}
         if "ring" in algos:
             contenders["ring+check"] = lambda t=t: ring_all_reduce(t)
         contenders["gloo"] = lambda t=t: dist.all_reduce(t)
+        if interleave_cal:
+            a, b = torch.zeros(max(1, nbytes // 4 // p)), torch.zeros(max(1, nbytes // 4 // p))
+            contenders["cal-step"] = lambda a=a, b=b: steps(a, b)
+            contenders["cal-add"] = lambda a=a, b=b: a.add_(b)
         times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
                             sync=dist.barrier)
+        if interleave_cal:
+            step.append(median(times.pop("cal-step")) / chain)
+            add.append(median(times.pop("cal-add")))
         rows.append({"bytes": nbytes, "times": times})
+    if interleave_cal:
+        chunk = [max(4, n // 4 // p * 4) for n in sizes]
+        alpha, beta = fit_line(chunk, step)
+        _, gamma = fit_line(chunk, add)
+        cal = {"alpha": max(alpha, 0.0), "beta": beta, "gamma": gamma, "sizes": chunk,
+               "step_s": step, "add_s": add}
     return {"calibration": cal, "rows": rows} if world.rank == 0 else None
 
 
