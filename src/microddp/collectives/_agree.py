@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MicroDDPError
-from ._group import Peers, wait_all
+from ._group import Peers, check_tensor, try_op, wait_all
 
 
 def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
@@ -83,3 +83,17 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
             f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
             f"{peers.me}: {mine}); every rank of the group must call it with the same "
             f"{', '.join(differ)}")
+
+
+def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
+                     where: str) -> tuple[Peers, str] | None:
+    """What every all-reduce does before moving data: validate the tensor and op, and agree
+    across ranks on shape, dtype and op. Returns (peers, op name), or None off the group."""
+    check_tensor(tensor, where)
+    peers = Peers(group)
+    if not peers.member:
+        return None
+    name, problem = try_op(op, tensor, where)
+    agree(peers, where, tensor.device, problem, check,
+          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+    return peers, name

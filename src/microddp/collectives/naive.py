@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._agree import agree
+from ._agree import agree, begin_all_reduce
 from ._group import (
     COMBINE,
     Flat,
@@ -17,7 +17,6 @@ from ._group import (
     check_tensor,
     scratch,
     try_list,
-    try_op,
     try_root,
     wait_all,
 )
@@ -28,13 +27,10 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,
     """In place, every rank ends with op over all ranks' `tensor`: reduce at group rank 0,
     then send the result to every rank. Returns `tensor`."""
     where = "naive_all_reduce"
-    check_tensor(tensor, where)
-    peers = Peers(group)
-    if not peers.member:
+    started = begin_all_reduce(tensor, op, group, check, where)
+    if started is None:
         return tensor
-    name, problem = try_op(op, tensor, where)
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+    peers, name = started
     p = peers.size
     if p == 1:
         return tensor

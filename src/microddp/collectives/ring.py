@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MicroDDPError
-from ._agree import agree
+from ._agree import agree, begin_all_reduce
 from ._group import (
     COMBINE,
     Flat,
@@ -125,13 +125,10 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     chunks above 256 KiB, one otherwise).
     """
     where = "ring_all_reduce"
-    check_tensor(tensor, where)
-    peers = Peers(group)
-    if not peers.member:
+    started = begin_all_reduce(tensor, op, group, check, where)
+    if started is None:
         return tensor
-    name, problem = try_op(op, tensor, where)
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+    peers, name = started
     if peers.size == 1:
         return tensor
     flat = Flat(tensor)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._agree import agree, butterfly_
+from ._agree import agree, begin_all_reduce, butterfly_
 from ._group import (
     COMBINE,
     Flat,
@@ -111,13 +111,10 @@ def tree_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,
     small messages.
     """
     where = "tree_all_reduce"
-    check_tensor(tensor, where)
-    peers = Peers(group)
-    if not peers.member:
+    started = begin_all_reduce(tensor, op, group, check, where)
+    if started is None:
         return tensor
-    name, problem = try_op(op, tensor, where)
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+    peers, name = started
     if peers.size == 1:
         return tensor
     flat = Flat(tensor)
