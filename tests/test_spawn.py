@@ -49,3 +49,22 @@ def test_the_deadline_names_the_stuck_rank_and_kills_it():
     after = {p.pid for p in psutil.Process().children(recursive=True)
              if p.status() != psutil.STATUS_ZOMBIE}
     assert after - before == set()
+
+
+def _speak(world):
+    import sys
+
+    print(f"out from rank {world.rank}", flush=True)
+    print(f"err from rank {world.rank}", file=sys.stderr, flush=True)
+
+
+@pytest.mark.parametrize("method", [None, "spawn"])
+def test_ranks_print_to_the_callers_stdout_and_stderr(capfd, method):
+    """A forkserver started during an earlier test must not send ranks' output elsewhere."""
+    mdp.spawn(_speak, 2, timeout=60, start_method=method)
+    out, err = capfd.readouterr()
+    # Only our lines: gloo or an earlier test may leave other output on the same descriptors.
+    assert sorted(line for line in out.splitlines() if "from rank" in line) == [
+        "out from rank 0", "out from rank 1"]
+    assert sorted(line for line in err.splitlines() if "from rank" in line) == [
+        "err from rank 0", "err from rank 1"]

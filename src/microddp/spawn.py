@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -23,8 +24,31 @@ from .errors import MicroDDPError
 from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_env
 
 
+class _Stdio:
+    """This process's stdout and stderr, handed to a rank whatever its start method: a
+    forkserver child would otherwise write wherever the server's output went when it started."""
+
+    def __reduce__(self):
+        return (_Stdio._received, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    @staticmethod
+    def _received(out, err) -> tuple[int, int]:
+        # forkserver sends a duplicate to detach; spawn passes the descriptor number itself
+        return tuple(fd.detach() if hasattr(fd, "detach") else fd for fd in (out, err))
+
+
+def _redirect(fds: tuple[int, int] | _Stdio) -> None:
+    if isinstance(fds, _Stdio):
+        return  # started by fork: the descriptors were inherited, nothing was pickled
+    for target, fd in zip((1, 2), fds, strict=True):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, results,
-            backend: str | None, timeout: float, join: bool) -> None:
+            backend: str | None, timeout: float, join: bool, stdio: tuple[int, int]) -> None:
+    _redirect(stdio)
     die_with_parent()
     os.environ.clear()
     os.environ.update(env)
@@ -40,18 +64,24 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
     except BaseException as e:  # report anything, including SystemExit, to the parent
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{text}"))
+        sys.stdout.flush()
+        sys.stderr.flush()
         results.close()
         results.join_thread()
         os._exit(1)
     world.shutdown()
 
 
-def _start_method(threads_per_rank: int) -> str:
-    """fork is fast (no re-import of torch), but unsafe once CUDA is initialised, and GNU
-    OpenMP deadlocks in a forked child that starts a thread pool after the parent used one."""
-    if sys.platform == "linux" and not torch.cuda.is_initialized() and threads_per_rank == 1:
-        return "fork"
-    return "spawn"
+def _context(start_method: str | None):
+    """forkserver on Linux: ranks fork from a clean, single-threaded server that has already
+    imported torch, so they start fast and inherit none of this process's threads or locks
+    (forking a multi-threaded parent can deadlock the child: GNU OpenMP, held locks)."""
+    if start_method is None:
+        start_method = "forkserver" if sys.platform == "linux" else "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["microddp.spawn"])
+    return ctx
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
@@ -69,13 +99,14 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
         raise MicroDDPError(f"world size must be at least 1, got {world_size}")
     agent = AgentStore.start(timeout=timeout)
     envs = [worker_env(os.environ, rank, world_size, agent) for rank in range(world_size)]
-    ctx = mp.get_context(start_method or _start_method(int(envs[0]["OMP_NUM_THREADS"])))
+    ctx = _context(start_method)
     results = ctx.Queue()
     procs = []
     try:
         for rank, env in enumerate(envs):
             p = ctx.Process(target=_worker, daemon=True,
-                            args=(rank, world_size, env, fn, args, results, backend, timeout, join))
+                            args=(rank, world_size, env, fn, args, results, backend, timeout, join,
+                                  _Stdio()))
             p.start()
             procs.append(p)
         return _collect(procs, results, world_size, timeout)
