@@ -52,10 +52,9 @@ def test_the_deadline_names_the_stuck_rank_and_kills_it():
 
 
 def _speak(world):
-    import sys
-
-    print(f"out from rank {world.rank}", flush=True)
-    print(f"err from rank {world.rank}", file=sys.stderr, flush=True)
+    # One write per line: two ranks share the descriptor, and print() may split a line in two.
+    os.write(1, f"out from rank {world.rank}\n".encode())
+    os.write(2, f"err from rank {world.rank}\n".encode())
 
 
 @pytest.mark.parametrize("method", [None, "spawn"])
