@@ -96,4 +96,4 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
     name, problem = try_op(op, tensor, where)
     agree(peers, where, tensor.device, problem, check,
           shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
-    return peers, name
+    return (peers, name) if peers.size > 1 else None

@@ -32,8 +32,6 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,
         return tensor
     peers, name = started
     p = peers.size
-    if p == 1:
-        return tensor
     flat = Flat(tensor)
     if peers.me != 0:
         peers.send(flat.data, 0, 1)  # tag 1 on the way up, 2 on the way down

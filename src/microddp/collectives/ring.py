@@ -129,8 +129,6 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     if started is None:
         return tensor
     peers, name = started
-    if peers.size == 1:
-        return tensor
     flat = Flat(tensor)
     chunk_bytes = -(-flat.data.numel() // peers.size) * flat.data.element_size()
     if segment_bytes is None:

@@ -115,8 +115,6 @@ def tree_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,
     if started is None:
         return tensor
     peers, name = started
-    if peers.size == 1:
-        return tensor
     flat = Flat(tensor)
     buf = scratch("tree", flat.data.numel(), flat.data.dtype, flat.data.device)
     butterfly_(peers, flat.data, buf, COMBINE[name])
