@@ -59,7 +59,7 @@ OUR_HOOKS = {"allreduce": comm_hooks.allreduce, "fp16": comm_hooks.fp16_compress
 
 
 def train(world, engine, model="mlp", optim="sgd", accumulate=1, hook=None, seed_per_rank=False,
-          **ddp_kwargs):
+          set_to_none=True, **ddp_kwargs):
     torch.manual_seed(world.rank if seed_per_rank else 0)  # per-rank: the broadcast must fix it
     module = MODELS[model]()
     dim = module.net[0].in_features if model == "wide" else DIM
@@ -71,7 +71,7 @@ def train(world, engine, model="mlp", optim="sgd", accumulate=1, hook=None, seed
     x, y = toy_data(8 * world.world_size * STEPS * accumulate, dim, seed=1)
     micro = list(zip(x.chunk(STEPS * accumulate), y.chunk(STEPS * accumulate), strict=True))
     for step in range(STEPS):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         for k in range(accumulate):
             xb, yb = micro[step * accumulate + k]
             xb, yb = shard(xb, world.rank, world.world_size), shard(yb, world.rank, world.world_size)
@@ -90,6 +90,7 @@ CASES = {
     "fullmlp sgd": {},
     "fullmlp adam": {"optim": "adam"},
     "no_sync accumulation": {"accumulate": 3},
+    "zero_grad keeps grads": {"set_to_none": False, "accumulate": 2, "optim": "adam"},
     "gradient_as_bucket_view": {"gradient_as_bucket_view": True, "accumulate": 2},
     "several buckets after rebuild": {"model": "wide"},
     "small buckets": {"bucket_cap_mb": 0.001, "optim": "adam"},

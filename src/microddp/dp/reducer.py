@@ -5,7 +5,12 @@ its bucket, which holds it in a view, divided by the world size (big gradients a
 once, small ones together when the bucket is complete). When a bucket's last gradient lands,
 its all-reduce starts at once, asynchronously, while autograd computes earlier layers. Buckets
 start strictly in index order, so every rank issues the same collectives in the same order.
-One callback at the end of backward waits for them all and writes the averages into `.grad`.
+One callback at the end of backward waits for them all and hands the averages to `.grad`.
+
+Unlike PyTorch, the averages are not copied out of the bucket: each `.grad` becomes a view of
+the reduced buffer (see `_lend`), which saves one pass over every gradient per step (13 ms of a
+190 ms step for FullMLP(1024) here). Before the next backward writes into that buffer, `_claim`
+makes sure nobody else can see it; if somebody still can, the bucket takes fresh memory.
 
 As in PyTorch: the first iteration uses one bucket (parameter order need not be execution
 order), then buckets are rebuilt in the order gradients actually arrived on rank 0, with a
@@ -15,6 +20,7 @@ small first bucket (1 MiB) so communication starts early.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +28,7 @@ import torch.distributed as dist
 
 from .. import trace
 from ..errors import MicroDDPError
-from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, bucket_view, plan_buckets
+from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, bucket_view, dense, plan_buckets
 from .comm_hooks import CommHook, GradBucket, Summing
 from .sync import distributed, global_rank
 from .unused import accumulators, find_unused
@@ -46,6 +52,7 @@ class Reducer:
         self.find_unused, self.as_view, self.static_graph = (
             find_unused_parameters, gradient_as_bucket_view, static_graph)
         self.comm_hook: CommHook | None = None
+        self.lend = _CAN_LEND  # hand reduced buffers to .grad instead of copying (see _lend)
         self.comm_state = None
         # Rebuilding follows the real arrival order, which is only known when every
         # parameter reports in: not under find_unused_parameters (as in PyTorch).
@@ -70,6 +77,14 @@ class Reducer:
     def set_buckets(self, plan: list[list[int]]) -> None:
         """(Re)allocate flat buffers for `plan` (lists of parameter indices, in launch order)."""
         self.buckets = [Bucket([self.params[i] for i in idx], k, idx) for k, idx in enumerate(plan)]
+        # The views each bucket handed to .grad, weakly (None: not lent), and how many references its
+        # buffer has while only the reducer holds it (the flat tensor and its own views).
+        self.lent: list[list | None] = [None] * len(self.buckets)
+        self.alone = [_refs(b.flat) if _CAN_LEND else 0 for b in self.buckets]
+        self.claimed = bytearray(len(self.buckets))
+        # Where each gradient sits in its bucket, worked out once: _lend makes views every step.
+        self.layouts = [[_layout(p, o) for p, o in zip(b.params, b.offsets, strict=True)]
+                        for b in self.buckets]
         self.where = {}
         for b in self.buckets:
             for pos, i in enumerate(b.indices):
@@ -103,6 +118,8 @@ class Reducer:
         self.unused = unused
         self.used_future = None
         self.recording = self.will_rebuild and not self.rebuild_due
+        self.claimed = bytearray(len(self.buckets))
+        self.retired = []  # gradients replaced by lent views, freed now (see _lend)
 
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
         """Called after a forward whose backward must average gradients."""
@@ -143,6 +160,8 @@ class Reducer:
     def _mark_ready(self, i: int, zero: bool = False) -> None:
         self.marked[i] = True
         bucket, pos = self.where[i]
+        if not self.claimed[bucket.index]:
+            self.claim(bucket)
         if zero:
             self.zeroed.add(i)
         elif self.numel[i] >= COPY_AT_ONCE:  # big: copy now; small ones go together later
@@ -163,6 +182,8 @@ class Reducer:
         small tensors into two foreach calls saves a dispatch per tensor.
         """
         hooked, div = self.comm_hook is not None, self.div_factor
+        if not self.claimed[bucket.index]:
+            self.claim(bucket)
         dst, src, owners, alias = [], [], [], []
         for pos in positions:
             i, view = bucket.indices[pos], bucket.views[pos]
@@ -249,6 +270,9 @@ class Reducer:
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor, used: list[int] | None) -> None:
         same = _same_memory(result, bucket.flat)
+        if same and used is None and not self.as_view and self.lend:
+            self._lend(bucket)
+            return
         dst, src = [], []
         for pos, (i, p) in enumerate(zip(bucket.indices, bucket.params, strict=True)):
             if used is not None and used[i] == 0:
@@ -267,6 +291,44 @@ class Reducer:
         if dst:
             torch._foreach_copy_(dst, src)  # one call for the whole bucket
 
+    def _lend(self, bucket: Bucket) -> None:
+        """Hand the reduced buffer itself to `.grad`, a view per parameter, instead of copying
+        the averages out of it as PyTorch does.
+
+        A `.grad` that already is this buffer's view (zero_grad(set_to_none=False) kept it, and
+        autograd accumulated into it) stays the same tensor, as it would with PyTorch. The
+        gradients replaced here are kept until the next backward starts, when PyTorch's would
+        be freed too (by zero_grad): freeing 64 MB mid-step makes the C allocator hand the
+        memory back to the system and fault it in again, page by page, which costs more than the
+        copy saved (16,000 page faults a step for FullMLP(1024), measured).
+        """
+        before, lent, flat = self.lent[bucket.index], [], bucket.flat
+        for pos, (p, layout) in enumerate(zip(bucket.params, self.layouts[bucket.index],
+                                              strict=True)):
+            if before is None or p.grad is None or p.grad is not before[pos]():
+                self.retired.append(p.grad)
+                p.grad = flat.as_strided(*layout)  # its own view: the caller may keep it
+            lent.append(weakref.ref(p.grad))  # weak: holding it would hide whether others do
+        self.lent[bucket.index] = lent
+
+    def claim(self, bucket: Bucket) -> None:
+        """Before this backward's first write into `bucket`: if anything besides the reducer and
+        the parameters' current `.grad` still refers to its lent buffer (a gradient kept from an
+        earlier step, say), give the bucket fresh memory, so what the caller holds never changes.
+        """
+        k, lent = bucket.index, self.lent[bucket.index]
+        self.claimed[k] = 1
+        if lent is None:
+            return
+        attached = sum(1 for p, v in zip(bucket.params, lent, strict=True)
+                       if p.grad is not None and p.grad is v())
+        if _refs(bucket.flat) == self.alone[k] + attached:
+            return
+        bucket.flat = torch.zeros_like(bucket.flat)
+        bucket.views = [bucket_view(bucket.flat, p, o)
+                        for p, o in zip(bucket.params, bucket.offsets, strict=True)]
+        self.alone[k], self.lent[k] = _refs(bucket.flat), None
+
     def remove_hooks(self) -> None:
         for h in self.handles:
             h.remove()
@@ -275,6 +337,23 @@ class Reducer:
 
 def _rank(group) -> int:
     return dist.get_rank(group) if distributed(group) else 0
+
+
+# How many tensors share a storage (flat buffer and views alike): how `claim` tells whether
+# anyone else still holds a lent buffer. Without it, reduced gradients are copied, as PyTorch does.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_CAN_LEND = _use_count is not None
+
+
+def _layout(p: torch.Tensor, offset: int) -> tuple:
+    """as_strided arguments giving p's gradient in a bucket: `bucket_view`, precomputed."""
+    stride = p.stride() if dense(p) else torch.empty(p.size(), device="meta").stride()
+    return p.size(), stride, offset
+
+
+def _refs(flat: torch.Tensor) -> int:
+    """How many tensors (and storage handles) refer to `flat`'s memory right now."""
+    return _use_count(flat.untyped_storage()._cdata)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
