@@ -1,11 +1,13 @@
 """The cost model against hand calculation, and the `microddp predict` command."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import microddp as mdp
 from microddp import cli, predict
 from microddp.bench.calibrate import fit_alpha_beta
 from microddp.model import FullMLP
@@ -74,13 +76,38 @@ def test_scaling_speedup_and_efficiency():
     assert strong[1]["speedup"] == pytest.approx(strong[0]["step_s"] / strong[1]["step_s"])
 
 
-def test_shared_host_divides_compute_and_time_shares_comm():
-    cpu = predict.Hardware(1e10, 1e9, 1e-5, cores=2)
+def test_ranks_beyond_the_cores_are_bound_by_the_hosts_cpu_work():
+    cpu = predict.Hardware(1e10, 1e9, 1e-5, cores=2, memory=1e10, comm_cpu=0.5)
     model = predict.Model(1e6, 6e6)
-    one = predict.predict(model, cpu, 2, 10, local_ranks=1)
+    two = predict.predict(model, cpu, 2, 10, local_ranks=2)
     four = predict.predict(model, cpu, 4, 10, local_ranks=4)
-    assert four["compute_s"] == pytest.approx(4 * one["compute_s"])
-    assert four["comm_s"] == pytest.approx(2 * predict.allreduce_time(4e6, 4, cpu))
+    # two ranks, two cores: each runs on its own core; no CPU bound beyond the chain
+    assert two["compute_s"] == pytest.approx(6e7 / (1e10 / 2))
+    assert two["cpu_bound_s"] == 0 and two["step_s"] == two["chain_s"]
+    # four ranks: each computes at one core's rate when it runs, its collectives take the
+    # time of the algorithm ...
+    assert four["compute_s"] == pytest.approx(two["compute_s"])
+    assert four["comm_s"] == pytest.approx(predict.allreduce_time(4e6, 4, cpu))
+    # ... but the cores are shared: all ranks' CPU work (only the busy half of communication,
+    # comm_cpu=0.5) over 2 cores
+    busy = four["compute_s"] + four["copies_s"] + 0.5 * four["comm_s"]
+    assert four["cpu_bound_s"] == pytest.approx(4 * busy / 2)
+    assert four["step_s"] == pytest.approx(max(four["chain_s"], four["cpu_bound_s"]))
+    assert four["step_s"] > four["chain_s"]  # here the host is the limit
+    waiting = predict.predict(model, replace(cpu, comm_cpu=0.0), 4, 10, local_ranks=4)
+    assert waiting["cpu_bound_s"] < four["cpu_bound_s"]  # waiting costs the host nothing
+
+
+def measure_cpu_share(world):
+    from microddp.bench.calibrate import _allreduce_times
+
+    return _allreduce_times(world, [1 << 12, 1 << 20], 5)
+
+
+def test_calibration_measures_the_cpu_share_of_an_all_reduce():
+    for times, busy in mdp.spawn(measure_cpu_share, 2, timeout=60):
+        assert len(times) == 2 and min(times) > 0
+        assert 0 < busy < 4  # CPU-seconds per second: gloo's threads work, the caller waits
 
 
 def test_bucket_copies_are_three_passes_over_the_gradients():

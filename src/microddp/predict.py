@@ -5,6 +5,12 @@ An alpha-beta model: sending n bytes over a link costs alpha + n / beta. Compute
 DDP adds three passes over the gradients in memory (into the buckets, average, back out).
 Buckets of gradients are all-reduced one after another on one link, each as soon as backward has
 produced it; whatever is still running when backward ends is exposed and lengthens the step.
+
+CPU ranks add a second limit. Their collectives are CPU work too (gloo copies every byte through
+the kernel), and ranks beyond the host's cores time-share them: then a step takes at least all
+ranks' CPU work divided by the cores. Waiting is not work: while one rank waits for a message,
+another computes. So that bound counts only the measured CPU share of communication (`comm_cpu`),
+and the step is whichever is longer, the chain of one rank's steps or the host's CPU work.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Hardware:
     note: str = ""
     cores: int = 0  # CPU ranks: cores of the host; ranks beyond it time-share them (0: GPUs)
     memory: float = 0.0  # device memory bytes/s, for DDP's bucket copies (0: leave them out)
+    comm_cpu: float = 1.0  # CPU ranks: CPU-seconds a rank burns per second of all-reduce
 
 
 # Sustained rates assume ~40% of the bf16 dense peak, a typical large-model training figure.
@@ -57,7 +64,7 @@ HARDWARE = {
     "10gbe": Hardware(60e12, 1.1e9, 50e-6, "one GPU per host, plain 10 Gb Ethernet",
                       memory=0.9e12),
     "cpu-loopback": Hardware(50e9, 1e9, 50e-6, "CPU ranks on one 8-core host, gloo over "
-                             "loopback", cores=8, memory=40e9),
+                             "loopback", cores=8, memory=40e9, comm_cpu=0.7),
 }
 
 
@@ -103,18 +110,19 @@ def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str
             local_ranks: int = 1) -> dict:
     """One step at `world` ranks with `batch` samples per rank; times in seconds.
 
-    `local_ranks` ranks that share one host also share its compute (CPU ranks do).
+    `local_ranks` ranks that share one host also share its compute (CPU ranks do): each gets
+    1/local_ranks of it, or one core's worth once there are more ranks than cores, when the
+    host's CPU bound (`cpu_bound_s`) takes over.
     """
     if world < 1 or batch <= 0:
         raise MicroDDPError(f"world size and batch must be positive, got {world} and {batch}")
-    flops = hw.flops / max(1, local_ranks)
-    compute = model.flops_per_sample * batch / flops
+    local = max(1, local_ranks)
+    sharing = min(local, hw.cores) if hw.cores else local  # ranks running at once, each its share
+    compute = model.flops_per_sample * batch / (hw.flops / sharing)
     forward, backward = compute / 3, 2 * compute / 3
     total = model.params * grad_bytes
     k = max(1, math.ceil(total / (bucket_mb * 2**20)))
     per_bucket = allreduce_time(total / k, world, hw, algorithm)
-    if hw.cores and local_ranks > hw.cores:  # CPU collectives are CPU work: they time-share too
-        per_bucket *= local_ranks / hw.cores
     comm = k * per_bucket
     link_free = 0.0
     for i in range(k):  # bucket i is full once (i+1)/k of backward is done
@@ -124,11 +132,17 @@ def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str
     exposed_overlap = max(0.0, link_free - hidden_end) if world > 1 else 0.0
     exposed = exposed_overlap if overlap else comm
     # DDP copies gradients into buckets, averages them and copies them back: 3 passes
-    copies = 3 * total / (hw.memory / max(1, local_ranks)) if world > 1 and hw.memory else 0.0
-    step = compute + copies + exposed
+    copies = 3 * total / (hw.memory / sharing) if world > 1 and hw.memory else 0.0
+    chain = compute + copies + exposed
+    cpu_bound = 0.0
+    if hw.cores and local > hw.cores:  # time-shared cores: all ranks' CPU work, over the cores
+        busy = compute + copies + (hw.comm_cpu * comm if world > 1 else 0.0)
+        cpu_bound = local * busy / hw.cores
+    step = max(chain, cpu_bound)
     return {"world": world, "batch": batch, "compute_s": compute, "comm_s": comm,
             "copies_s": copies,
             "exposed_no_overlap_s": comm, "exposed_overlap_s": exposed_overlap,
+            "chain_s": chain, "cpu_bound_s": cpu_bound,
             "step_s": step, "comm_comp_ratio": comm / compute, "buckets": k,
             "efficiency": compute / step, "samples_per_s": world * batch / step}
 

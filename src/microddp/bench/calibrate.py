@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -64,19 +65,28 @@ def _rate_job(world: World, dim: int, depth: int, batch: int,
     return flops, 3 * grads.numel() * 4 / statistics.median(t["copies"])
 
 
-def _allreduce_times(world: World, sizes: list[int], repeats: int) -> list[float]:
+def _cpu_seconds() -> float:
+    """CPU time of this whole process, every thread (gloo's own threads do the sending)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _allreduce_times(world: World, sizes: list[int], repeats: int) -> tuple[list[float], float]:
+    """Median all-reduce time per size, and the CPU-seconds this rank spent per second of
+    all-reduce at the largest size (the rest of the time it waited)."""
     out = []
     for n in sizes:
         t = torch.ones(n // 4)
-        times = []
+        times, cpu = [], 0.0
         for i in range(repeats + 2):
             comms.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = _cpu_seconds(), time.perf_counter()
             comms.all_reduce(t)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
+                cpu += _cpu_seconds() - c0
         out.append(statistics.median(times))
-    return out
+    return out, cpu / sum(times)
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[float, float]:
@@ -86,9 +96,11 @@ def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[fl
     return max(a, 1e-7) / (2 * (world - 1)), 2 * (world - 1) / world / max(b, 1e-15)
 
 
-def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float]:
-    times = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300)[0]
-    return fit_alpha_beta(SIZES, times, world)
+def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float, float]:
+    """(alpha, bandwidth, comm_cpu): the fitted link, and the CPU share of its time."""
+    ranks = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300)
+    busy = statistics.mean(cpu for _, cpu in ranks)
+    return (*fit_alpha_beta(SIZES, ranks[0][0], world), busy)
 
 
 def _step_times(world: World, engine: str, dim: int, depth: int, batch: int,
@@ -129,36 +141,39 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     worlds = args.verify or []
     print(f"calibrating on FullMLP({dim}, depth {depth}), batch {batch}, {os.cpu_count()} cores, "
           f"{rounds} rounds ...")
-    got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "beta")}
+    got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "beta", "busy")}
     steps: dict[int, list[float]] = {n: [] for n in worlds}
     for _ in range(rounds):
         flops, memory = host_rates(dim, depth, batch)
         got["flops"].append(flops)
         got["memory"].append(memory)
-        alpha, beta = alpha_beta(2)
+        alpha, beta, busy = alpha_beta(2)
         got["alpha"].append(alpha)
         got["beta"].append(beta)
+        got["busy"].append(busy)
         for n in worlds:
             steps[n].append(measured_step(n, "overlap", dim, depth, batch, args.bucket_mb))
     med = {k: statistics.median(v) for k, v in got.items()}
     hw = Hardware(med["flops"], med["beta"], med["alpha"],
                   "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
-                  memory=med["memory"])
+                  memory=med["memory"], comm_cpu=med["busy"])
     save_calibration(hw, args.calibration)
     print(f"compute {hw.flops:.3g} FLOP/s, memory {hw.memory:.3g} B/s, latency (alpha) "
-          f"{1e6 * hw.latency:.1f} us, bandwidth (beta) {hw.bandwidth:.3g} B/s; saved to "
-          f"{args.calibration} (--hardware calibrated)")
+          f"{1e6 * hw.latency:.1f} us, bandwidth (beta) {hw.bandwidth:.3g} B/s, all-reduce keeps "
+          f"{100 * hw.comm_cpu:.0f}% of a core busy; saved to {args.calibration} "
+          "(--hardware calibrated)")
     if not worlds:
         return 0
-    print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  (engine overlap, "
-          f"batch {batch} per rank, local ranks share the host's compute)")
+    print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  {'limit':<10} "
+          f"(engine overlap, batch {batch} per rank, local ranks share the host's compute)")
     worst = 0.0
     for n in worlds:
-        pred = predict(fullmlp(dim, depth), hw, n, batch, bucket_mb=args.bucket_mb,
-                       local_ranks=n)["step_s"]
-        meas = statistics.median(steps[n])
+        row = predict(fullmlp(dim, depth), hw, n, batch, bucket_mb=args.bucket_mb,
+                      local_ranks=n)
+        pred, meas = row["step_s"], statistics.median(steps[n])
+        limit = "host CPU" if row["cpu_bound_s"] > row["chain_s"] else "one rank"
         err = (pred - meas) / meas
         worst = max(worst, abs(err))
-        print(f"{n:>5} {1e3 * pred:>13.2f} {1e3 * meas:>12.2f} {100 * err:>+6.1f}%")
+        print(f"{n:>5} {1e3 * pred:>13.2f} {1e3 * meas:>12.2f} {100 * err:>+6.1f}%  {limit:<10}")
     print(f"worst error {100 * worst:.1f}% ({'within' if worst <= 0.25 else 'outside'} 25%)")
     return 0
