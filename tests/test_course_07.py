@@ -38,6 +38,13 @@ def test_scaling_laws_by_hand():
     k = math.ceil(440e6 / (25 * 2**20))  # 17 buckets of fp32 gradients
     assert weak[1][4] == pytest.approx(1e3 * k * 2 * (alpha + 440e6 / k / 2 / beta), abs=0.005)
     assert weak[1][3] == pytest.approx(1e3 * 3 * 440e6 / 1.5e12, abs=0.005)  # 3 passes, HBM
+    shared = [(int(n), float(one), float(host), float(step), limit) for n, one, host, step, limit
+              in re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)  (one rank|host CPU)$",
+                            out, re.M)]
+    assert [r[0] for r in shared] == [2, 4, 8, 16, 32]
+    # up to the 8 cores each rank has its own; beyond, the host's CPU work sets the pace
+    assert [r[4] for r in shared] == ["one rank"] * 3 + ["host CPU"] * 2
+    assert all(step == pytest.approx(max(one, host), abs=0.01) for _, one, host, step, _ in shared)
     assert weak[0][3] == 0  # one process: no DDP, no copies
     for n, _, comp, _, comm, exposed, ratio, speedup, eff in rows:
         assert ratio == pytest.approx(comm / comp, rel=2e-3, abs=2e-3)

@@ -5,7 +5,8 @@
 No measurement here: the alpha-beta cost model of `microddp predict`, so every number can be
 checked by hand. A step is compute + DDP's bucket copies + the communication backward could
 not hide. Strong scaling splits a fixed global batch over N ranks; weak scaling gives
-every rank the same batch. Then: where does adding ranks stop paying, and why?
+every rank the same batch. Then: where does adding ranks stop paying, and why? Last, CPU
+ranks sharing one host: past its cores, the host's CPU work is the limit instead.
 """
 
 from microddp import predict
@@ -45,5 +46,22 @@ def main() -> None:
         print(f"{name:>10}: {predict.verdict(rows)}")
 
 
+def shared_host() -> None:
+    """Ranks on one CPU host: each computes at one core's rate while it runs, but beyond the
+    cores they take turns, so the step is at least all ranks' CPU work over the cores. Waiting
+    for messages is not CPU work: only the measured busy share of communication counts."""
+    hw = predict.HARDWARE["cpu-loopback"]
+    model = predict.fullmlp(512, 8)
+    print(f"CPU ranks on one {hw.cores}-core host, {model.note}, 32 samples per rank, "
+          f"communication {100 * hw.comm_cpu:.0f}% CPU-busy:")
+    print(f"{'ranks':>5} {'one rank ms':>11} {'host CPU ms':>11} {'step ms':>8}  limit")
+    for n in (2, 4, 8, 16, 32):
+        r = predict.predict(model, hw, n, 32, local_ranks=n)
+        limit = "host CPU" if r["cpu_bound_s"] > r["chain_s"] else "one rank"
+        print(f"{n:>5} {1e3 * r['chain_s']:>11.2f} {1e3 * r['cpu_bound_s']:>11.2f} "
+              f"{1e3 * r['step_s']:>8.2f}  {limit}")
+
+
 if __name__ == "__main__":
     main()
+    shared_host()
