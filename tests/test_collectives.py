@@ -38,7 +38,7 @@ def test_every_algorithm_matches_torch(world_size, cases):
 
 def test_edge_sizes_match_torch():
     """numel below the world size, zero, one, 0-d, odd sizes across several segments, and the
-    default segment policy on a tensor large enough to be pipelined."""
+    default policy on a tensor whose chunks are too large to post every receive first."""
     cases = [
         {"seed": 1, "shape": (2,), "dtype": "float32", "op": "sum", "root": 0, "segment": 8},
         {"seed": 2, "shape": (0,), "dtype": "int64", "op": "max", "root": 1, "segment": 8},
@@ -48,8 +48,10 @@ def test_edge_sizes_match_torch():
          "segment": 4096},
         {"seed": 6, "shape": (10007,), "dtype": "int64", "op": "sum", "root": 0,
          "segment": 8192},
-        # the default policy: chunks of 320 KB go as two pipelined segments
+        # the default policy: chunks of 320 KB go whole, one message per step
         {"seed": 7, "shape": (400_003,), "dtype": "float32", "op": "sum", "root": 1,
+         "segment": None},
+        {"seed": 10, "shape": (300_001,), "dtype": "float64", "op": "avg", "root": 2,
          "segment": None},
     ]
     assert _failures(5, cases) == []

@@ -25,11 +25,12 @@ from ._group import (
 )
 from ._pipeline import pipelined_ring_all_reduce_
 
-# Chunks larger than this travel as two segments, so that reducing one overlaps receiving the
-# other (see _pipeline.py); smaller ones go whole, with every receive posted up front. Two
-# segments, like gloo's own ring: measured on a 2-core host, more segments cost more in
-# per-message overhead than they win in overlap.
-PIPELINE_MIN_CHUNK = 256 << 10
+# On gloo, chunks up to this size go with every receive posted before the first send (one
+# round trip less per step, most of a small message's cost); larger ones go plainly, one
+# message per step, send first. Measured on a 2-core host, the plain ring beat both that and
+# a pipelined one (segments, receives posted ahead) at every size from 1 to 64 MiB, on 2 and
+# 4 ranks: see chapter 4. Pipelining stays available with an explicit `segment_bytes`.
+PREPOST_MAX_CHUNK = 256 << 10
 
 
 def reduce_scatter_flat_(peers: Peers, data: torch.Tensor, name: str,
@@ -121,8 +122,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
 
     `check=False` skips the metadata agreement (one small exchange per round of log2 p) when
     the caller already knows every rank passes the same shape, dtype and op.
-    `segment_bytes` sets the pipeline's segment size (default: two segments per chunk for
-    chunks above 256 KiB, one otherwise).
+    `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
+    through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
+    internally); by default chunks go whole.
     """
     where = "ring_all_reduce"
     started = begin_all_reduce(tensor, op, group, check, where)
@@ -131,17 +133,16 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     peers, name = started
     flat = Flat(tensor)
     chunk_bytes = -(-flat.data.numel() // peers.size) * flat.data.element_size()
-    if segment_bytes is None:
-        segment_bytes = -(-chunk_bytes // 2) if chunk_bytes > PIPELINE_MIN_CHUNK else chunk_bytes
-    if segment_bytes < 1:
+    if segment_bytes is not None and segment_bytes < 1:
         raise MicroDDPError(f"segment_bytes must be positive, got {segment_bytes}")
-    if not peers.nccl:
-        if chunk_bytes > segment_bytes:
-            pipelined_ring_all_reduce_(peers, flat.data, name, segment_bytes)
-        else:
-            preposted_ring_all_reduce_(peers, flat.data, name)
+    if segment_bytes is not None and chunk_bytes > segment_bytes and not peers.nccl:
+        pipelined_ring_all_reduce_(peers, flat.data, name, segment_bytes)
         return flat.done()
-    # NCCL: one batched exchange per step keeps unmatched pairs from blocking its streams.
+    if not peers.nccl and chunk_bytes <= PREPOST_MAX_CHUNK:
+        preposted_ring_all_reduce_(peers, flat.data, name)
+        return flat.done()
+    # The plain ring. (On NCCL each exchange is one batch, which keeps unmatched pairs from
+    # blocking its streams.)
     off = reduce_scatter_flat_(peers, flat.data, name)
     if name == "avg":  # divide only the chunk this rank owns: 1/p of the work
         flat.data[off[peers.me]:off[peers.me + 1]].div_(peers.size)
