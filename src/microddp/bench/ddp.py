@@ -1,7 +1,7 @@
 """microddp DDP vs PyTorch DDP vs the naive stage: training step time, side by side.
 
 Every contender trains its own copy of the same FullMLP on the same batches, on the same ranks;
-their steps are interleaved (round-robin, who goes first rotating, a barrier before each) so
+their steps are interleaved (each round in a fresh random order, a barrier before each) so
 machine noise hits all alike. Reports the median step time (the slowest rank's, per step) and microddp / PyTorch.
 """
 
@@ -64,7 +64,7 @@ def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
     results = {}
     for dim in dims:
         contenders = {e: _contender(e, dim, depth, batch, cap, world.rank) for e in engines}
-        # interleaved() rotates who goes first each round: a step runs a little differently
+        # interleaved() shuffles the order every round: a step runs a little differently
         # right after another contender's step (caches, the network), and no one should
         # always pay that.
         times = interleaved(contenders, repeats, warmup, sync=dist.barrier)
