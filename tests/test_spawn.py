@@ -1,6 +1,8 @@
 """microddp.spawn: results by rank, a failing rank's traceback, the deadline, no survivors."""
 
 import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -67,3 +69,14 @@ def test_ranks_print_to_the_callers_stdout_and_stderr(capfd, method):
         "out from rank 0", "out from rank 1"]
     assert sorted(line for line in err.splitlines() if "from rank" in line) == [
         "err from rank 0", "err from rank 1"]
+
+
+def test_spawn_at_a_scripts_top_level_says_to_guard_it(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text("import microddp as mdp\n\n\ndef hello(world):\n    return world.rank\n\n\n"
+                      "print(mdp.spawn(hello, 2, timeout=30))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=90)
+    assert run.returncode != 0
+    assert 'put the call under `if __name__ == "__main__":`' in run.stderr
+    assert "any error it printed is above" in run.stderr

@@ -97,6 +97,14 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
     """
     if world_size < 1:
         raise MicroDDPError(f"world size must be at least 1, got {world_size}")
+    if getattr(mp.current_process(), "_inheriting", False):
+        # A rank starting up re-imports the caller's script; a spawn() at its top level would
+        # start ranks from every rank, for ever. multiprocessing's own message for this names
+        # neither the script nor the fix.
+        raise MicroDDPError(
+            f"microddp.spawn() ran while a rank was importing {sys.argv[0] or 'your script'}: "
+            "put the call under `if __name__ == \"__main__\":`, so that it runs only in the "
+            "process you started")
     agent = AgentStore.start(timeout=timeout)
     envs = [worker_env(os.environ, rank, world_size, agent) for rank in range(world_size)]
     ctx = _context(start_method)
@@ -135,7 +143,8 @@ def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:
                 _drain(results, out)
                 if rank not in out:
                     raise MicroDDPError(f"rank {rank} died ({describe_exit(p.exitcode)}) "
-                                        "without reporting a result")
+                                        "without reporting a result; any error it printed is "
+                                        "above")
         if time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - set(out))
             raise MicroDDPError(f"ranks {missing} did not finish within {timeout:g} s; "
