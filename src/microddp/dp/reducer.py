@@ -9,7 +9,7 @@ One callback at the end of backward waits for them all and hands the averages to
 
 Unlike PyTorch, the averages are not copied out of the bucket: each `.grad` becomes a view of
 the reduced buffer (see `_lend`), which saves one pass over every gradient per step (13 ms of a
-190 ms step for FullMLP(1024) here). Before the next backward writes into that buffer, `_claim`
+190 ms step for FullMLP(1024) here). Before the next backward writes into that buffer, `claim`
 makes sure nobody else can see it; if somebody still can, the bucket takes fresh memory.
 
 As in PyTorch: the first iteration uses one bucket (parameter order need not be execution
