@@ -48,3 +48,29 @@ def test_a_gradient_kept_by_the_caller_is_never_overwritten():
         assert intact
         assert buffers[4] != buffers[3]  # the bucket moved to fresh memory instead
         assert len(set(buffers[4:])) == 1  # and stays there
+
+
+def retired_lifetime(world):
+    import weakref
+
+    torch.manual_seed(0)
+    ddp = mdp.DDP(mdp.FullMLP(32, 3))
+    x, y = torch.randn(8, 32), torch.randint(0, 2, (8,))
+    for _ in range(2):  # past the bucket rebuild
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    # the gradients autograd made in that backward were replaced by views of the bucket ...
+    replaced = [weakref.ref(g) for g in ddp.reducer.retired if g is not None]
+    alive_in_forward = []
+    ddp.module.register_forward_pre_hook(
+        lambda *_: alive_in_forward.append(sum(r() is not None for r in replaced)))
+    ddp.zero_grad()
+    ddp(x)
+    # ... and are freed as the next forward starts (as PyTorch's are by zero_grad), so they
+    # never add to the memory peak of a forward
+    return len(replaced), alive_in_forward
+
+
+def test_replaced_gradients_are_freed_when_the_next_forward_starts():
+    for n_replaced, alive_in_forward in mdp.spawn(retired_lifetime, 2, timeout=60):
+        assert n_replaced == 8 and alive_in_forward == [0]  # FullMLP(32, 3): 4 weights, 4 biases

@@ -71,6 +71,7 @@ class DistributedDataParallel(nn.Module):
         return next(self.module.parameters()).device
 
     def forward(self, *inputs, **kwargs):
+        self.reducer.release_retired()
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         src = self._src()
         if self._join is not None:  # tell ranks that ran out of data what to shadow

@@ -297,10 +297,11 @@ class Reducer:
 
         A `.grad` that already is this buffer's view (zero_grad(set_to_none=False) kept it, and
         autograd accumulated into it) stays the same tensor, as it would with PyTorch. The
-        gradients replaced here are kept until the next backward starts, when PyTorch's would
-        be freed too (by zero_grad): freeing 64 MB mid-step makes the C allocator hand the
-        memory back to the system and fault it in again, page by page, which costs more than the
-        copy saved (16,000 page faults a step for FullMLP(1024), measured).
+        gradients replaced here are kept until the next forward starts (`release_retired`),
+        about when PyTorch's would be freed (by zero_grad): freeing 64 MB at the end of
+        backward made the C allocator hand the memory back to the system and fault it in again,
+        page by page, which cost more than the copy saved (16,000 page faults a step for
+        FullMLP(1024), measured). Any later, and they would add to the peak of the forward.
         """
         before, lent, flat = self.lent[bucket.index], [], bucket.flat
         for pos, (p, layout) in enumerate(zip(bucket.params, self.layouts[bucket.index],
@@ -310,6 +311,10 @@ class Reducer:
                 p.grad = flat.as_strided(*layout)  # its own view: the caller may keep it
             lent.append(weakref.ref(p.grad))  # weak: holding it would hide whether others do
         self.lent[bucket.index] = lent
+
+    def release_retired(self) -> None:
+        """Free the gradients `_lend` replaced: called as the next forward starts."""
+        self.retired = []
 
     def claim(self, bucket: Bucket) -> None:
         """Before this backward's first write into `bucket`: if anything besides the reducer and
