@@ -117,3 +117,22 @@ def test_ddp_benchmark_rejects_bad_options_before_starting_ranks():
         bench.run(parser.parse_args(["--engines", "microddp", "ring"]))
     with pytest.raises(MicroDDPError, match="at least 2 ranks"):
         bench.run(parser.parse_args(["-n", "1"]))
+
+
+def test_ddp_benchmark_control_prints_an_a_a_ratio(capsys):
+    import argparse
+
+    from microddp.bench import ddp as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(MicroDDPError, match="include torch"):
+        bench.run(parser.parse_args(["--engines", "microddp", "--control"]))
+    assert bench.run(parser.parse_args(["--dims", "16", "--depth", "2", "--repeats", "3",
+                                        "--warmup", "1", "--engines", "microddp", "torch",
+                                        "--control"])) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith("16 "))
+    # dim, three times (microddp, torch, torch-2), microddp/torch, A/A
+    assert len(row) == 6 and row[-1].endswith("x") and float(row[-1][:-1]) > 0
+    assert "torch-2" in out and "A/A" in out

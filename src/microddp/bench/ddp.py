@@ -21,6 +21,7 @@ examples:
   microddp bench ddp                              # dims 128 512 1024, depth 16, 2 ranks
   microddp bench ddp --dims 1024 --repeats 50     # one size, more repetitions
   microddp bench ddp --engines microddp torch overlap --bucket-cap-mb 4
+  microddp bench ddp --dims 128 --control         # is a 3% difference real here? (A/A)
 """
 
 DEFAULT_ENGINES = ("microddp", "torch", "naive")
@@ -38,10 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="contenders: microddp torch naive hooks buckets overlap")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="bucket size for every contender (default: each one's default, 25 MiB)")
+    p.add_argument("--control", action="store_true",
+                   help="also time a second, identical PyTorch DDP and print its ratio to the "
+                        "first (A/A): how far apart this machine puts two equal contenders")
+
+
+CONTROL = "torch-2"  # the A/A contender: PyTorch's DDP again, as a separate model
 
 
 def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None, rank: int):
     from ..dp import wrap
+
+    engine = "torch" if engine == CONTROL else engine
     from ..model import FullMLP
 
     torch.manual_seed(0)
@@ -86,18 +95,27 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError("the DDP benchmark needs at least 2 ranks (-n 2)")
     if args.repeats < 1 or args.warmup < 0 or args.batch < 1:
         raise MicroDDPError("--repeats and --batch must be positive, --warmup at least 0")
+    names = list(args.engines) + ([CONTROL] if args.control else [])
+    if args.control and "torch" not in args.engines:
+        raise MicroDDPError("--control compares PyTorch's DDP with itself: include torch in "
+                            "--engines")
     results = spawn(_measure, args.world_size, args=(
-        args.dims, args.depth, args.batch, args.engines, args.repeats, args.warmup,
+        args.dims, args.depth, args.batch, names, args.repeats, args.warmup,
         args.bucket_cap_mb), timeout=3600)[0]
     print(f"FullMLP depth {args.depth}, batch {args.batch}/rank, {args.world_size} ranks, gloo; "
           f"median of {args.repeats} interleaved steps (slowest rank), ms")
-    head = "".join(f"{e:>10}" for e in args.engines)
+    head = "".join(f"{e:>10}" for e in names)
     has_ratio = "microddp" in args.engines and "torch" in args.engines
-    print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}" if has_ratio else ""))
+    print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}" if has_ratio else "")
+          + (f"{'A/A':>8}" if args.control else ""))
     for dim, times in results.items():
-        row = "".join(f"{median(times[e]) * 1e3:>10.2f}" for e in args.engines)
-        ratio = ""
+        row = "".join(f"{median(times[e]) * 1e3:>10.2f}" for e in names)
         if has_ratio:
-            ratio = f"{median(times['microddp']) / median(times['torch']):>15.3f}x"
-        print(f"{dim:>6}{row}{ratio}")
+            row += f"{median(times['microddp']) / median(times['torch']):>15.3f}x"
+        if args.control:
+            row += f"{median(times[CONTROL]) / median(times['torch']):>7.3f}x"
+        print(f"{dim:>6}{row}")
+    if args.control:
+        print("A/A = torch-2/torch: two identical contenders; a microddp/torch ratio that close "
+              "to 1.000 is within this run's noise")
     return 0
