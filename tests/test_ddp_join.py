@@ -26,16 +26,20 @@ def uneven(world, engine, model="mlp", **join_kwargs):
                     nn.functional.cross_entropy(ddp(x), y).backward()
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
-    return [t.detach().clone() for t in [*module.parameters(), *module.buffers()]]
+    # the gradients too: shadowing the others must leave a joined rank's own .grad alone
+    grads = [p.grad.clone() for p in module.parameters() if p.grad is not None]
+    return [t.detach().clone() for t in [*module.parameters(), *module.buffers()]], grads
 
 
 def join_cases(world):
     out = {}
     for name, kwargs in {"default": {}, "bn": {"model": "bn"},
                          "divide by active ranks": {"divide_by_initial_world_size": False}}.items():
-        ours, theirs = uneven(world, "microddp", **kwargs), uneven(world, "torch", **kwargs)
-        out[name] = all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
-    return out, uneven(world, "microddp")
+        (ours, our_grads), (theirs, their_grads) = (uneven(world, "microddp", **kwargs),
+                                                    uneven(world, "torch", **kwargs))
+        out[name] = all(torch.equal(a, b) for a, b in zip(ours + our_grads,
+                                                          theirs + their_grads, strict=True))
+    return out, uneven(world, "microddp")[0]
 
 
 def test_join_matches_torch_and_ends_with_identical_replicas():

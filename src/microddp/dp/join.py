@@ -94,7 +94,7 @@ def shadow_backward(reducer: Reducer) -> None:
     """Issue the same collectives as a real backward would, in the same order, with zeros."""
     futures = []
     for bucket in reducer.buckets:
-        reducer.claim(bucket)  # its buffer may still be this rank's .grad: never zero that
+        reducer.claim(bucket, exclusive=True)  # it may be this rank's .grad: never zero that
         bucket.flat.zero_()
         if reducer.comm_hook is None:
             futures.append(Summing(bucket.flat, reducer.group))

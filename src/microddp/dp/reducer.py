@@ -316,17 +316,18 @@ class Reducer:
         """Free the gradients `_lend` replaced: called as the next forward starts."""
         self.retired = []
 
-    def claim(self, bucket: Bucket) -> None:
+    def claim(self, bucket: Bucket, exclusive: bool = False) -> None:
         """Before this backward's first write into `bucket`: if anything besides the reducer and
         the parameters' current `.grad` still refers to its lent buffer (a gradient kept from an
         earlier step, say), give the bucket fresh memory, so what the caller holds never changes.
+        `exclusive`: the current `.grad`s must not see the writes either (Join's zeros).
         """
         k, lent = bucket.index, self.lent[bucket.index]
         self.claimed[k] = 1
         if lent is None:
             return
-        attached = sum(1 for p, v in zip(bucket.params, lent, strict=True)
-                       if p.grad is not None and p.grad is v())
+        attached = 0 if exclusive else sum(1 for p, v in zip(bucket.params, lent, strict=True)
+                                           if p.grad is not None and p.grad is v())
         if _refs(bucket.flat) == self.alone[k] + attached:
             return
         bucket.flat = torch.zeros_like(bucket.flat)
