@@ -10,17 +10,18 @@ from microddp.dp import wrap
 from test_ddp_equivalence import DIM, MODELS
 
 
-def uneven(world, engine, model="mlp", **join_kwargs):
+def uneven(world, engine, model="mlp", set_to_none=True, **join_kwargs):
     torch.manual_seed(0)
     module = MODELS[model]()
     ddp = wrap(module, engine)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(world.rank)
+    dim = module.net[0].in_features if model == "wide" else DIM
     n_batches = 2 + 2 * world.rank  # rank 0 runs out first
     with ddp.join(**join_kwargs):
         for i in range(n_batches):
-            opt.zero_grad()
-            x, y = torch.randn(6, DIM, generator=g), torch.randint(0, 2, (6,), generator=g)
+            opt.zero_grad(set_to_none=set_to_none)
+            x, y = torch.randn(6, dim, generator=g), torch.randint(0, 2, (6,), generator=g)
             if i == 1:  # accumulate across one no_sync micro-step as well
                 with ddp.no_sync():
                     nn.functional.cross_entropy(ddp(x), y).backward()
@@ -34,7 +35,9 @@ def uneven(world, engine, model="mlp", **join_kwargs):
 def join_cases(world):
     out = {}
     for name, kwargs in {"default": {}, "bn": {"model": "bn"},
-                         "divide by active ranks": {"divide_by_initial_world_size": False}}.items():
+                         "divide by active ranks": {"divide_by_initial_world_size": False},
+                         # lent buckets that are the .grad the joined rank keeps
+                         "wide, grads kept": {"model": "wide", "set_to_none": False}}.items():
         (ours, our_grads), (theirs, their_grads) = (uneven(world, "microddp", **kwargs),
                                                     uneven(world, "torch", **kwargs))
         out[name] = all(torch.equal(a, b) for a, b in zip(ours + our_grads,
@@ -45,7 +48,8 @@ def join_cases(world):
 def test_join_matches_torch_and_ends_with_identical_replicas():
     results = mdp.spawn(join_cases, 3, timeout=120)
     for same, _ in results:
-        assert same == {"default": True, "bn": True, "divide by active ranks": True}
+        assert same == {"default": True, "bn": True, "divide by active ranks": True,
+                        "wide, grads kept": True}
     final = [params for _, params in results]
     assert all(torch.equal(a, b) for other in final[1:] for a, b in zip(final[0], other, strict=True))
 
