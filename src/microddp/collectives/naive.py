@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ._agree import agree, begin_all_reduce
+from ._agree import begin_all_reduce, begin_rooted
 from ._group import (
     COMBINE,
     Flat,
-    Peers,
-    check_tensor,
     scratch,
-    try_list,
-    try_root,
     wait_all,
 )
 
@@ -50,17 +46,11 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
             group=None, *, check: bool = True) -> torch.Tensor:
     """Group rank i receives scatter_list[i] (given on global rank `src`) into `tensor`."""
-    where = "scatter"
-    check_tensor(tensor, where)
-    peers = Peers(group)
-    if not peers.member:
+    started = begin_rooted(tensor, "scatter", group, check, "src", src, parts=scatter_list,
+                           parts_name="scatter_list")
+    if started is None:
         return tensor
-    root, problem = try_root(peers, src, "src")
-    parts: list = []
-    if problem is None and peers.me == root:
-        parts, problem = try_list(scatter_list, tensor, peers.size, where, "scatter_list")
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
+    peers, root, _, parts = started
     flat = Flat(tensor)
     if peers.me != root:
         peers.recv(flat.data, root)
@@ -79,17 +69,11 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 
     Returns gather_list on `dst`, None elsewhere.
     """
-    where = "gather"
-    check_tensor(tensor, where)
-    peers = Peers(group)
-    if not peers.member:
+    started = begin_rooted(tensor, "gather", group, check, "dst", dst, parts=gather_list,
+                           parts_name="gather_list")
+    if started is None:
         return None
-    root, problem = try_root(peers, dst, "dst")
-    outs: list = []
-    if problem is None and peers.me == root:
-        outs, problem = try_list(gather_list, tensor, peers.size, where, "gather_list")
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, dst=dst)
+    peers, root, _, outs = started
     if peers.me != root:
         peers.send(tensor.contiguous(), root)
         return None

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ._agree import agree, begin_all_reduce, butterfly_
+from ._agree import begin_all_reduce, begin_rooted, butterfly_
 from ._group import (
     COMBINE,
     Flat,
-    Peers,
-    check_tensor,
     scratch,
-    try_op,
-    try_root,
     wait_all,
 )
 
@@ -29,14 +25,10 @@ def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None, *,
     Binomial tree: in round k every rank that already has the data sends it to the rank
     2^k further on (counted from `src`), so the number of holders doubles each round.
     """
-    where = "tree_broadcast"
-    check_tensor(tensor, where)
-    peers = Peers(group)
-    if not peers.member:
+    started = begin_rooted(tensor, "tree_broadcast", group, check, "src", src)
+    if started is None:
         return tensor
-    root, problem = try_root(peers, src, "src")
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
+    peers, root, _, _ = started
     p = peers.size
     if p == 1:
         return tensor
@@ -65,15 +57,10 @@ def tree_reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None,
     The broadcast tree run backwards: partial results flow up and are combined on the way.
     Other ranks' tensors are left as they were (torch leaves them unspecified).
     """
-    where = "tree_reduce"
-    check_tensor(tensor, where)
-    peers = Peers(group)
-    if not peers.member:
+    started = begin_rooted(tensor, "tree_reduce", group, check, "dst", dst, op=op)
+    if started is None:
         return tensor
-    name, problem = try_op(op, tensor, where)
-    root, problem2 = try_root(peers, dst, "dst")
-    agree(peers, where, tensor.device, problem or problem2, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name, dst=dst)
+    peers, root, name, _ = started
     p = peers.size
     if p == 1:
         return tensor
