@@ -62,11 +62,17 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
+def view_layout(p: torch.Tensor, offset: int) -> tuple:
+    """as_strided arguments for p's gradient at `offset` in a flat buffer: p's own strides when
+    p fills its memory densely (as autograd lays out grads), else plain row-major ones."""
+    if dense(p):
+        return p.size(), p.stride(), offset
+    return p.size(), torch.empty(p.size(), device="meta").stride(), offset
+
+
 def bucket_view(flat: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tensor:
     """The slice of `flat` that holds p's gradient, laid out like p (as autograd lays out grads)."""
-    if dense(p):
-        return flat.as_strided(p.size(), p.stride(), offset)
-    return flat.narrow(0, offset, p.numel()).view(p.size())
+    return flat.as_strided(*view_layout(p, offset))
 
 
 # --8<-- [start:bucket]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import trace
 from ..errors import MicroDDPError
-from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, bucket_view, dense, plan_buckets
+from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, bucket_view, plan_buckets, view_layout
 from .comm_hooks import CommHook, GradBucket, Summing
 from .sync import distributed, global_rank
 from .unused import accumulators, find_unused
@@ -58,7 +58,6 @@ class Reducer:
         self.find_unused, self.as_view, self.static_graph = (
             find_unused_parameters, gradient_as_bucket_view, static_graph)
         self.comm_hook: CommHook | None = None
-        self.lend = _CAN_LEND  # hand reduced buffers to .grad instead of copying (see _lend)
         self.comm_state = None
         # Rebuilding follows the real arrival order, which is only known when every
         # parameter reports in: not under find_unused_parameters (as in PyTorch).
@@ -87,10 +86,11 @@ class Reducer:
         # buffer has while only the reducer holds it (the flat tensor and its own views).
         self.lent: list[list | None] = [None] * len(self.buckets)
         self.alone = [_refs(b.flat) if _CAN_LEND else 0 for b in self.buckets]
-        self.lendable = [b.flat.numel() >= LEND_AT_LEAST * len(b.params) for b in self.buckets]
+        self.lendable = [_CAN_LEND and not self.as_view
+                         and b.flat.numel() >= LEND_AT_LEAST * len(b.params) for b in self.buckets]
         self.claimed = bytearray(len(self.buckets))
         # Where each gradient sits in its bucket, worked out once: _lend makes views every step.
-        self.layouts = [[_layout(p, o) for p, o in zip(b.params, b.offsets, strict=True)]
+        self.layouts = [[view_layout(p, o) for p, o in zip(b.params, b.offsets, strict=True)]
                         for b in self.buckets]
         self.where = {}
         for b in self.buckets:
@@ -277,8 +277,7 @@ class Reducer:
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor, used: list[int] | None) -> None:
         same = _same_memory(result, bucket.flat)
-        lend = self.lend and self.lendable[bucket.index] and not self.as_view
-        if same and used is None and lend:
+        if same and used is None and self.lendable[bucket.index]:
             self._lend(bucket)
             return
         dst, src = [], []
@@ -357,12 +356,6 @@ def _rank(group) -> int:
 # anyone else still holds a lent buffer. Without it, reduced gradients are copied, as PyTorch does.
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 _CAN_LEND = _use_count is not None
-
-
-def _layout(p: torch.Tensor, offset: int) -> tuple:
-    """as_strided arguments giving p's gradient in a bucket: `bucket_view`, precomputed."""
-    stride = p.stride() if dense(p) else torch.empty(p.size(), device="meta").stride()
-    return p.size(), stride, offset
 
 
 def _refs(flat: torch.Tensor) -> int:
