@@ -24,6 +24,7 @@ from ._group import (
     wait_all,
 )
 from ._pipeline import pipelined_ring_all_reduce_
+from ._plan import RingPlan, make_plan, plan_for
 
 # On gloo, chunks up to this size go with every receive posted before the first send (one
 # round trip less per step, most of a small message's cost); larger ones go plainly, one
@@ -65,6 +66,23 @@ def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
         # Received chunks land straight in their place: no copies in the gather phase.
         wait_all(peers.exchange(data[off[si]:off[si + 1]], nxt, data[off[ri]:off[ri + 1]], prv,
                                 p + s))
+
+
+def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
+    """The plain ring on gloo, from views cut beforehand: one message per step, send first.
+
+    Between sends there is nothing but the wire calls and the add (see _plan.py for why).
+    """
+    nxt, prv = (peers.me + 1) % peers.size, (peers.me - 1) % peers.size
+    combine = COMBINE[name]
+    for send, recv, into, tag in plan.reduce_scatter:
+        wait_all(peers.exchange(send, nxt, recv, prv, tag))
+        if recv.numel():
+            combine(into, recv)
+    if name == "avg":  # divide only the chunk this rank owns: 1/p of the work
+        plan.mine.div_(peers.size)
+    for send, recv, tag in plan.all_gather:
+        wait_all(peers.exchange(send, nxt, recv, prv, tag))
 
 
 def preposted_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str) -> None:
@@ -141,8 +159,13 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     if not peers.nccl and chunk_bytes <= PREPOST_MAX_CHUNK:
         preposted_ring_all_reduce_(peers, flat.data, name)
         return flat.done()
-    # The plain ring. (On NCCL each exchange is one batch, which keeps unmatched pairs from
-    # blocking its streams.)
+    if not peers.nccl:  # the plain ring, from views kept for this tensor while it lives
+        plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
+                else make_plan(flat.data, peers.size, peers.me))
+        planned_ring_all_reduce_(peers, plan, name)
+        return flat.done()
+    # The plain ring on NCCL, where each exchange is one batch (which keeps unmatched pairs
+    # from blocking its streams) and launch costs dwarf slicing.
     off = reduce_scatter_flat_(peers, flat.data, name)
     if name == "avg":  # divide only the chunk this rank owns: 1/p of the work
         flat.data[off[peers.me]:off[peers.me + 1]].div_(peers.size)
