@@ -69,7 +69,7 @@ def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
 
 
 def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
-    """The plain ring on gloo, from views cut beforehand: one message per step, send first.
+    """The plain ring, from views cut beforehand: one message per step, send first.
 
     Between sends there is nothing but the wire calls and the add (see _plan.py for why).
     """
@@ -159,17 +159,12 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     if not peers.nccl and chunk_bytes <= PREPOST_MAX_CHUNK:
         preposted_ring_all_reduce_(peers, flat.data, name)
         return flat.done()
-    if not peers.nccl:  # the plain ring, from views kept for this tensor while it lives
-        plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
-                else make_plan(flat.data, peers.size, peers.me))
-        planned_ring_all_reduce_(peers, plan, name)
-        return flat.done()
-    # The plain ring on NCCL, where each exchange is one batch (which keeps unmatched pairs
-    # from blocking its streams) and launch costs dwarf slicing.
-    off = reduce_scatter_flat_(peers, flat.data, name)
-    if name == "avg":  # divide only the chunk this rank owns: 1/p of the work
-        flat.data[off[peers.me]:off[peers.me + 1]].div_(peers.size)
-    all_gather_flat_(peers, flat.data, off)
+    # The plain ring, from views kept for this tensor while it lives (a packed copy's change
+    # every call). On NCCL each exchange goes as one batch, which keeps unmatched pairs from
+    # blocking its streams.
+    plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
+            else make_plan(flat.data, peers.size, peers.me))
+    planned_ring_all_reduce_(peers, plan, name)
     return flat.done()
 
 
