@@ -8,6 +8,7 @@ same clear error on every rank instead of a hang or a silently wrong result.
 
 from __future__ import annotations
 
+import array
 import zlib
 from collections.abc import Callable
 
@@ -67,10 +68,16 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
         return
     fields = {"arguments": int(problem is not None), **fields}
     codes = [_code(v) for v in fields.values()]
-    buf = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=device)
+    # Everything before the first send delays the other ranks too, so this is built and read
+    # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
+    # list, slicing and negating tensors cost 25 us more per call, measured).
+    buf = torch.frombuffer(array.array("q", codes + [-c for c in codes]), dtype=torch.int64)
+    if device.type != "cpu":
+        buf = buf.to(device)
     butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
     k = len(codes)
-    highs, lows = buf[:k].tolist(), (-buf[k:]).tolist()
+    out = buf.tolist()
+    highs, lows = out[:k], [-v for v in out[k:]]
     if problem is not None:
         raise problem
     if highs[0]:
