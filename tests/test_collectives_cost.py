@@ -13,6 +13,7 @@ from microddp import MicroDDPError
 from microddp import collectives as C
 from microddp.bench.allreduce import parse_size, repeats_for
 from microddp.collectives.cost import ALGORITHMS, CostModel, bytes_sent, fit_line
+from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT, ring_segments
 
 M = CostModel(alpha=1e-5, beta=1e-9, gamma=2e-10)
 
@@ -24,6 +25,20 @@ def test_ring_formula():
     # the two halves add up to the whole
     assert M.ring_reduce_scatter(n, p) + M.ring_all_gather(n, p) == pytest.approx(
         M.ring_all_reduce(n, p), rel=1e-12)
+
+
+def test_pipelined_ring_formula_and_segments_the_ring_sends():
+    """k segments: the same latency and bytes per step, but only one segment's add exposed."""
+    n, p, k = 64 << 20, 4, 16
+    expected = 2 * 3 * (1e-5 + (n / 4) * 1e-9) + 3 * (n / 4 / k) * 2e-10
+    assert M.ring_all_reduce(n, p, segments=k) == pytest.approx(expected, rel=1e-12)
+    assert M.predict("ring_all_reduce", n, p, segments=1) == M.ring_all_reduce(n, p)
+    # The ring's own choice, on gloo: whole chunks below PIPELINE_MIN_CHUNK, then segments.
+    at = PIPELINE_MIN_CHUNK * p
+    assert ring_segments(at - 4 * p, p) == 1
+    assert ring_segments(at, p) == PIPELINE_MIN_CHUNK // PIPELINE_SEGMENT
+    assert ring_segments(1 << 20, p, segment_bytes=1 << 16) == 4  # 256 KiB chunks
+    assert ring_segments(1 << 20, p, segment_bytes=1 << 20) == 1  # chunk fits one segment
 
 
 def test_ring_bandwidth_term_is_bounded_in_p():

@@ -23,7 +23,7 @@ def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
     nxt, prv = (r + 1) % p, (r - 1) % p
     off = bounds(data.numel(), p)
     width = max(off[i + 1] - off[i] for i in range(p))
-    k = max(1, min(width, -(-width * data.element_size() // segment_bytes)))
+    k = segments_per_chunk(width, data.element_size(), segment_bytes)
     # seg[c][j]: segment j of chunk c, as a view; chunks differ by at most one element.
     seg = [[data[off[c] + a:off[c] + b] for a, b in _pairs(bounds(off[c + 1] - off[c], k))]
            for c in range(p)]
@@ -95,6 +95,12 @@ def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
         fill()
     for w in last_send.values():
         w.wait()
+
+
+def segments_per_chunk(width: int, element_size: int, segment_bytes: int) -> int:
+    """Segments of at most `segment_bytes` that cut the widest chunk (`width` elements);
+    every chunk is cut into that many, so all ranks send the same number of messages."""
+    return max(1, min(width, -(-width * element_size // segment_bytes)))
 
 
 def _pairs(offsets: list[int]) -> list[tuple[int, int]]:

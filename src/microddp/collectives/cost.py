@@ -29,11 +29,19 @@ class CostModel:
     def _msg(self, nbytes: float) -> float:
         return self.alpha + nbytes * self.beta
 
-    def ring_all_reduce(self, n: float, p: int) -> float:
-        """2(p-1) steps of n/p bytes, and (p-1) reductions of n/p bytes on each rank."""
+    def ring_all_reduce(self, n: float, p: int, segments: int = 1) -> float:
+        """2(p-1) steps of n/p bytes, and (p-1) reductions of n/p bytes on each rank.
+
+        Pipelined in k `segments` per chunk, each rank's link still carries the same bytes,
+        but a segment travels while the one before it is added, and its latency passes while
+        the ones before it are still on the wire: per step one latency and one segment's add
+        stay on the critical path. (Each message's own CPU cost, not modelled, is why the ring
+        pipelines only large chunks.)
+        """
         if p <= 1:
             return 0.0
-        return 2 * (p - 1) * self._msg(n / p) + (p - 1) * (n / p) * self.gamma
+        chunk = n / p
+        return 2 * (p - 1) * self._msg(chunk) + (p - 1) * (chunk / max(1, segments)) * self.gamma
 
     def ring_reduce_scatter(self, n: float, p: int) -> float:
         """The first half of the ring all-reduce (n = bytes of the whole input)."""
@@ -70,14 +78,15 @@ class CostModel:
     def gather(self, n: float, p: int) -> float:
         return (p - 1) * self._msg(n / p)
 
-    def predict(self, algorithm: str, nbytes: float, p: int) -> float:
-        """Predicted seconds for `algorithm` (a name from ALGORITHMS) on `nbytes` and `p` ranks."""
+    def predict(self, algorithm: str, nbytes: float, p: int, **options) -> float:
+        """Predicted seconds for `algorithm` (a name from ALGORITHMS) on `nbytes` and `p` ranks;
+        `options` go to the algorithm's own method (the ring's `segments`)."""
         if algorithm not in ALGORITHMS:
             raise MicroDDPError(f"no cost model for {algorithm!r}; choose one of "
                                 f"{', '.join(ALGORITHMS)}")
         if p < 1 or nbytes < 0:
             raise MicroDDPError(f"need p >= 1 ranks and nbytes >= 0, got p={p}, nbytes={nbytes}")
-        return getattr(self, algorithm)(float(nbytes), p)
+        return getattr(self, algorithm)(float(nbytes), p, **options)
 
 
 def bytes_sent(algorithm: str, n: float, p: int) -> float:

@@ -23,15 +23,20 @@ from ._group import (
     try_op,
     wait_all,
 )
-from ._pipeline import pipelined_ring_all_reduce_
+from ._pipeline import pipelined_ring_all_reduce_, segments_per_chunk
 from ._plan import RingPlan, make_plan, plan_for
 
 # On gloo, chunks up to this size go with every receive posted before the first send (one
 # round trip less per step, most of a small message's cost); larger ones go plainly, one
-# message per step, send first. Measured on a 2-core host, the plain ring beat both that and
-# a pipelined one (segments, receives posted ahead) at every size from 1 to 64 MiB, on 2 and
-# 4 ranks: see chapter 4. Pipelining stays available with an explicit `segment_bytes`.
+# message per step, send first; from PIPELINE_MIN_CHUNK on, they are pipelined in segments
+# of PIPELINE_SEGMENT (gloo's own ring cuts at most 1 MiB per message too), so that adding
+# one segment overlaps the next one's transfer. A message costs about 80 us here (thread
+# wake-ups, not bytes), a segment of 1 MiB about 1 ms: measured on a 2-core host, the pipeline
+# lost to the plain ring below 8 MiB chunks and was level at 8 MiB, but from 16 MiB chunks it
+# was 0.97-1.02x gloo's time where the plain ring was 1.10-1.17x (chapter 4).
 PREPOST_MAX_CHUNK = 256 << 10
+PIPELINE_MIN_CHUNK = 16 << 20
+PIPELINE_SEGMENT = 1 << 20
 
 
 def reduce_scatter_flat_(peers: Peers, data: torch.Tensor, name: str,
@@ -142,19 +147,21 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     the caller already knows every rank passes the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
     through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
-    internally); by default chunks go whole.
+    internally); by default chunks go whole, and chunks of PIPELINE_MIN_CHUNK bytes or more
+    go in segments of PIPELINE_SEGMENT.
     """
     where = "ring_all_reduce"
+    if segment_bytes is not None and segment_bytes < 1:
+        raise MicroDDPError(f"segment_bytes must be positive, got {segment_bytes}")
     started = begin_all_reduce(tensor, op, group, check, where)
     if started is None:
         return tensor
     peers, name = started
     flat = Flat(tensor)
     chunk_bytes = -(-flat.data.numel() // peers.size) * flat.data.element_size()
-    if segment_bytes is not None and segment_bytes < 1:
-        raise MicroDDPError(f"segment_bytes must be positive, got {segment_bytes}")
-    if segment_bytes is not None and chunk_bytes > segment_bytes and not peers.nccl:
-        pipelined_ring_all_reduce_(peers, flat.data, name, segment_bytes)
+    segment = _segment_bytes(chunk_bytes, segment_bytes)
+    if segment is not None and not peers.nccl:
+        pipelined_ring_all_reduce_(peers, flat.data, name, segment)
         return flat.done()
     if not peers.nccl and chunk_bytes <= PREPOST_MAX_CHUNK:
         preposted_ring_all_reduce_(peers, flat.data, name)
@@ -166,6 +173,25 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
             else make_plan(flat.data, peers.size, peers.me))
     planned_ring_all_reduce_(peers, plan, name)
     return flat.done()
+
+
+def _segment_bytes(chunk_bytes: int, asked: int | None) -> int | None:
+    """The segment size the ring pipelines chunks of `chunk_bytes` in on gloo, or None when
+    chunks go whole."""
+    segment = PIPELINE_SEGMENT if asked is None and chunk_bytes >= PIPELINE_MIN_CHUNK else asked
+    return segment if segment is not None and chunk_bytes > segment else None
+
+
+def ring_segments(nbytes: int, p: int, element_size: int = 4,
+                  segment_bytes: int | None = None) -> int:
+    """Messages per ring step on gloo for an all-reduce of `nbytes` on `p` ranks: 1 when chunks
+    go whole, else the pipeline's segments per chunk (what the cost model needs to know)."""
+    numel = nbytes // element_size
+    chunk_bytes = -(-numel // p) * element_size
+    segment = _segment_bytes(chunk_bytes, segment_bytes)
+    if segment is None:
+        return 1
+    return segments_per_chunk(-(-numel // p), element_size, segment)
 
 
 def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: str = "sum",

@@ -1,0 +1,43 @@
+"""ring_all_reduce picks its path by chunk size on gloo (see collectives/ring.py): whole chunks
+below PIPELINE_MIN_CHUNK, segments of PIPELINE_SEGMENT from there on. Each path must give
+torch.distributed's result; the messages sent show which path ran."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import microddp as mdp
+from microddp.collectives import ring_all_reduce, traffic
+from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT
+
+
+def around_the_switch(world):
+    p = world.world_size
+    g = torch.Generator().manual_seed(world.rank)
+    at = PIPELINE_MIN_CHUNK // 4 * p  # float32 elements: chunks of exactly PIPELINE_MIN_CHUNK
+    out = {}
+    for label, numel, op in (("below", at - p, "sum"), ("at", at, "sum"), ("at", at, "avg"),
+                             ("above", at + 2 * p + 1, "sum")):
+        t = torch.randn(numel, generator=g)
+        ref = t.clone()
+        dist.all_reduce(ref)
+        if op == "avg":
+            ref /= p
+        with traffic() as sent:
+            ring_all_reduce(t, op, check=False)
+        out[(label, op)] = {"equal": torch.allclose(t, ref, rtol=1e-6, atol=1e-6),
+                            "messages": sent.messages}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_chunks_are_pipelined_and_equal_to_torch(world_size):
+    p = world_size
+    segments = PIPELINE_MIN_CHUNK // PIPELINE_SEGMENT
+    for r in mdp.spawn(around_the_switch, p, timeout=120):
+        assert all(v["equal"] for v in r.values()), r
+        assert r[("below", "sum")]["messages"] == 2 * (p - 1)  # one message per step
+        assert r[("at", "sum")]["messages"] == 2 * (p - 1) * segments
+        assert r[("at", "avg")]["messages"] == 2 * (p - 1) * segments
+        # one element more per chunk than a whole number of segments: one more segment
+        assert r[("above", "sum")]["messages"] == 2 * (p - 1) * (segments + 1)
