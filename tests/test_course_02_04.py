@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,6 +84,12 @@ def test_compare_algorithms_counts_match_the_model():
         assert messages == expect[2]
     fastest = re.findall(r"^\s+(\d+)\s+[\d.ms ]+\s+(naive|ring|tree)$", out, re.M)
     assert [f for _, f in fastest] == ["tree"] * 5 + ["ring"] * 5
+    seg = dict((label, (int(mib), int(msgs), ok)) for label, mib, msgs, ok in re.findall(
+        r"^\s+(whole chunks|default)\s+(\d+) MiB sent in\s+(\d+) messages\s+matches torch: "
+        r"(\w+)$", out, re.M))
+    chunk_mib = PIPELINE_MIN_CHUNK >> 20
+    assert seg["whole chunks"] == (2 * chunk_mib, 2, "yes")  # 2 ranks: 2 steps, one message each
+    assert seg["default"] == (2 * chunk_mib, 2 * chunk_mib * (1 << 20) // PIPELINE_SEGMENT, "yes")
 
 
 def math_log2(p: int) -> int:
