@@ -158,7 +158,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
         return tensor
     peers, name = started
     flat = Flat(tensor)
-    chunk_bytes = -(-flat.data.numel() // peers.size) * flat.data.element_size()
+    chunk_bytes = _chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
     segment = _segment_bytes(chunk_bytes, segment_bytes)
     if segment is not None and not peers.nccl:
         pipelined_ring_all_reduce_(peers, flat.data, name, segment)
@@ -175,6 +175,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     return flat.done()
 
 
+def _chunk_bytes(numel: int, p: int, element_size: int) -> int:
+    """Bytes of the widest of the p near-equal chunks that bounds() cuts `numel` elements into."""
+    return -(-numel // p) * element_size
+
+
 def _segment_bytes(chunk_bytes: int, asked: int | None) -> int | None:
     """The segment size the ring pipelines chunks of `chunk_bytes` in on gloo, or None when
     chunks go whole."""
@@ -186,12 +191,11 @@ def ring_segments(nbytes: int, p: int, element_size: int = 4,
                   segment_bytes: int | None = None) -> int:
     """Messages per ring step on gloo for an all-reduce of `nbytes` on `p` ranks: 1 when chunks
     go whole, else the pipeline's segments per chunk (what the cost model needs to know)."""
-    numel = nbytes // element_size
-    chunk_bytes = -(-numel // p) * element_size
+    chunk_bytes = _chunk_bytes(nbytes // element_size, p, element_size)
     segment = _segment_bytes(chunk_bytes, segment_bytes)
     if segment is None:
         return 1
-    return segments_per_chunk(-(-numel // p), element_size, segment)
+    return segments_per_chunk(chunk_bytes // element_size, element_size, segment)
 
 
 def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: str = "sum",
