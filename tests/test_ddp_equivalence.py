@@ -52,8 +52,35 @@ class Branchy(nn.Module):
         return out + self.extra(x) if use_extra else out
 
 
+class ChannelsLast(nn.Module):
+    """A conv layer whose weight is stored channels-last: its bucket view is not row-major."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 8, 2), nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = x.view(-1, 4, 2, 2).contiguous(memory_format=torch.channels_last)
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+class SmallLent(nn.Module):
+    """Gradients big enough on average to be lent, each small enough to be copied in together."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(224, 224, bias=False), nn.ReLU(),
+                                 nn.Linear(224, 224, bias=False), nn.ReLU(),
+                                 nn.Linear(224, 2, bias=False))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 MODELS = {"mlp": lambda: mdp.FullMLP(DIM, 4), "wide": lambda: mdp.FullMLP(512, 3),
-          "bn": WithBatchNorm, "tied": Tied, "branchy": Branchy}
+          "bn": WithBatchNorm, "tied": Tied, "branchy": Branchy,
+          "channels_last": lambda: ChannelsLast().to(memory_format=torch.channels_last),
+          "small_lent": SmallLent}
 TORCH_HOOKS = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
 OUR_HOOKS = {"allreduce": comm_hooks.allreduce, "fp16": comm_hooks.fp16_compress}
 
@@ -62,7 +89,7 @@ def train(world, engine, model="mlp", optim="sgd", accumulate=1, hook=None, seed
           set_to_none=True, **ddp_kwargs):
     torch.manual_seed(world.rank if seed_per_rank else 0)  # per-rank: the broadcast must fix it
     module = MODELS[model]()
-    dim = module.net[0].in_features if model == "wide" else DIM
+    dim = module.net[0].in_features if model in ("wide", "small_lent") else DIM
     ddp = wrap(module, engine, **ddp_kwargs)
     if hook:
         ddp.register_comm_hook(None, (TORCH_HOOKS if engine == "torch" else OUR_HOOKS)[hook])
@@ -93,11 +120,14 @@ CASES = {
     # grads of wide layers are lent views of the bucket: kept by zero_grad, reused in place
     "zero_grad keeps grads": {"model": "wide", "set_to_none": False, "accumulate": 2,
                               "optim": "adam"},
+    "small lent grads kept by zero_grad": {"model": "small_lent", "set_to_none": False,
+                                           "accumulate": 2},
     "gradient_as_bucket_view": {"gradient_as_bucket_view": True, "accumulate": 2},
     "several buckets after rebuild": {"model": "wide"},
     "small buckets": {"bucket_cap_mb": 0.001, "optim": "adam"},
     "batchnorm": {"model": "bn", "seed_per_rank": True, "accumulate": 2},
     "tied and frozen weights": {"model": "tied"},
+    "channels-last weights": {"model": "channels_last", "optim": "adam"},
     "find_unused_parameters": {"model": "branchy", "find_unused_parameters": True},
     "find_unused_parameters with no_sync": {"model": "branchy", "find_unused_parameters": True,
                                             "accumulate": 2},
