@@ -30,14 +30,18 @@ MAX_PLANS = 64  # oldest dropped first: a bound for code that all-reduces endles
 class RingPlan:
     """Steps of the ring on one flat tensor, for rank `me` of `size`.
 
-    reduce_scatter: (send this partial, receive into this scratch, add it into this chunk, tag)
+    reduce_scatter: (send this partial, receive into this scratch, add it into this chunk, tag);
+      consecutive steps receive into alternate halves of the scratch buffer, so the next
+      step's receive can be posted while this step's partial is being added
     all_gather: (send this complete chunk, receive straight into this chunk, tag)
     mine: the chunk this rank completes (divided by p for avg).
+    steps: both phases as one sequence of (send, receive, add into or None, tag).
     """
 
     reduce_scatter: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], ...]
     all_gather: tuple[tuple[torch.Tensor, torch.Tensor, int], ...]
     mine: torch.Tensor
+    steps: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int], ...]
 
 
 _plans: dict[int, tuple[weakref.ref, tuple, RingPlan]] = {}
@@ -58,11 +62,13 @@ def make_plan(data: torch.Tensor, size: int, me: int) -> RingPlan:
         alias = data.new_empty(0).set_(data.untyped_storage(), data.storage_offset(),
                                        (data.numel(),))
     chunk = [alias[off[c]:off[c + 1]] for c in range(p)]
-    incoming = scratch("ring-incoming", max(c.numel() for c in chunk), data.dtype, data.device)
-    rs = tuple((chunk[(r - s - 1) % p], incoming[:chunk[(r - s - 2) % p].numel()],
+    width = max(c.numel() for c in chunk)
+    incoming = scratch("ring-incoming", width * min(2, p - 1), data.dtype, data.device)
+    rs = tuple((chunk[(r - s - 1) % p],
+                incoming[(s % 2) * width:(s % 2) * width + chunk[(r - s - 2) % p].numel()],
                 chunk[(r - s - 2) % p], 1 + s) for s in range(p - 1))
     ag = tuple((chunk[(r - s) % p], chunk[(r - s - 1) % p], p + s) for s in range(p - 1))
-    return RingPlan(rs, ag, chunk[r])
+    return RingPlan(rs, ag, chunk[r], rs + tuple((send, recv, None, tag) for send, recv, tag in ag))
 
 
 def plan_for(tensor: torch.Tensor, data: torch.Tensor, size: int, me: int) -> RingPlan:

@@ -35,6 +35,13 @@ from ._plan import RingPlan, make_plan, plan_for
 # lost to the plain ring below 8 MiB chunks and was level at 8 MiB, but from 16 MiB chunks it
 # was 0.97-1.02x gloo's time where the plain ring was 1.10-1.17x (chapter 4).
 PREPOST_MAX_CHUNK = 256 << 10
+# The plain ring posts each step's next receive before adding (planned_ring_all_reduce_) on
+# more than 2 ranks, and on 2 ranks from chunks of this size. Measured interleaved against
+# posting each receive with its own send: on 3 and 4 ranks it won at every size tried (2-32
+# MiB tensors: 0.98-1.10x gloo's time against 1.09-2.06x); on 2 ranks it won with 8 MiB
+# chunks (0.98-1.03x against 1.06-1.09x), was level with 4 MiB ones and lost with 1-2 MiB
+# ones (1.07-1.23x against 1.03-1.13x), where the early data competes with the add for a core.
+LOOKAHEAD_MIN_CHUNK_2 = 8 << 20
 PIPELINE_MIN_CHUNK = 16 << 20
 PIPELINE_SEGMENT = 1 << 20
 
@@ -73,18 +80,55 @@ def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
                                 p + s))
 
 
-def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
+def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str,
+                             lookahead: bool = False) -> None:
     """The plain ring, from views cut beforehand: one message per step, send first.
 
     Between sends there is nothing but the wire calls and the add (see _plan.py for why).
+    With `lookahead` (gloo only), each step posts the next step's receive before adding: gloo
+    holds a send back until the receiver has announced its buffer, so the neighbour's next
+    send can start while this rank is still adding, without waiting for it to be scheduled.
+    That buffer is free once this step's send is done: the reduce-scatter alternates two
+    incoming buffers, and a gather step receives into a chunk this rank sent earlier (with 2
+    ranks, the one this very step sends).
     """
+    if peers.nccl:
+        _batched_ring_all_reduce_(peers, plan, name)
+        return
+    p = peers.size
+    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
+    combine = COMBINE[name]
+    steps = plan.steps
+
+    def post(k: int):
+        recv, tag = steps[k][1], steps[k][3]
+        return peers.irecv(recv, prv, tag) if recv.numel() else None
+
+    ahead = None  # this step's receive, when the step before posted it
+    for k, (send, recv, into, tag) in enumerate(steps):
+        sent = peers.isend(send, nxt, tag) if send.numel() else None
+        posted = ahead if ahead is not None else post(k)
+        if sent is not None:
+            sent.wait()  # exactly once: a second wait() on a gloo send never returns
+        ahead = post(k + 1) if lookahead and k + 1 < len(steps) else None
+        if posted is not None:
+            posted.wait()
+            if into is not None:
+                combine(into, recv)
+        if k == p - 2 and name == "avg":  # divide only the chunk this rank owns: 1/p of the work
+            plan.mine.div_(p)
+
+
+def _batched_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
+    """The plain ring on NCCL: each step's send and receive go as one batch, which keeps
+    unmatched pairs from blocking its streams."""
     nxt, prv = (peers.me + 1) % peers.size, (peers.me - 1) % peers.size
     combine = COMBINE[name]
     for send, recv, into, tag in plan.reduce_scatter:
         wait_all(peers.exchange(send, nxt, recv, prv, tag))
         if recv.numel():
             combine(into, recv)
-    if name == "avg":  # divide only the chunk this rank owns: 1/p of the work
+    if name == "avg":
         plan.mine.div_(peers.size)
     for send, recv, tag in plan.all_gather:
         wait_all(peers.exchange(send, nxt, recv, prv, tag))
@@ -171,7 +215,8 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     # blocking its streams.
     plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
             else make_plan(flat.data, peers.size, peers.me))
-    planned_ring_all_reduce_(peers, plan, name)
+    lookahead = peers.size > 2 or chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2
+    planned_ring_all_reduce_(peers, plan, name, lookahead)
     return flat.done()
 
 
