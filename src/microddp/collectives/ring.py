@@ -40,7 +40,10 @@ PREPOST_MAX_CHUNK = 256 << 10
 # posting each receive with its own send: on 3 and 4 ranks it won at every size tried (2-32
 # MiB tensors: 0.98-1.10x gloo's time against 1.09-2.06x); on 2 ranks it won with 8 MiB
 # chunks (0.98-1.03x against 1.06-1.09x), was level with 4 MiB ones and lost with 1-2 MiB
-# ones (1.07-1.23x against 1.03-1.13x), where the early data competes with the add for a core.
+# ones (1.07-1.23x against 1.02-1.13x), where the early data competes with the add for a core.
+# There (2 ranks, 8 MiB chunks) the first receive also goes before the first send: 0.98-1.08x
+# against 1.06-1.14x in three runs; on 4 ranks, the other way round (send first: 1.00-1.09x
+# against 1.02-1.12x in two).
 LOOKAHEAD_MIN_CHUNK_2 = 8 << 20
 PIPELINE_MIN_CHUNK = 16 << 20
 PIPELINE_SEGMENT = 1 << 20
@@ -81,7 +84,7 @@ def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
 
 
 def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str,
-                             lookahead: bool = False) -> None:
+                             lookahead: bool = False, recv_first: bool = False) -> None:
     """The plain ring, from views cut beforehand: one message per step, send first.
 
     Between sends there is nothing but the wire calls and the add (see _plan.py for why).
@@ -90,7 +93,8 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str,
     send can start while this rank is still adding, without waiting for it to be scheduled.
     That buffer is free once this step's send is done: the reduce-scatter alternates two
     incoming buffers, and a gather step receives into a chunk this rank sent earlier (with 2
-    ranks, the one this very step sends).
+    ranks, the one this very step sends). `recv_first` posts the first receive before the
+    first send too.
     """
     if peers.nccl:
         _batched_ring_all_reduce_(peers, plan, name)
@@ -104,7 +108,7 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str,
         recv, tag = steps[k][1], steps[k][3]
         return peers.irecv(recv, prv, tag) if recv.numel() else None
 
-    ahead = None  # this step's receive, when the step before posted it
+    ahead = post(0) if recv_first else None  # this step's receive, if posted before the step
     for k, (send, recv, into, tag) in enumerate(steps):
         sent = peers.isend(send, nxt, tag) if send.numel() else None
         posted = ahead if ahead is not None else post(k)
@@ -215,8 +219,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     # blocking its streams.
     plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
             else make_plan(flat.data, peers.size, peers.me))
-    lookahead = peers.size > 2 or chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2
-    planned_ring_all_reduce_(peers, plan, name, lookahead)
+    two_large = peers.size == 2 and chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2
+    planned_ring_all_reduce_(peers, plan, name, lookahead=peers.size > 2 or two_large,
+                             recv_first=two_large)
     return flat.done()
 
 
