@@ -41,3 +41,36 @@ def test_large_chunks_are_pipelined_and_equal_to_torch(world_size):
         assert r[("at", "avg")]["messages"] == 2 * (p - 1) * segments
         # one element more per chunk than a whole number of segments: one more segment
         assert r[("above", "sum")]["messages"] == 2 * (p - 1) * (segments + 1)
+
+
+def rhythms(world):
+    """The benchmark's calibration chain, in every order the ring posts messages in."""
+    from microddp.bench.allreduce import ring_rhythm
+    from microddp.collectives._group import Peers
+
+    peers = Peers()
+    p, prv = world.world_size, (world.rank - 1) % world.world_size
+    out = {}
+    for how in ("prepost", "lookahead", "lookahead, receive first", "plain"):
+        a, inbox = torch.full((1000,), float(world.rank)), torch.full((2 * (p - 1), 1000), -1.0)
+        with traffic() as sent:
+            ring_rhythm(peers, a, inbox, how)
+        out[how] = {"messages": sent.messages, "from_left": bool((inbox == prv).all())}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_calibration_chain_follows_each_posting_order(world_size):
+    from microddp.collectives.ring import LOOKAHEAD_MIN_CHUNK_2, PREPOST_MAX_CHUNK, posting
+
+    p = world_size
+    for r in mdp.spawn(rhythms, p, timeout=60):
+        assert r == dict.fromkeys(r, {"messages": 2 * (p - 1), "from_left": True}), r
+        assert len(r) == 4
+    # the orders the ring picks, by chunk size and world size
+    assert posting(PREPOST_MAX_CHUNK, 2) == "prepost"
+    assert posting(PREPOST_MAX_CHUNK + 4, 2) == "plain"
+    assert posting(PREPOST_MAX_CHUNK + 4, 3) == "lookahead"
+    assert posting(LOOKAHEAD_MIN_CHUNK_2, 2) == "lookahead, receive first"
+    assert posting(PIPELINE_MIN_CHUNK, 2) == "pipeline"
+    assert posting(4 << 20, 2, segment_bytes=1 << 20) == "pipeline"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
 from ..collectives._group import Peers, wait_all
 from ..collectives.cost import CostModel, fit_line
-from ..collectives.ring import ring_segments
+from ..collectives.ring import posting, ring_segments
 from ..errors import MicroDDPError
 from ..spawn import spawn
 from .timing import interleaved, median, ratio_of_medians
@@ -84,21 +84,16 @@ def _calibrate(world, reps: int) -> dict:
 
     A step is every rank sending n bytes to the next and receiving n from the previous, all
     at once (the ring's own contention), timed as the ring takes them: a chain of 2(p-1)
-    steps, each waiting for the one before.
+    steps, each waiting for the one before, posted in the ring's order (`ring_rhythm`).
     """
     peers = Peers()
-    nxt, prv = (peers.me + 1) % peers.size, (peers.me - 1) % peers.size
     chain = 2 * (peers.size - 1)
-
-    def steps(a, b):
-        for i in range(chain):
-            wait_all(peers.exchange(a, nxt, b, prv, 1 + i))
-
     step, add = [], []
     for n in CALIBRATION_SIZES:
-        a, b = torch.zeros(n // 4), torch.zeros(n // 4)
-        t = interleaved({"step": lambda a=a, b=b: steps(a, b),
-                         "add": lambda a=a, b=b: a.add_(b)}, reps, 2, dist.barrier)
+        a, inbox = torch.zeros(n // 4), torch.zeros(chain, n // 4)
+        how = posting(n, peers.size)
+        t = interleaved({"step": lambda a=a, inbox=inbox, how=how: ring_rhythm(peers, a, inbox, how),
+                         "add": lambda a=a, b=inbox[0]: a.add_(b)}, reps, 2, dist.barrier)
         step.append(median(t["step"]) / chain)
         add.append(median(t["add"]))
     alpha, beta = fit_line(CALIBRATION_SIZES, step)
@@ -107,16 +102,37 @@ def _calibrate(world, reps: int) -> dict:
             "step_s": step, "add_s": add}
 
 
+def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) -> None:
+    """2(p-1) ring steps of `a`'s bytes, each waiting for the one before, with the messages
+    posted in the order the ring posts them for chunks of this size (`ring.posting`): the
+    ring's own rhythm, without its adds. `inbox` has a row per step."""
+    p = peers.size
+    nxt, prv, chain = (peers.me + 1) % p, (peers.me - 1) % p, 2 * (p - 1)
+    if how == "prepost":
+        recvs = [peers.irecv(inbox[i], prv, 1 + i) for i in range(chain)]
+        sends = []
+        for i in range(chain):
+            sends.append(peers.isend(a, nxt, 1 + i))
+            recvs[i].wait()
+        wait_all(sends)
+    elif how.startswith("lookahead"):
+        ahead = peers.irecv(inbox[0], prv, 1) if how == "lookahead, receive first" else None
+        for i in range(chain):
+            sent = peers.isend(a, nxt, 1 + i)
+            posted = ahead if ahead is not None else peers.irecv(inbox[i], prv, 1 + i)
+            sent.wait()
+            ahead = peers.irecv(inbox[i + 1], prv, 2 + i) if i + 1 < chain else None
+            posted.wait()
+    else:  # plain, and the pipeline's whole-chunk steps
+        for i in range(chain):
+            wait_all(peers.exchange(a, nxt, inbox[i], prv, 1 + i))
+
+
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
           warmup: int):
     peers = Peers()
     p = peers.size
-    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
     chain = 2 * (p - 1)
-
-    def steps(a, b):  # the ring's own rhythm: 2(p-1) exchanges, each waiting for the last
-        for i in range(chain):
-            wait_all(peers.exchange(a, nxt, b, prv, 1 + i))
 
     # The cost model is calibrated inside the same interleaved loop as the algorithms, at each
     # size's own chunk (n/p bytes), so a change in the machine's load moves the calibration and
@@ -131,9 +147,12 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
             contenders["ring+check"] = lambda t=t: ring_all_reduce(t)
         contenders["gloo"] = lambda t=t: dist.all_reduce(t)
         if interleave_cal:
-            a, b = torch.zeros(max(1, nbytes // 4 // p)), torch.zeros(max(1, nbytes // 4 // p))
-            contenders["cal-step"] = lambda a=a, b=b: steps(a, b)
-            contenders["cal-add"] = lambda a=a, b=b: a.add_(b)
+            width = max(1, nbytes // 4 // p)
+            a, inbox = torch.zeros(width), torch.zeros(chain, width)
+            how = posting(width * 4, p)
+            contenders["cal-step"] = lambda a=a, inbox=inbox, how=how: ring_rhythm(
+                peers, a, inbox, how)
+            contenders["cal-add"] = lambda a=a, b=inbox[0]: a.add_(b)
         times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
                             sync=dist.barrier)
         if interleave_cal:

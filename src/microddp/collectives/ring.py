@@ -207,11 +207,12 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     peers, name = started
     flat = Flat(tensor)
     chunk_bytes = _chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
-    segment = _segment_bytes(chunk_bytes, segment_bytes)
-    if segment is not None and not peers.nccl:
-        pipelined_ring_all_reduce_(peers, flat.data, name, segment)
+    how = "batched" if peers.nccl else posting(chunk_bytes, peers.size, segment_bytes)
+    if how == "pipeline":
+        pipelined_ring_all_reduce_(peers, flat.data, name,
+                                   _segment_bytes(chunk_bytes, segment_bytes))
         return flat.done()
-    if not peers.nccl and chunk_bytes <= PREPOST_MAX_CHUNK:
+    if how == "prepost":
         preposted_ring_all_reduce_(peers, flat.data, name)
         return flat.done()
     # The plain ring, from views kept for this tensor while it lives (a packed copy's change
@@ -219,10 +220,23 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     # blocking its streams.
     plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
             else make_plan(flat.data, peers.size, peers.me))
-    two_large = peers.size == 2 and chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2
-    planned_ring_all_reduce_(peers, plan, name, lookahead=peers.size > 2 or two_large,
-                             recv_first=two_large)
+    planned_ring_all_reduce_(peers, plan, name, lookahead=how.startswith("lookahead"),
+                             recv_first=how == "lookahead, receive first")
     return flat.done()
+
+
+def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
+    """How the ring on gloo orders its messages for chunks of `chunk_bytes` on `p` ranks:
+    "pipeline" (segments), "prepost" (every receive before the first send), "lookahead" (each
+    next receive before the add), "lookahead, receive first", or "plain" (each receive
+    posted beside its own send). The thresholds are explained at the top of this file."""
+    if _segment_bytes(chunk_bytes, segment_bytes) is not None:
+        return "pipeline"
+    if chunk_bytes <= PREPOST_MAX_CHUNK:
+        return "prepost"
+    if p > 2:
+        return "lookahead"
+    return "lookahead, receive first" if chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2 else "plain"
 
 
 def _chunk_bytes(numel: int, p: int, element_size: int) -> int:
