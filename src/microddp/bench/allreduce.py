@@ -31,6 +31,7 @@ examples:
   microddp bench allreduce                      # 2 ranks, 1 KiB .. 64 MiB
   microddp bench allreduce -n 4 --repeats 30    # 4 ranks, more repetitions
   microddp bench allreduce --sizes 1M,8M,32M --algorithms ring --out results/
+  microddp bench allreduce --sizes 2M --algorithms ring --control   # is a 5% gap real here?
 writes allreduce_<N>ranks.png and .json into --out.
 """
 
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="bench-out", help="folder for the PNG plot and JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, s")
+    p.add_argument("--control", action="store_true",
+                   help="also time gloo's all_reduce a second time (gloo-2) and print its ratio "
+                        "to the first (A/A): how far apart this run puts two equal contenders")
 
 
 def parse_size(text: str) -> int:
@@ -128,8 +132,11 @@ def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) ->
             wait_all(peers.exchange(a, nxt, inbox[i], prv, 1 + i))
 
 
+CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again
+
+
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
-          warmup: int):
+          warmup: int, control: bool = False):
     peers = Peers()
     p = peers.size
     chain = 2 * (p - 1)
@@ -146,6 +153,8 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         if "ring" in algos:
             contenders["ring+check"] = lambda t=t: ring_all_reduce(t)
         contenders["gloo"] = lambda t=t: dist.all_reduce(t)
+        if control:
+            contenders[CONTROL] = lambda t=t: dist.all_reduce(t)
         if interleave_cal:
             width = max(1, nbytes // 4 // p)
             a, inbox = torch.zeros(width), torch.zeros(chain, width)
@@ -182,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
           "contenders interleaved, medians")
     start = time.perf_counter()
-    out = spawn(_rank, p, (sizes, algos, args.repeats, args.min_repeats, args.warmup),
-                timeout=args.timeout, backend="gloo")[0]
+    out = spawn(_rank, p, (sizes, algos, args.repeats, args.min_repeats, args.warmup,
+                           args.control), timeout=args.timeout, backend="gloo")[0]
     cal = out["calibration"]
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"])
     print(f"fitted: alpha {model.alpha * 1e6:.1f} us/message, beta "
@@ -198,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
     with open(stem + ".json", "w") as f:
         json.dump({"world_size": p, "calibration": cal, "rows": table["records"]}, f, indent=1)
     _plot(table["records"], shown, p, stem + ".png")
+    if args.control:
+        print(f"{CONTROL} = gloo's all_reduce timed again: a gap between gloo and an algorithm "
+              f"no larger than gloo-2's is within this run's noise")
     print(f"wrote {stem}.png and {stem}.json in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -212,6 +224,11 @@ def _table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict
         lines.append(f"{human(n):>9}  {'gloo':<10} {gloo * 1e3:>9.3f}ms {'':>11} {'':>9} "
                      f"{1.0:>11.2f}")
         rec = {"bytes": n, "gloo_s": gloo, "repeats": len(times["gloo"])}
+        if CONTROL in times:
+            aa = ratio_of_medians(times[CONTROL], times["gloo"])
+            lines.append(f"{'':>9}  {CONTROL:<10} {median(times[CONTROL]) * 1e3:>9.3f}ms "
+                         f"{'':>11} {'':>9} {aa:>11.2f}")
+            rec["control_vs_gloo"] = aa
         for a in algos:
             got = median(times[a])
             # The ring pipelines large chunks: model the messages it really sends.
