@@ -120,3 +120,16 @@ def test_bench_size_parsing_and_repeats():
     assert repeats_for(1 << 10, 30, 9) == 30
     assert repeats_for(4 << 20, 30, 9) == 9
     assert repeats_for(2 << 20, 30, 5) == 15
+
+
+def test_bench_table_shows_the_control_ratio():
+    from microddp.bench.allreduce import CONTROL, _table
+
+    times = {"gloo": [1.0, 1.0, 1.0], CONTROL: [1.1, 1.1, 1.1], "ring": [2.0, 2.0, 2.0]}
+    table = _table([{"bytes": 1 << 20, "times": times}], ["ring"], M, 2)
+    control = [line for line in table["lines"] if CONTROL in line]
+    assert len(control) == 1 and control[0].rstrip().endswith("1.10")
+    assert table["records"][0]["control_vs_gloo"] == pytest.approx(1.1)
+    assert table["records"][0]["ring_vs_gloo"] == pytest.approx(2.0)
+    without = _table([{"bytes": 1 << 20, "times": {"gloo": [1.0], "ring": [2.0]}}], ["ring"], M, 2)
+    assert "control_vs_gloo" not in without["records"][0]
