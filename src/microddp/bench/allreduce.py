@@ -116,6 +116,9 @@ def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) ->
         recvs = [peers.irecv(inbox[i], prv, 1 + i) for i in range(chain)]
         sends = []
         for i in range(chain):
+            if i == p - 1:  # as the ring does before its gather phase overwrites what it sent
+                wait_all(sends)
+                sends = []
             sends.append(peers.isend(a, nxt, 1 + i))
             recvs[i].wait()
         wait_all(sends)
