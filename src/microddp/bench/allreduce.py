@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
 from ..collectives._group import Peers, wait_all
+from ..collectives._plan import RingPlan
 from ..collectives.cost import CostModel, fit_line
-from ..collectives.ring import posting, ring_segments
+from ..collectives.ring import planned_ring_all_reduce_, posting, ring_segments
 from ..errors import MicroDDPError
 from ..spawn import spawn
 from .timing import interleaved, median, ratio_of_medians
@@ -112,7 +113,7 @@ def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) ->
     ring's own rhythm, without its adds. `inbox` has a row per step."""
     p = peers.size
     nxt, prv, chain = (peers.me + 1) % p, (peers.me - 1) % p, 2 * (p - 1)
-    if how == "prepost":
+    if how == "prepost":  # preposted_ring_all_reduce_'s order, which has no add-free form
         recvs = [peers.irecv(inbox[i], prv, 1 + i) for i in range(chain)]
         sends = []
         for i in range(chain):
@@ -122,17 +123,11 @@ def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) ->
             sends.append(peers.isend(a, nxt, 1 + i))
             recvs[i].wait()
         wait_all(sends)
-    elif how.startswith("lookahead"):
-        ahead = peers.irecv(inbox[0], prv, 1) if how == "lookahead, receive first" else None
-        for i in range(chain):
-            sent = peers.isend(a, nxt, 1 + i)
-            posted = ahead if ahead is not None else peers.irecv(inbox[i], prv, 1 + i)
-            sent.wait()
-            ahead = peers.irecv(inbox[i + 1], prv, 2 + i) if i + 1 < chain else None
-            posted.wait()
-    else:  # plain, and the pipeline's whole-chunk steps
-        for i in range(chain):
-            wait_all(peers.exchange(a, nxt, inbox[i], prv, 1 + i))
+        return
+    # The plain ring's own loop, on steps that add nothing (the pipeline's steps go whole).
+    steps = tuple((a, inbox[i], None, 1 + i) for i in range(chain))
+    planned_ring_all_reduce_(peers, RingPlan((), (), a, steps), "sum",
+                             "plain" if how == "pipeline" else how)
 
 
 CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again

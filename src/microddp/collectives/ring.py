@@ -83,18 +83,18 @@ def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
                                 p + s))
 
 
-def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str,
-                             lookahead: bool = False, recv_first: bool = False) -> None:
+def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str = "plain") -> None:
     """The plain ring, from views cut beforehand: one message per step, send first.
 
     Between sends there is nothing but the wire calls and the add (see _plan.py for why).
-    With `lookahead` (gloo only), each step posts the next step's receive before adding: gloo
+    `how` is the message order `posting` chose. With "lookahead" (gloo only), each step posts
+    the next step's receive before adding: gloo
     holds a send back until the receiver has announced its buffer, so the neighbour's next
     send can start while this rank is still adding, without waiting for it to be scheduled.
     That buffer is free once this step's send is done: the reduce-scatter alternates two
     incoming buffers, and a gather step receives into a chunk this rank sent earlier (with 2
-    ranks, the one this very step sends). `recv_first` posts the first receive before the
-    first send too.
+    ranks, the one this very step sends). "lookahead, receive first" posts the first receive
+    before the first send too. Steps whose `into` is None only move bytes.
     """
     if peers.nccl:
         _batched_ring_all_reduce_(peers, plan, name)
@@ -103,12 +103,14 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str,
     nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
     combine = COMBINE[name]
     steps = plan.steps
+    lookahead = how.startswith("lookahead")
 
     def post(k: int):
         recv, tag = steps[k][1], steps[k][3]
         return peers.irecv(recv, prv, tag) if recv.numel() else None
 
-    ahead = post(0) if recv_first else None  # this step's receive, if posted before the step
+    # this step's receive, if posted before the step
+    ahead = post(0) if how == "lookahead, receive first" else None
     for k, (send, recv, into, tag) in enumerate(steps):
         sent = peers.isend(send, nxt, tag) if send.numel() else None
         posted = ahead if ahead is not None else post(k)
@@ -220,8 +222,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     # blocking its streams.
     plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
             else make_plan(flat.data, peers.size, peers.me))
-    planned_ring_all_reduce_(peers, plan, name, lookahead=how.startswith("lookahead"),
-                             recv_first=how == "lookahead, receive first")
+    planned_ring_all_reduce_(peers, plan, name, how)
     return flat.done()
 
 
