@@ -230,8 +230,8 @@ class Reducer:
         """
         if self.comm_hook is not None or self.as_view or self.zeroed or not self.row_major[bucket.index]:
             return False
-        grads = [p.grad for p in bucket.params]
-        if any(g is None for g in grads):
+        grads = _present_grads(bucket)
+        if grads is None:
             return False
         if self.lent[bucket.index] is not None and any(_same_memory(g, bucket.flat) for g in grads):
             return False  # a lent view kept by zero_grad: torch.cat cannot read what it writes
@@ -305,11 +305,10 @@ class Reducer:
         if same and used is None and self.lendable[bucket.index]:
             self._lend(bucket)
             return
-        if same and used is None and not self.as_view:  # the usual case: one call, no loop
-            grads = [p.grad for p in bucket.params]
-            if not any(g is None for g in grads):
-                torch._foreach_copy_(grads, bucket.views)
-                return
+        grads = _present_grads(bucket) if same and used is None and not self.as_view else None
+        if grads is not None:  # the usual case: one call, no loop
+            torch._foreach_copy_(grads, bucket.views)
+            return
         dst, src = [], []
         for pos, (i, p) in enumerate(zip(bucket.indices, bucket.params, strict=True)):
             if used is not None and used[i] == 0:
@@ -391,6 +390,12 @@ _CAN_LEND = _use_count is not None
 def _refs(flat: torch.Tensor) -> int:
     """How many tensors (and storage handles) refer to `flat`'s memory right now."""
     return _use_count(flat.untyped_storage()._cdata)
+
+
+def _present_grads(bucket: Bucket) -> list[torch.Tensor] | None:
+    """The `.grad` of every parameter in `bucket`, or None if any of them has none."""
+    grads = [p.grad for p in bucket.params]
+    return None if any(g is None for g in grads) else grads
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
