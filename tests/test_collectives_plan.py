@@ -1,4 +1,5 @@
-"""The ring's plans (views cut once per tensor, see collectives/_plan.py): results stay equal to
+"""The ring's plans (views cut once per tensor, see collectives/_plan.py), for the plain ring and
+the preposted one (small chunks): results stay equal to
 torch.distributed's when a tensor is all-reduced again, changes its contents, or has its memory
 swapped; a plan lives no longer than its tensor; packed copies of strided tensors get none."""
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import microddp as mdp
 from microddp.collectives import ring_all_reduce
 from microddp.collectives._plan import cached_plans
-from microddp.collectives.ring import PREPOST_MAX_CHUNK
+from microddp.collectives.ring import PREPOST_MAX_CHUNK, posting
 
 
 def _same_as_torch(t: torch.Tensor, op: str) -> bool:
@@ -23,9 +24,14 @@ def _same_as_torch(t: torch.Tensor, op: str) -> bool:
     return torch.allclose(t, ref, rtol=1e-6, atol=1e-6)
 
 
-def plans(world):
+def _numel(p: int, small: bool) -> int:
+    """Small chunks: the preposted ring's plan; larger ones: the plain ring's."""
+    return (PREPOST_MAX_CHUNK // 4 + (-1000 if small else 1000)) * p + 3
+
+
+def plans(world, small):
     p, me = world.world_size, world.rank
-    n = (PREPOST_MAX_CHUNK // 4 + 1000) * p + 3  # chunks too large to prepost: the plain ring
+    n = _numel(p, small)
     g = torch.Generator().manual_seed(me)
     base = cached_plans()
     t = torch.empty(n)
@@ -47,9 +53,13 @@ def plans(world):
             "after_strided": after_strided, "after_free": cached_plans() - base}
 
 
+@pytest.mark.parametrize("small", [False, True])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_plans_are_reused_checked_and_freed_with_their_tensor(world_size):
-    for r in mdp.spawn(plans, world_size, timeout=90):
+def test_plans_are_reused_checked_and_freed_with_their_tensor(world_size, small):
+    chunk_bytes = -(-_numel(world_size, small) // world_size) * 4  # the widest chunk
+    assert posting(chunk_bytes, world_size) == ("prepost" if small else
+                                                 "lookahead" if world_size > 2 else "plain")
+    for r in mdp.spawn(plans, world_size, args=(small,), timeout=90):
         assert all(r["ok"]), r["ok"]
         assert r["one_plan"] == 1 and r["still_one"] == 1  # the swap replaced it, not added
         assert r["after_strided"] == 1  # copies are planned afresh, never kept

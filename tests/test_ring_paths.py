@@ -74,3 +74,32 @@ def test_calibration_chain_follows_each_posting_order(world_size):
     assert posting(LOOKAHEAD_MIN_CHUNK_2, 2) == "lookahead, receive first"
     assert posting(PIPELINE_MIN_CHUNK, 2) == "pipeline"
     assert posting(4 << 20, 2, segment_bytes=1 << 20) == "pipeline"
+
+
+def batched(world):
+    """The NCCL loop (`_batched_ring_all_reduce_`), run on gloo's batch_isend_irecv: no GPU
+    here, but its steps and its division for avg are the same on either backend."""
+    from microddp.collectives._group import Peers
+    from microddp.collectives._plan import make_plan
+    from microddp.collectives.ring import _batched_ring_all_reduce_
+
+    peers = Peers()
+    peers.nccl = True  # exchange() posts each step's pair as one batch, as on NCCL
+    g = torch.Generator().manual_seed(world.rank)
+    ok = {}
+    for numel in (1, 1000, 4099):
+        for op in ("sum", "avg", "max"):
+            t = torch.randn(numel, generator=g)
+            ref = t.clone()
+            dist.all_reduce(ref, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+            if op == "avg":
+                ref /= world.world_size
+            _batched_ring_all_reduce_(peers, make_plan(t, peers.size, peers.me), op)
+            ok[(numel, op)] = torch.allclose(t, ref, rtol=1e-6, atol=1e-6)
+    return ok
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_nccl_loop_equals_torch_on_gloo(world_size):
+    for r in mdp.spawn(batched, world_size, timeout=60):
+        assert all(r.values()), r

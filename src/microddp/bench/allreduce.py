@@ -19,10 +19,15 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
-from ..collectives._group import Peers, wait_all
+from ..collectives._group import Peers
 from ..collectives._plan import RingPlan
 from ..collectives.cost import CostModel, fit_line
-from ..collectives.ring import planned_ring_all_reduce_, posting, ring_segments
+from ..collectives.ring import (
+    planned_ring_all_reduce_,
+    posting,
+    preposted_ring_all_reduce_,
+    ring_segments,
+)
 from ..errors import MicroDDPError
 from ..spawn import spawn
 from .timing import interleaved, median, ratio_of_medians
@@ -112,21 +117,18 @@ def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) ->
     posted in the order the ring posts them for chunks of this size (`ring.posting`): the
     ring's own rhythm, without its adds. `inbox` has a row per step."""
     p = peers.size
-    nxt, prv, chain = (peers.me + 1) % p, (peers.me - 1) % p, 2 * (p - 1)
-    if how == "prepost":  # preposted_ring_all_reduce_'s order, which has no add-free form
-        recvs = [peers.irecv(inbox[i], prv, 1 + i) for i in range(chain)]
-        sends = []
-        for i in range(chain):
-            if i == p - 1:  # as the ring does before its gather phase overwrites what it sent
-                wait_all(sends)
-                sends = []
-            sends.append(peers.isend(a, nxt, 1 + i))
-            recvs[i].wait()
-        wait_all(sends)
+    chain = 2 * (p - 1)
+    if how == "prepost":
+        # The preposted ring's own loop: each step receives into its own row, and the gather
+        # steps copy what they receive (into row 0, whose message is in by then) as the ring
+        # copies into its chunks; nothing is added.
+        steps = tuple((a, inbox[i], inbox[0] if i >= p - 1 else None, 1 + i)
+                      for i in range(chain))
+        preposted_ring_all_reduce_(peers, RingPlan(a, steps), "sum")
         return
     # The plain ring's own loop, on steps that add nothing (the pipeline's steps go whole).
     steps = tuple((a, inbox[i], None, 1 + i) for i in range(chain))
-    planned_ring_all_reduce_(peers, RingPlan((), (), a, steps), "sum",
+    planned_ring_all_reduce_(peers, RingPlan(a, steps), "sum",
                              "plain" if how == "pipeline" else how)
 
 

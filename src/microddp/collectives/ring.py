@@ -128,64 +128,47 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
 def _batched_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
     """The plain ring on NCCL: each step's send and receive go as one batch, which keeps
     unmatched pairs from blocking its streams."""
-    nxt, prv = (peers.me + 1) % peers.size, (peers.me - 1) % peers.size
+    p = peers.size
+    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
     combine = COMBINE[name]
-    for send, recv, into, tag in plan.reduce_scatter:
+    for k, (send, recv, into, tag) in enumerate(plan.steps):
         wait_all(peers.exchange(send, nxt, recv, prv, tag))
-        if recv.numel():
+        if into is not None and recv.numel():
             combine(into, recv)
-    if name == "avg":
-        plan.mine.div_(peers.size)
-    for send, recv, tag in plan.all_gather:
-        wait_all(peers.exchange(send, nxt, recv, prv, tag))
+        if k == p - 2 and name == "avg":
+            plan.mine.div_(p)
 
 
-def preposted_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str) -> None:
+def preposted_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
     """The ring for small chunks (one message per step), with all 2(p-1) receives posted
-    before the first send.
+    before the first send, each into its own inbox row (`make_plan(..., preposted=True)`).
 
     gloo holds a send back until the receiver has announced its buffer; announcing every
     buffer up front takes that round trip out of each step, which is most of a small
-    message's cost.
+    message's cost. The reduce-scatter adds each row into its chunk, the gather copies it
+    there; steps whose `into` is None only move bytes.
     """
-    p, r = peers.size, peers.me
-    nxt, prv = (r + 1) % p, (r - 1) % p
-    off = bounds(data.numel(), p)
-    width = max(off[i + 1] - off[i] for i in range(p))
-    steps = 2 * (p - 1)
-    inbox = scratch("ring-inbox", steps * width, data.dtype, data.device).view(steps, width)
-
-    # Numbering the gather steps on after the reduce-scatter ones, step s always sends chunk
-    # r-s-1 and receives chunk r-s-2 (mod p), in both phases.
-    def recv_chunk(s: int) -> int:
-        return (r - s - 2) % p
-
-    def send_chunk(s: int) -> int:
-        return (r - s - 1) % p
-
-    def size(c: int) -> int:
-        return off[c + 1] - off[c]
-
-    recvs = [peers.irecv(inbox[s, : size(recv_chunk(s))], prv, 1 + s) if size(recv_chunk(s))
-             else None for s in range(steps)]
+    p = peers.size
+    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
+    combine = COMBINE[name]
+    steps = plan.steps
+    recvs = [peers.irecv(recv, prv, tag) if recv.numel() else None for _, recv, _, tag in steps]
     sends = []
-    for s in range(steps):
+    for s, (send, recv, into, tag) in enumerate(steps):
         if s == p - 1:  # the gather phase overwrites chunks sent earlier: let those sends finish
             wait_all(sends)
             sends = []
-        c = send_chunk(s)
-        if size(c):
-            sends.append(peers.isend(data[off[c]:off[c + 1]], nxt, 1 + s))
-        c = recv_chunk(s)
-        if recvs[s] is None:
-            continue
-        recvs[s].wait()
-        if s < p - 1:
-            COMBINE[name](data[off[c]:off[c + 1]], inbox[s, : size(c)])
-            if s == p - 2 and name == "avg":
-                data[off[c]:off[c + 1]].div_(p)
-        else:
-            data[off[c]:off[c + 1]].copy_(inbox[s, : size(c)])
+        if send.numel():
+            sends.append(peers.isend(send, nxt, tag))
+        if recvs[s] is not None:
+            recvs[s].wait()
+            if into is not None:
+                if s < p - 1:
+                    combine(into, recv)
+                else:
+                    into.copy_(recv)
+        if s == p - 2 and name == "avg":  # divide only the chunk this rank owns
+            plan.mine.div_(p)
     wait_all(sends)
 
 
@@ -214,23 +197,23 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
         pipelined_ring_all_reduce_(peers, flat.data, name,
                                    _segment_bytes(chunk_bytes, segment_bytes))
         return flat.done()
-    if how == "prepost":
-        preposted_ring_all_reduce_(peers, flat.data, name)
-        return flat.done()
-    # The plain ring, from views kept for this tensor while it lives (a packed copy's change
-    # every call). On NCCL each exchange goes as one batch, which keeps unmatched pairs from
-    # blocking its streams.
-    plan = (plan_for(tensor, flat.data, peers.size, peers.me) if flat.packed is tensor
-            else make_plan(flat.data, peers.size, peers.me))
-    planned_ring_all_reduce_(peers, plan, name, how)
+    # The ring from views kept for this tensor while it lives (a packed copy's change every
+    # call).
+    preposted = how == "prepost"
+    plan = (plan_for(tensor, flat.data, peers.size, peers.me, preposted)
+            if flat.packed is tensor else make_plan(flat.data, peers.size, peers.me, preposted))
+    if preposted:
+        preposted_ring_all_reduce_(peers, plan, name)
+    else:
+        planned_ring_all_reduce_(peers, plan, name, how)
     return flat.done()
 
 
 def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
     """How the ring on gloo orders its messages for chunks of `chunk_bytes` on `p` ranks:
-    "pipeline" (segments), "prepost" (every receive before the first send), "lookahead" (each
-    next receive before the add), "lookahead, receive first", or "plain" (each receive
-    posted beside its own send). The thresholds are explained at the top of this file."""
+    "pipeline" (segments), "prepost" (every receive before the first send), "lookahead"
+    (each next receive before the add), "lookahead, receive first", or "plain" (each
+    receive posted beside its own send). The thresholds are explained at the top of this file."""
     if _segment_bytes(chunk_bytes, segment_bytes) is not None:
         return "pipeline"
     if chunk_bytes <= PREPOST_MAX_CHUNK:
