@@ -68,7 +68,8 @@ def test_calibration_chain_follows_each_posting_order(world_size):
         assert r == dict.fromkeys(r, {"messages": 2 * (p - 1), "from_left": True}), r
         assert len(r) == 4
     # the orders the ring picks, by chunk size and world size
-    assert posting(PREPOST_MAX_CHUNK, 2) == "prepost"
+    assert posting(PREPOST_MAX_CHUNK, 3) == "prepost"
+    assert posting(PREPOST_MAX_CHUNK, 2) == "plain"  # two steps: no gain from preposting
     assert posting(PREPOST_MAX_CHUNK + 4, 2) == "plain"
     assert posting(PREPOST_MAX_CHUNK + 4, 3) == "lookahead"
     assert posting(LOOKAHEAD_MIN_CHUNK_2, 2) == "lookahead, receive first"

@@ -26,14 +26,20 @@ from ._group import (
 from ._pipeline import pipelined_ring_all_reduce_, segments_per_chunk
 from ._plan import RingPlan, make_plan, plan_for
 
-# On gloo, chunks up to this size go with every receive posted before the first send (one
-# round trip less per step, most of a small message's cost); larger ones go plainly, one
-# message per step, send first; from PIPELINE_MIN_CHUNK on, they are pipelined in segments
-# of PIPELINE_SEGMENT (gloo's own ring cuts at most 1 MiB per message too), so that adding
-# one segment overlaps the next one's transfer. A message costs about 80 us here (thread
-# wake-ups, not bytes), a segment of 1 MiB about 1 ms: measured on a 2-core host, the pipeline
-# lost to the plain ring below 8 MiB chunks and was level at 8 MiB, but from 16 MiB chunks it
-# was 0.97-1.02x gloo's time where the plain ring was 1.10-1.17x (chapter 4).
+# On gloo, chunks up to this size go, on more than 2 ranks, with every receive posted before
+# the first send (one round trip less per step, most of a small message's cost); larger ones
+# go plainly, one message per step, send first; from PIPELINE_MIN_CHUNK on, they are
+# pipelined in segments of PIPELINE_SEGMENT (gloo's own ring cuts at most 1 MiB per message
+# too), so that adding one segment overlaps the next one's transfer. A message costs about 80
+# us here (thread wake-ups, not bytes), a segment of 1 MiB about 1 ms: measured on a 2-core
+# host, the pipeline lost to the plain ring below 8 MiB chunks and was level at 8 MiB, but
+# from 16 MiB chunks it was 0.97-1.02x gloo's time where the plain ring was 1.10-1.17x.
+# Both rings from kept views (_plan.py), interleaved: on 4 ranks, posting every receive first
+# took 0.62-0.90x gloo's time at 64 KiB-1 MiB tensors where the plain ring took 1.03-1.34x,
+# and on 3 ranks 0.78-1.05x against 1.12-1.16x. On 2 ranks, with only two steps, the plain
+# ring won at 15 of 16 points (1 KiB-1 MiB tensors, four runs: 0.79-1.00x against
+# 0.90-1.15x): there the preposted ring's copies out of its inbox and its wait on its sends
+# cost more than the round trip saves (chapter 4).
 PREPOST_MAX_CHUNK = 256 << 10
 # The plain ring posts each step's next receive before adding (planned_ring_all_reduce_) on
 # more than 2 ranks, and on 2 ranks from chunks of this size. Measured interleaved against
@@ -211,12 +217,12 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
 
 def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
     """How the ring on gloo orders its messages for chunks of `chunk_bytes` on `p` ranks:
-    "pipeline" (segments), "prepost" (every receive before the first send), "lookahead"
-    (each next receive before the add), "lookahead, receive first", or "plain" (each
-    receive posted beside its own send). The thresholds are explained at the top of this file."""
+    "pipeline" (segments), "prepost" (every receive before the first send; more than 2
+    ranks only), "lookahead" (each next receive before the add), "lookahead, receive
+    first", or "plain" (each receive posted beside its own send). The thresholds are explained at the top of this file."""
     if _segment_bytes(chunk_bytes, segment_bytes) is not None:
         return "pipeline"
-    if chunk_bytes <= PREPOST_MAX_CHUNK:
+    if chunk_bytes <= PREPOST_MAX_CHUNK and p > 2:
         return "prepost"
     if p > 2:
         return "lookahead"
