@@ -93,14 +93,16 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     """The plain ring, from views cut beforehand: one message per step, send first.
 
     Between sends there is nothing but the wire calls and the add (see _plan.py for why).
+    Each step adds what it received before waiting for its own send to finish: the add
+    writes a chunk other than the one on the wire, so it overlaps the send's last bytes.
     `how` is the message order `posting` chose. With "lookahead" (gloo only), each step posts
-    the next step's receive before adding: gloo
-    holds a send back until the receiver has announced its buffer, so the neighbour's next
-    send can start while this rank is still adding, without waiting for it to be scheduled.
-    That buffer is free once this step's send is done: the reduce-scatter alternates two
-    incoming buffers, and a gather step receives into a chunk this rank sent earlier (with 2
-    ranks, the one this very step sends). "lookahead, receive first" posts the first receive
-    before the first send too. Steps whose `into` is None only move bytes.
+    the next step's receive before adding: gloo holds a send back until the receiver has
+    announced its buffer, so the neighbour's next send can start while this rank is still
+    adding, without waiting for it to be scheduled. On more than 2 ranks that buffer is free
+    at once: the reduce-scatter alternates two incoming buffers, and a gather step receives
+    into a chunk this rank sent two or more steps before. With 2 ranks it is the chunk this
+    very step sends, so the step waits for its send first. "lookahead, receive first" posts
+    the first receive before the first send too. Steps whose `into` is None only move bytes.
     """
     if peers.nccl:
         _batched_ring_all_reduce_(peers, plan, name)
@@ -120,15 +122,20 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     for k, (send, recv, into, tag) in enumerate(steps):
         sent = peers.isend(send, nxt, tag) if send.numel() else None
         posted = ahead if ahead is not None else post(k)
-        if sent is not None:
-            sent.wait()  # exactly once: a second wait() on a gloo send never returns
-        ahead = post(k + 1) if lookahead and k + 1 < len(steps) else None
+        ahead = None
+        if lookahead and k + 1 < len(steps):
+            if p == 2 and sent is not None:  # the next receive lands in what this step sends
+                sent.wait()
+                sent = None
+            ahead = post(k + 1)
         if posted is not None:
             posted.wait()
             if into is not None:
                 combine(into, recv)
         if k == p - 2 and name == "avg":  # divide only the chunk this rank owns: 1/p of the work
             plan.mine.div_(p)
+        if sent is not None:
+            sent.wait()  # exactly once: a second wait() on a gloo send never returns
 
 
 def _batched_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
