@@ -12,7 +12,7 @@ import microddp
 from microddp import MicroDDPError
 from microddp import collectives as C
 from microddp.bench.allreduce import parse_size, repeats_for
-from microddp.collectives.cost import ALGORITHMS, CostModel, bytes_sent, fit_line
+from microddp.collectives.cost import ALGORITHMS, CostModel, bytes_sent, fit_line, fit_lines
 from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT, ring_segments
 
 M = CostModel(alpha=1e-5, beta=1e-9, gamma=2e-10)
@@ -79,11 +79,57 @@ def test_fit_recovers_known_parameters_exactly():
     assert beta == pytest.approx(7e-10, rel=1e-9)
 
 
+def test_fit_lines_finds_a_break_in_the_link_and_prices_each_side():
+    """Faster per byte up to 512 KiB (as loopback is here while buffers stay in cache)."""
+    sizes = [1 << k for k in range(14, 26)]  # 16 KiB .. 32 MiB
+    small_line, large_line = (2e-5, 4e-10), (1e-4, 8e-10)
+    times = [(small_line if s <= 512 << 10 else large_line)[0]
+             + s * (small_line if s <= 512 << 10 else large_line)[1] for s in sizes]
+    (alpha, beta), small = fit_lines(sizes, times)
+    assert small is not None and small[0] == 512 << 10
+    assert small[1:] == pytest.approx(small_line, rel=1e-6)
+    assert (alpha, beta) == pytest.approx(large_line, rel=1e-6)
+    model = CostModel(alpha, beta, 0.0, small)
+    for s, t in zip(sizes, times, strict=True):
+        assert model.ring_all_gather(2 * s, 2) == pytest.approx(t, rel=1e-6)  # one message of s
+    # A single line fitted to the same data misses the small messages by far more.
+    one = CostModel(*fit_line(sizes, times))
+    assert max(abs(one.ring_all_gather(2 * s, 2) / t - 1) for s, t in zip(sizes, times,
+                                                                             strict=True)) > 0.2
+
+
+def test_fit_lines_keeps_one_line_when_a_second_does_not_earn_its_parameters():
+    sizes = [1 << k for k in range(14, 26)]
+    wobble = [1.0 + 0.02 * (-1) ** i for i in range(len(sizes))]  # +-2%, no break
+    times = [(3e-5 + s * 7e-10) * w for s, w in zip(sizes, wobble, strict=True)]
+    (alpha, beta), small = fit_lines(sizes, times)
+    assert small is None
+    assert (alpha, beta) == fit_line(sizes, times)
+    # Too few sizes for three on each side: one line, whatever the data.
+    (_, _), small = fit_lines([1, 2, 3, 4, 5], [1.0, 1.0, 1.0, 9.0, 9.0])
+    assert small is None
+
+
+def test_fit_lines_never_returns_a_negative_latency():
+    sizes = [1 << k for k in range(14, 24)]
+    times = [s * 1e-9 - 2e-6 for s in sizes]  # a line through these crosses zero below 2 KiB
+    assert fit_line(sizes, times)[0] < 0  # the unconstrained fit does go negative
+    (alpha, beta), small = fit_lines(sizes, times)
+    alphas = [alpha] + ([small[1]] if small else [])
+    assert min(alphas) == 0.0  # the line that wanted a negative alpha got zero
+    assert beta == pytest.approx(1e-9, rel=0.05)
+    model = CostModel(alpha, beta, 0.0, small)
+    for s, t in zip(sizes, times, strict=True):  # still close where the data are
+        assert model.ring_all_gather(2 * s, 2) == pytest.approx(t, rel=0.15)
+
+
 def test_fit_rejects_unusable_data():
     with pytest.raises(MicroDDPError, match="two different sizes"):
         fit_line([1024, 1024], [1.0, 2.0])
     with pytest.raises(MicroDDPError, match="positive"):
         fit_line([1, 2], [0.0, 1.0])
+    with pytest.raises(MicroDDPError, match="positive"):
+        fit_lines([1, 2, 3, 4, 5, 6], [1.0, 1.0, 1.0, 2.0, 2.0, -1.0])
     with pytest.raises(MicroDDPError, match="no cost model"):
         M.predict("bogus", 1, 2)
 

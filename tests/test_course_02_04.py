@@ -90,6 +90,26 @@ def test_compare_algorithms_counts_match_the_model():
     chunk_mib = PIPELINE_MIN_CHUNK >> 20
     assert seg["whole chunks"] == (2 * chunk_mib, 2, "yes")  # 2 ranks: 2 steps, one message each
     assert seg["default"] == (2 * chunk_mib, 2 * chunk_mib * (1 << 20) // PIPELINE_SEGMENT, "yes")
+    check_fitted_lines(out)
+
+
+def check_fitted_lines(out: str) -> None:
+    """Part 4: every printed fit is the printed line(s) at that size, its error the printed
+    gap; which sizes fall on which line is the script's, never a timing we assert."""
+    lines = {key: (float(a) * 1e-6, 1 / (float(gbs) * 1e9)) for key, a, gbs in re.findall(
+        r"^  (one line|up to \d+ KiB|larger):\s+alpha ([\d.]+) us, ([\d.]+) GB/s$", out, re.M)}
+    up_to = next((int(k.split()[2]) for k in lines if k.startswith("up to")), None)
+    assert set(lines) == ({"one line"} if up_to is None else {"larger", f"up to {up_to} KiB"})
+    rows = re.findall(r"^\s+(\d+) KiB\s+([\d.]+)ms\s+([\d.]+)ms\s+([+-]\d+)%$", out, re.M)
+    assert [int(k) for k, *_ in rows] == [16, 64, 256, 512, 1024, 2048, 4096, 8192]
+    for kib, measured, fitted, err in rows:
+        kib, measured, fitted = int(kib), float(measured), float(fitted)
+        if up_to is None:
+            alpha, beta = lines["one line"]
+        else:
+            alpha, beta = lines[f"up to {up_to} KiB"] if kib <= up_to else lines["larger"]
+        assert fitted == pytest.approx((alpha + kib * 1024 * beta) * 1e3, rel=0.01, abs=0.002)
+        assert int(err) == pytest.approx(100 * (fitted / measured - 1), abs=1.5)
 
 
 def math_log2(p: int) -> int:

@@ -6,15 +6,19 @@ Part 1 runs the three algorithms for real on 2, 4 and 8 ranks, checks each resul
 torch.distributed.all_reduce, and counts the bytes every rank sends. Part 2 feeds the same
 counts into the alpha-beta cost model to show which algorithm wins at which size. Part 3
 shows the ring cutting large chunks into segments, so that adding one overlaps the next.
-Timings on this machine: `microddp bench allreduce`.
+Part 4 fits the model's message cost to this machine: one line, or two if the link is
+faster per byte below some size. Full timings on this machine: `microddp bench allreduce`.
 """
+
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
 
 import microddp as mdp
 from microddp import collectives as C
-from microddp.collectives.cost import CostModel
+from microddp.collectives.cost import CostModel, fit_lines
 from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT
 
 NBYTES = 1 << 20  # a 1 MiB float32 tensor
@@ -97,10 +101,59 @@ def part3() -> None:
     print("  same bytes, more messages: while one segment is added the next is on the wire.")
 
 
+EXCHANGE_SIZES = [16 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
+
+
+def exchange_times(world, repeats: int) -> list[float]:
+    """Median seconds for the two ranks to swap m bytes (one ring step on 2 ranks), per size;
+    each call's time is the slower rank's, as an exchange is done when both have theirs."""
+    other = 1 - world.rank
+    medians = []
+    for nbytes in EXCHANGE_SIZES:
+        out, inbox = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        times = []
+        for i in range(repeats + 2):  # the first two warm the connection up, untimed
+            dist.barrier()
+            start = time.perf_counter()
+            sent = dist.isend(out, other)
+            dist.recv(inbox, other)
+            sent.wait()
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if i >= 2:
+                times.append(took.item())
+        medians.append(statistics.median(times))
+    return medians
+
+
+def rate(beta: float) -> str:
+    return f"{1 / beta / 1e9:.3f} GB/s" if beta > 0 else "no cost per byte (noisy data?)"
+
+
+def part4(repeats: int = 15) -> None:
+    print(f"\nPart 4: fitting alpha and beta to this machine (2 ranks swap m bytes, median of "
+          f"{repeats})")
+    measured = mdp.spawn(exchange_times, 2, (repeats,), timeout=120)[0]
+    (alpha, beta), small = fit_lines(EXCHANGE_SIZES, measured)
+    model = CostModel(alpha, beta, 0.0, small)
+    if small is None:
+        print(f"  one line: alpha {alpha * 1e6:.1f} us, {rate(beta)}")
+    else:
+        print(f"  up to {small[0] >> 10} KiB: alpha {small[1] * 1e6:.1f} us, {rate(small[2])}")
+        print(f"  larger:        alpha {alpha * 1e6:.1f} us, {rate(beta)}")
+    print(f"  {'m':>8}  {'measured':>10}  {'fitted':>10}  {'error':>6}")
+    for nbytes, took in zip(EXCHANGE_SIZES, measured, strict=True):
+        fitted = model.ring_all_gather(2 * nbytes, 2)  # on 2 ranks: one message of n/2 bytes
+        print(f"  {nbytes >> 10:>5} KiB  {took * 1e3:>8.3f}ms  {fitted * 1e3:>8.3f}ms  "
+              f"{fitted / took - 1:>+6.0%}")
+    print("  a second line is kept only if it fits far better than one (Akaike's criterion).")
+
+
 def main() -> None:
     part1()
     part2()
     part3()
+    part4()
 
 
 if __name__ == "__main__":

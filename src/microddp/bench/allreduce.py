@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
 from ..collectives._group import Peers
 from ..collectives._plan import RingPlan
-from ..collectives.cost import CostModel, fit_line
+from ..collectives.cost import CostModel, fit_line, fit_lines
 from ..collectives.ring import (
     planned_ring_all_reduce_,
     posting,
@@ -106,10 +106,16 @@ def _calibrate(world, reps: int) -> dict:
                          "add": lambda a=a, b=inbox[0]: a.add_(b)}, reps, 2, dist.barrier)
         step.append(median(t["step"]) / chain)
         add.append(median(t["add"]))
-    alpha, beta = fit_line(CALIBRATION_SIZES, step)
-    _, gamma = fit_line(CALIBRATION_SIZES, add)
-    return {"alpha": max(alpha, 0.0), "beta": beta, "gamma": gamma,
+    return {**_fit(CALIBRATION_SIZES, step, add), "sizes": CALIBRATION_SIZES,
             "step_s": step, "add_s": add}
+
+
+def _fit(sizes: list[int], step: list[float], add: list[float]) -> dict:
+    """The model's parameters from per-size step and add times: a line (or two, when this
+    host's link is faster per byte below some size) for the step, a slope for the add."""
+    (alpha, beta), small = fit_lines(sizes, step)
+    _, gamma = fit_line(sizes, add)
+    return {"alpha": alpha, "beta": beta, "gamma": gamma, "small": small and list(small)}
 
 
 def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) -> None:
@@ -170,10 +176,7 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         rows.append({"bytes": nbytes, "times": times})
     if interleave_cal:
         chunk = [max(4, n // 4 // p * 4) for n in sizes]
-        alpha, beta = fit_line(chunk, step)
-        _, gamma = fit_line(chunk, add)
-        cal = {"alpha": max(alpha, 0.0), "beta": beta, "gamma": gamma, "sizes": chunk,
-               "step_s": step, "add_s": add}
+        cal = {**_fit(chunk, step, add), "sizes": chunk, "step_s": step, "add_s": add}
     return {"calibration": cal, "rows": rows} if world.rank == 0 else None
 
 
@@ -194,10 +197,9 @@ def run(args: argparse.Namespace) -> int:
     out = spawn(_rank, p, (sizes, algos, args.repeats, args.min_repeats, args.warmup,
                            args.control), timeout=args.timeout, backend="gloo")[0]
     cal = out["calibration"]
-    model = CostModel(cal["alpha"], cal["beta"], cal["gamma"])
-    print(f"fitted: alpha {model.alpha * 1e6:.1f} us/message, beta "
-          f"{1 / model.beta / 1e9:.2f} GB/s per link, gamma {1 / model.gamma / 1e9:.2f} GB/s "
-          "reduction" if model.beta > 0 and model.gamma > 0 else f"fitted: {model}")
+    small = tuple(cal["small"]) if cal["small"] else None
+    model = CostModel(cal["alpha"], cal["beta"], cal["gamma"], small)
+    print(_describe(model))
     shown = [a for a in ("ring", "ring+check", "tree", "naive") if a in out["rows"][0]["times"]]
     table = _table(out["rows"], shown, model, p)
     for line in table["lines"]:
@@ -212,6 +214,23 @@ def run(args: argparse.Namespace) -> int:
               f"no larger than gloo-2's is within this run's noise")
     print(f"wrote {stem}.png and {stem}.json in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _describe(model: CostModel) -> str:
+    """The fitted parameters, as a person reads them: latency in us, rates in GB/s."""
+    def per_byte(seconds: float) -> str:  # a fit on bad data can give a slope <= 0
+        return f"{1 / seconds / 1e9:.2f} GB/s" if seconds > 0 else f"{seconds:.3g} s/byte"
+
+    def link(alpha: float, beta: float) -> str:
+        return f"alpha {alpha * 1e6:.1f} us/message, beta {per_byte(beta)} per link"
+
+    rate = per_byte(model.gamma)
+    if model.small is None:
+        return f"fitted: {link(model.alpha, model.beta)}, gamma {rate} reduction"
+    up_to, a, b = model.small
+    return (f"fitted: messages up to {human(int(up_to))}: {link(a, b)}\n"
+            f"        larger messages: {link(model.alpha, model.beta)}\n"
+            f"        gamma {rate} reduction")
 
 
 def _table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:

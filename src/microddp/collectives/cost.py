@@ -20,13 +20,22 @@ ALGORITHMS = ("ring_all_reduce", "tree_all_reduce", "naive_all_reduce", "ring_re
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per message (alpha), per byte sent (beta), per byte reduced (gamma)."""
+    """Seconds per message (alpha), per byte sent (beta), per byte reduced (gamma).
+
+    `small`, if given, is `(up_to_bytes, alpha, beta)`: a second line for messages of at most
+    that many bytes. A real link is not one straight line: on this machine's loopback, a
+    message whose buffers fit in a core's cache moves faster per byte than a larger one
+    (`fit_lines` finds the break when the data show one).
+    """
 
     alpha: float
     beta: float
     gamma: float = 0.0
+    small: tuple[float, float, float] | None = None
 
     def _msg(self, nbytes: float) -> float:
+        if self.small is not None and nbytes <= self.small[0]:
+            return self.small[1] + nbytes * self.small[2]
         return self.alpha + nbytes * self.beta
 
     def ring_all_reduce(self, n: float, p: int, segments: int = 1) -> float:
@@ -121,10 +130,19 @@ def fit_line(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, flo
     intercept (the latency) meaningless; weighting each point by 1/time fits small and
     large messages alike.
     """
+    _check_points(sizes, times)
+    return _weighted_line(sizes, times)
+
+
+def _check_points(sizes: Sequence[float], times: Sequence[float]) -> None:
     if len(sizes) != len(times) or len(sizes) < 2 or len(set(sizes)) < 2:
         raise MicroDDPError("fitting needs at least two different sizes, one time per size")
     if min(times) <= 0:
         raise MicroDDPError("fitting needs positive times")
+
+
+def _weighted_line(sizes: Sequence[float], times: Sequence[float],
+                   nonnegative: bool = False) -> tuple[float, float]:
     # Weighted normal equations for weights w = 1/t^2.
     sw = sx = sxx = sy = sxy = 0.0
     for x, t in zip(sizes, times, strict=True):
@@ -137,4 +155,45 @@ def fit_line(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, flo
     det = sw * sxx - sx * sx
     slope = (sw * sxy - sx * sy) / det
     intercept = (sy - slope * sx) / sw
+    if nonnegative and intercept < 0:
+        # No message takes less than no time: the best line through the origin instead (the
+        # error is convex, so the best line with intercept >= 0 has it at 0).
+        return 0.0, sxy / sxx
     return intercept, slope
+
+
+def _relative_rss(sizes, times, line: tuple[float, float]) -> float:
+    a, b = line
+    return sum(((a + b * x) / t - 1.0) ** 2 for x, t in zip(sizes, times, strict=True))
+
+
+def fit_lines(sizes: Sequence[float], times: Sequence[float], min_side: int = 3
+              ) -> tuple[tuple[float, float], tuple[float, float, float] | None]:
+    """One line through (size, time), or two with a break between two neighbouring sizes.
+
+    Returns `((alpha, beta), small)`: `small` is None for one line, else `(up_to_bytes,
+    alpha, beta)` of the line below the break, as `CostModel(small=...)` takes it. Each side
+    needs `min_side` different sizes. A second line has three more parameters (its alpha,
+    its beta, the break), so it is kept only if it earns them by Akaike's criterion on the
+    squared relative error: n ln(RSS1 / RSS2) > 2 * 3 (with 9 sizes, about halving it).
+    Each line's alpha is kept >= 0: a negative latency fits the points but means nothing.
+    """
+    _check_points(sizes, times)
+    pts = sorted(zip(sizes, times, strict=True))
+    xs, ts = [x for x, _ in pts], [t for _, t in pts]
+    one = _weighted_line(xs, ts, nonnegative=True)
+    rss_one = _relative_rss(xs, ts, one)
+    best = None
+    for cut in range(min_side, len(xs) - min_side + 1):
+        lo, hi = (xs[:cut], ts[:cut]), (xs[cut:], ts[cut:])
+        if len(set(lo[0])) < min_side or len(set(hi[0])) < min_side or xs[cut - 1] == xs[cut]:
+            continue
+        lines = _weighted_line(*lo, nonnegative=True), _weighted_line(*hi, nonnegative=True)
+        rss = _relative_rss(*lo, lines[0]) + _relative_rss(*hi, lines[1])
+        if best is None or rss < best[0]:
+            best = (rss, xs[cut - 1], lines)
+    floor = 1e-12 * len(xs)  # relative errors of 1e-6 are rounding, not a second line
+    if best is None or len(xs) * math.log((rss_one + floor) / (best[0] + floor)) <= 6.0:
+        return one, None
+    _, up_to, (small, large) = best
+    return large, (up_to, *small)

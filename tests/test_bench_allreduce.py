@@ -1,0 +1,41 @@
+"""`microddp bench allreduce` end to end, on a few small sizes: its table, JSON and plot."""
+
+import json
+import re
+
+import pytest
+
+from microddp import cli
+from microddp.bench.allreduce import _describe
+from microddp.collectives.cost import CostModel
+
+
+def test_bench_allreduce_end_to_end(tmp_path, capsys):
+    sizes = ["1K", "4K", "16K", "64K", "256K", "512K", "1M"]
+    code = cli.main(["bench", "allreduce", "-n", "2", "--sizes", ",".join(sizes),
+                     "--algorithms", "ring,tree", "--repeats", "4", "--min-repeats", "2",
+                     "--warmup", "1", "--control", "--timeout", "240", "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fitted:", out.index("\n") + 1)
+    # One gloo row per size, each ratio 1.00 against itself; the ring's row has a prediction.
+    assert len(re.findall(r"^\s+[\d.]+ [KM]iB\s+gloo\s+[\d.]+ms\s+1\.00$", out, re.M)) == 7
+    ring = re.findall(r"^\s+ring\s+([\d.]+)ms\s+([\d.]+)ms\s+[+-]\d+%\s+([\d.]+)$", out, re.M)
+    assert len(ring) == 7 and all(float(m) > 0 and float(p) > 0 for m, p, _ in ring)
+    doc = json.loads((tmp_path / "allreduce_2ranks.json").read_text())
+    cal = doc["calibration"]
+    assert len(cal["step_s"]) == len(cal["add_s"]) == 7 and "small" in cal
+    for row in doc["rows"]:
+        assert row["ring_vs_gloo"] == pytest.approx(row["ring_s"] / row["gloo_s"], rel=1e-9)
+        assert {"tree_s", "control_vs_gloo", "ring+check_s"} <= set(row)
+    assert (tmp_path / "allreduce_2ranks.png").stat().st_size > 0
+
+
+def test_fitted_line_is_printed_for_a_person():
+    one = _describe(CostModel(5e-5, 1e-9, 1e-10))
+    assert one == "fitted: alpha 50.0 us/message, beta 1.00 GB/s per link, gamma 10.00 GB/s reduction"
+    two = _describe(CostModel(1e-4, 1e-9, 1e-10, small=(512 << 10, 2e-5, 5e-10)))
+    assert two.splitlines() == [
+        "fitted: messages up to 512 KiB: alpha 20.0 us/message, beta 2.00 GB/s per link",
+        "        larger messages: alpha 100.0 us/message, beta 1.00 GB/s per link",
+        "        gamma 10.00 GB/s reduction"]
