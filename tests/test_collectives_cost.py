@@ -123,6 +123,18 @@ def test_fit_lines_never_returns_a_negative_latency():
         assert model.ring_all_gather(2 * s, 2) == pytest.approx(t, rel=0.15)
 
 
+def test_fit_lines_never_returns_a_negative_cost_per_byte():
+    sizes = [1 << k for k in range(10, 20)]
+    times = [1e-4 - s * 1e-12 for s in sizes]  # flat, drifting down: noise at small sizes
+    assert fit_line(sizes, times)[1] < 0
+    (alpha, beta), small = fit_lines(sizes, times)
+    betas = [beta] + ([small[2]] if small else [])
+    assert min(betas) == 0.0  # the line that wanted a negative beta got a flat one
+    model = CostModel(alpha, beta, 0.0, small)
+    for s, t in zip(sizes, times, strict=True):
+        assert model.ring_all_gather(2 * s, 2) == pytest.approx(t, rel=0.01)
+
+
 def test_fit_rejects_unusable_data():
     with pytest.raises(MicroDDPError, match="two different sizes"):
         fit_line([1024, 1024], [1.0, 2.0])

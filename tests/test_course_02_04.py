@@ -96,8 +96,10 @@ def test_compare_algorithms_counts_match_the_model():
 def check_fitted_lines(out: str) -> None:
     """Part 4: every printed fit is the printed line(s) at that size, its error the printed
     gap; which sizes fall on which line is the script's, never a timing we assert."""
-    lines = {key: (float(a) * 1e-6, 1 / (float(gbs) * 1e9)) for key, a, gbs in re.findall(
-        r"^  (one line|up to \d+ KiB|larger):\s+alpha ([\d.]+) us, ([\d.]+) GB/s$", out, re.M)}
+    lines = {key: (float(a) * 1e-6, 1 / (float(gbs) * 1e9) if gbs else 0.0)
+             for key, a, gbs in re.findall(r"^  (one line|up to \d+ KiB|larger):\s+alpha ([\d.]+)"
+                                           r" us, (?:([\d.]+) GB/s|flat \(no cost per byte\))$",
+                                           out, re.M)}
     up_to = next((int(k.split()[2]) for k in lines if k.startswith("up to")), None)
     assert set(lines) == ({"one line"} if up_to is None else {"larger", f"up to {up_to} KiB"})
     rows = re.findall(r"^\s+(\d+) KiB\s+([\d.]+)ms\s+([\d.]+)ms\s+([+-]\d+)%$", out, re.M)

@@ -159,6 +159,8 @@ def _weighted_line(sizes: Sequence[float], times: Sequence[float],
         # No message takes less than no time: the best line through the origin instead (the
         # error is convex, so the best line with intercept >= 0 has it at 0).
         return 0.0, sxy / sxx
+    if nonnegative and slope < 0:  # nor does a larger one take less: flat, then
+        return sy / sw, 0.0
     return intercept, slope
 
 
@@ -176,7 +178,8 @@ def fit_lines(sizes: Sequence[float], times: Sequence[float], min_side: int = 3
     needs `min_side` different sizes. A second line has three more parameters (its alpha,
     its beta, the break), so it is kept only if it earns them by Akaike's criterion on the
     squared relative error: n ln(RSS1 / RSS2) > 2 * 3 (with 9 sizes, about halving it).
-    Each line's alpha is kept >= 0: a negative latency fits the points but means nothing.
+    Each line's alpha and beta are kept >= 0: a negative latency or per-byte cost can fit
+    noisy points, but means nothing.
     """
     _check_points(sizes, times)
     pts = sorted(zip(sizes, times, strict=True))
