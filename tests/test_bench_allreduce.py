@@ -8,6 +8,7 @@ import pytest
 from microddp import cli
 from microddp.bench.allreduce import _describe
 from microddp.collectives.cost import CostModel
+from microddp.collectives.ring import ring_segments
 
 
 def test_bench_allreduce_end_to_end(tmp_path, capsys):
@@ -24,8 +25,15 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
     assert len(ring) == 7 and all(float(m) > 0 and float(p) > 0 for m, p, _ in ring)
     doc = json.loads((tmp_path / "allreduce_2ranks.json").read_text())
     cal = doc["calibration"]
-    assert len(cal["step_s"]) == len(cal["add_s"]) == 7 and "small" in cal
+    assert len(cal["step_s"]) == len(cal["add_s"]) == 7
+    assert cal["alpha"] >= 0 and cal["beta"] >= 0 and cal["gamma"] >= 0
+    # The printed predictions are the fitted model's, second line included when there is one.
+    model = CostModel(cal["alpha"], cal["beta"], cal["gamma"],
+                      tuple(cal["small"]) if cal["small"] else None)
     for row in doc["rows"]:
+        n = row["bytes"]
+        assert row["ring_predicted_s"] == pytest.approx(
+            model.predict("ring_all_reduce", n, 2, segments=ring_segments(n, 2)), rel=1e-12)
         assert row["ring_vs_gloo"] == pytest.approx(row["ring_s"] / row["gloo_s"], rel=1e-9)
         assert {"tree_s", "control_vs_gloo", "ring+check_s"} <= set(row)
     assert (tmp_path / "allreduce_2ranks.png").stat().st_size > 0

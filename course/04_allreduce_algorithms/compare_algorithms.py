@@ -152,7 +152,7 @@ def part4(repeats: int = 15) -> None:
         fitted = model.ring_all_gather(2 * nbytes, 2)  # on 2 ranks: one message of n/2 bytes
         print(f"  {nbytes >> 10:>5} KiB  {took * 1e3:>8.3f}ms  {fitted * 1e3:>8.3f}ms  "
               f"{fitted / took - 1:>+6.0%}")
-    print("  a second line is kept only if it fits far better than one (Akaike's criterion).")
+    print("  a second line is kept only if it fits better than 95% of noisy straight lines would.")
 
 
 def main() -> None:

@@ -114,7 +114,7 @@ def _fit(sizes: list[int], step: list[float], add: list[float]) -> dict:
     """The model's parameters from per-size step and add times: a line (or two, when this
     host's link is faster per byte below some size) for the step, a slope for the add."""
     (alpha, beta), small = fit_lines(sizes, step)
-    _, gamma = fit_line(sizes, add)
+    _, gamma = fit_line(sizes, add, nonnegative=True)
     return {"alpha": alpha, "beta": beta, "gamma": gamma, "small": small and list(small)}
 
 
