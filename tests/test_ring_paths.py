@@ -45,7 +45,7 @@ def test_large_chunks_are_pipelined_and_equal_to_torch(world_size):
 
 def rhythms(world):
     """The benchmark's calibration chain, in every order the ring posts messages in."""
-    from microddp.bench.allreduce import ring_rhythm
+    from microddp.bench.allreduce import rhythm_plan, ring_rhythm
     from microddp.collectives._group import Peers
 
     peers = Peers()
@@ -54,7 +54,7 @@ def rhythms(world):
     for how in ("prepost", "lookahead", "lookahead, receive first", "plain"):
         a, inbox = torch.full((1000,), float(world.rank)), torch.full((2 * (p - 1), 1000), -1.0)
         with traffic() as sent:
-            ring_rhythm(peers, a, inbox, how)
+            ring_rhythm(peers, rhythm_plan(p, a, inbox, how), how)
         out[how] = {"messages": sent.messages, "from_left": bool((inbox == prv).all())}
     return out
 

@@ -100,10 +100,7 @@ def _calibrate(world, reps: int) -> dict:
     chain = 2 * (peers.size - 1)
     step, add = [], []
     for n in CALIBRATION_SIZES:
-        a, inbox = torch.zeros(n // 4), torch.zeros(chain, n // 4)
-        how = posting(n, peers.size)
-        t = interleaved({"step": lambda a=a, inbox=inbox, how=how: ring_rhythm(peers, a, inbox, how),
-                         "add": lambda a=a, b=inbox[0]: a.add_(b)}, reps, 2, dist.barrier)
+        t = interleaved(_calibration_contenders(peers, n // 4), reps, 2, dist.barrier)
         step.append(median(t["step"]) / chain)
         add.append(median(t["add"]))
     return {**_fit(CALIBRATION_SIZES, step, add), "sizes": CALIBRATION_SIZES,
@@ -118,24 +115,38 @@ def _fit(sizes: list[int], step: list[float], add: list[float]) -> dict:
     return {"alpha": alpha, "beta": beta, "gamma": gamma, "small": small and list(small)}
 
 
-def ring_rhythm(peers: Peers, a: torch.Tensor, inbox: torch.Tensor, how: str) -> None:
-    """2(p-1) ring steps of `a`'s bytes, each waiting for the one before, with the messages
-    posted in the order the ring posts them for chunks of this size (`ring.posting`): the
-    ring's own rhythm, without its adds. `inbox` has a row per step."""
-    p = peers.size
+def _calibration_contenders(peers: Peers, width: int) -> dict:
+    """A chain of ring steps ("step") and one add ("add") on chunks of `width` float32
+    elements, ready to time: buffers and steps are made here, once, so that a timed call does
+    only the work, as the ring does with its kept plan."""
+    chain = 2 * (peers.size - 1)
+    a, inbox = torch.zeros(width), torch.zeros(chain, width)
+    how = posting(width * 4, peers.size)
+    plan = rhythm_plan(peers.size, a, inbox, how)
+    return {"step": lambda: ring_rhythm(peers, plan, how),
+            "add": lambda b=inbox[0]: a.add_(b)}
+
+
+def rhythm_plan(p: int, a: torch.Tensor, inbox: torch.Tensor, how: str) -> RingPlan:
+    """The steps `ring_rhythm` runs: 2(p-1) of `a`'s bytes, each received into its own row of
+    `inbox`, nothing added."""
     chain = 2 * (p - 1)
     if how == "prepost":
-        # The preposted ring's own loop: each step receives into its own row, and the gather
-        # steps copy what they receive (into row 0, whose message is in by then) as the ring
-        # copies into its chunks; nothing is added.
-        steps = tuple((a, inbox[i], inbox[0] if i >= p - 1 else None, 1 + i)
-                      for i in range(chain))
-        preposted_ring_all_reduce_(peers, RingPlan(a, steps), "sum")
-        return
-    # The plain ring's own loop, on steps that add nothing (the pipeline's steps go whole).
-    steps = tuple((a, inbox[i], None, 1 + i) for i in range(chain))
-    planned_ring_all_reduce_(peers, RingPlan(a, steps), "sum",
-                             "plain" if how == "pipeline" else how)
+        # The gather steps copy what they receive (into row 0, whose message is in by then),
+        # as the preposted ring copies into its chunks.
+        return RingPlan(a, tuple((a, inbox[i], inbox[0] if i >= p - 1 else None, 1 + i)
+                                 for i in range(chain)))
+    return RingPlan(a, tuple((a, inbox[i], None, 1 + i) for i in range(chain)))
+
+
+def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
+    """2(p-1) ring steps (a `rhythm_plan`), each waiting for the one before, with the messages
+    posted in the order the ring posts them for chunks of this size (`ring.posting`), by the
+    ring's own loop: the ring's rhythm, without its adds."""
+    if how == "prepost":
+        preposted_ring_all_reduce_(peers, plan, "sum")
+    else:  # the pipeline's steps go whole
+        planned_ring_all_reduce_(peers, plan, "sum", "plain" if how == "pipeline" else how)
 
 
 CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again
@@ -162,12 +173,8 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         if control:
             contenders[CONTROL] = lambda t=t: dist.all_reduce(t)
         if interleave_cal:
-            width = max(1, nbytes // 4 // p)
-            a, inbox = torch.zeros(width), torch.zeros(chain, width)
-            how = posting(width * 4, p)
-            contenders["cal-step"] = lambda a=a, inbox=inbox, how=how: ring_rhythm(
-                peers, a, inbox, how)
-            contenders["cal-add"] = lambda a=a, b=inbox[0]: a.add_(b)
+            cal_parts = _calibration_contenders(peers, max(1, nbytes // 4 // p))
+            contenders.update({f"cal-{k}": fn for k, fn in cal_parts.items()})
         times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
                             sync=dist.barrier)
         if interleave_cal:

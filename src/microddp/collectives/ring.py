@@ -226,7 +226,8 @@ def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
     """How the ring on gloo orders its messages for chunks of `chunk_bytes` on `p` ranks:
     "pipeline" (segments), "prepost" (every receive before the first send; more than 2
     ranks only), "lookahead" (each next receive before the add), "lookahead, receive
-    first", or "plain" (each receive posted beside its own send). The thresholds are explained at the top of this file."""
+    first", or "plain" (each receive posted beside its own send). The thresholds are
+    explained at the top of this file."""
     if _segment_bytes(chunk_bytes, segment_bytes) is not None:
         return "pipeline"
     if chunk_bytes <= PREPOST_MAX_CHUNK and p > 2:
