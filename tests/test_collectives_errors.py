@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import microddp
 from microddp import MicroDDPError
@@ -21,33 +22,62 @@ def _message(fn) -> str:
     return "no error"
 
 
-def _shape_mismatch(world) -> list[str]:
-    x = torch.zeros(3 + world.rank)  # every rank a different length
-    p = world.world_size
-    calls = [lambda f=f: f(x.clone()) for f in ALL_REDUCES]
+def _every_call(x: torch.Tensor, p: int, rank: int, group=None) -> list:
+    """All nine collectives on `x` (the roots are global rank 0)."""
+    calls = [lambda f=f: f(x.clone(), group=group) for f in ALL_REDUCES]
     calls += [
-        lambda: C.tree_broadcast(x.clone(), 0),
-        lambda: C.tree_reduce(x.clone(), 0),
-        lambda: C.ring_all_gather([torch.empty_like(x) for _ in range(p)], x),
-        lambda: C.ring_reduce_scatter(torch.empty_like(x), [x] * p),
-        lambda: C.scatter(x, [x] * p if world.rank == 0 else None, 0),
-        lambda: C.gather(x, [torch.empty_like(x) for _ in range(p)] if world.rank == 0 else None),
+        lambda: C.tree_broadcast(x.clone(), 0, group),
+        lambda: C.tree_reduce(x.clone(), 0, group=group),
+        lambda: C.ring_all_gather([torch.empty_like(x) for _ in range(p)], x, group),
+        lambda: C.ring_reduce_scatter(torch.empty_like(x), [x] * p, group=group),
+        lambda: C.scatter(x.clone(), [x] * p if rank == 0 else None, 0, group),
+        lambda: C.gather(x, [torch.empty_like(x) for _ in range(p)] if rank == 0 else None,
+                         group=group),
     ]
-    out = [_message(c) for c in calls]
+    return calls
+
+
+def _mismatch(world, what: str) -> list[str]:
+    if what == "shape":
+        x = torch.zeros(3 + world.rank)  # every rank a different length
+    else:
+        x = torch.zeros(3, dtype=(torch.float32, torch.float64, torch.bfloat16)[world.rank])
+    out = [_message(c) for c in _every_call(x, world.world_size, world.rank)]
     y = torch.ones(5)
     C.ring_all_reduce(y)  # the group is still usable
     out.append(f"ok {y.tolist()}")
     return out
 
 
-def test_different_shapes_raise_on_every_rank():
-    out = microddp.spawn(_shape_mismatch, 3, timeout=90)
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+def test_different_shapes_or_dtypes_raise_on_every_rank(what):
+    out = microddp.spawn(_mismatch, 3, (what,), timeout=90)
+    mine = {"shape": lambda r: f"shape=({3 + r},)",
+            "dtype": lambda r: f"dtype={(torch.float32, torch.float64, torch.bfloat16)[r]}"}
     for rank, messages in enumerate(out):
         *errors, last = messages
         assert len(errors) == 9
         for m in errors:
-            assert "ranks disagree on shape" in m and f"shape=({3 + rank},)" in m, m
+            assert f"ranks disagree on {what}" in m and mine[what](rank) in m, m
         assert last == "ok [3.0, 3.0, 3.0, 3.0, 3.0]"
+
+
+def _on_a_sub_group(world) -> list[str]:
+    """A mismatch inside the sub-group {0, 2}: both members raise, rank 1 is not involved."""
+    group = dist.new_group([0, 2])
+    if world.rank == 1:
+        return []
+    x = torch.zeros(3 + world.rank)
+    return [_message(c) for c in _every_call(x, 2, world.rank, group)]
+
+
+def test_a_mismatch_in_a_sub_group_raises_on_its_members():
+    out = microddp.spawn(_on_a_sub_group, 3, timeout=90)
+    assert out[1] == []
+    for rank in (0, 2):
+        assert len(out[rank]) == 9
+        for m in out[rank]:
+            assert "ranks disagree on shape" in m and f"group rank {rank // 2}" in m, m
 
 
 def _dtype_and_op(world) -> list[str]:
@@ -93,3 +123,76 @@ def test_non_tensor_input_is_rejected(bad):
 def test_list_entries_must_match_the_tensor():
     with pytest.raises(MicroDDPError, match=r"input_list\[0\] is \(3,\) torch.float32"):
         C.ring_reduce_scatter(torch.zeros(2), [torch.zeros(3)])
+
+
+def _reducing_calls(x: torch.Tensor, p: int, op: str) -> list:
+    """The five collectives that take an op."""
+    return [lambda f=f: f(x.clone(), op) for f in ALL_REDUCES] + [
+        lambda: C.tree_reduce(x.clone(), 0, op),
+        lambda: C.ring_reduce_scatter(torch.empty_like(x), [x] * p, op)]
+
+
+def _ops_and_roots(world) -> dict[str, list[str]]:
+    p, r = world.world_size, world.rank
+    return {
+        "differ": [_message(c) for c in _reducing_calls(torch.zeros(4), p,
+                                                       "max" if r == 0 else "sum")],
+        "avg on int64": [_message(c) for c in _reducing_calls(
+            torch.zeros(4, dtype=torch.int64), p, "avg")],
+        "band on float": [_message(c) for c in _reducing_calls(torch.zeros(4), p, "band")],
+        # rank 1 names another root than ranks 0 and 2
+        "roots": [_message(lambda: C.tree_broadcast(torch.zeros(2), src=r % 2)),
+                  _message(lambda: C.tree_reduce(torch.zeros(2), dst=r % 2)),
+                  _message(lambda: C.scatter(torch.zeros(2), [torch.zeros(2)] * p
+                                             if r == r % 2 else None, src=r % 2)),
+                  _message(lambda: C.gather(torch.zeros(2), [torch.zeros(2) for _ in range(p)]
+                                            if r == r % 2 else None, dst=r % 2))],
+    }
+
+
+def test_op_and_root_errors_name_the_problem_on_every_rank():
+    out = microddp.spawn(_ops_and_roots, 3, timeout=90)
+    for rank, m in enumerate(out):
+        assert len(m["differ"]) == 5 and all("ranks disagree on op" in e for e in m["differ"])
+        assert len(m["avg on int64"]) == 5 and all(
+            "op 'avg' needs a floating-point tensor, got torch.int64" in e
+            for e in m["avg on int64"]), m
+        assert len(m["band on float"]) == 5 and all(
+            "op 'band' needs an integer or bool tensor, got torch.float32" in e
+            for e in m["band on float"]), m
+        for e, name in zip(m["roots"], ("src", "dst", "src", "dst"), strict=True):
+            assert f"ranks disagree on {name}" in e and f"{name}={rank % 2}" in e, (rank, e)
+
+
+def _expanded(world) -> dict[str, list[str]]:
+    """Rank 1 passes an expand()ed tensor (one memory location for all its elements) where a
+    result must be written: it says why, the others are told a rank gave up; where the tensor
+    is only read, it works."""
+    p, r = world.world_size, world.rank
+    x = torch.full((4,), float(r + 1))
+    e = torch.full((1,), float(r + 1)).expand(4) if r == 1 else x.clone()
+
+    def outs() -> list[torch.Tensor]:
+        return [e if i == 2 else torch.empty(4) for i in range(p)]
+    written = [lambda f=f: f(e) for f in ALL_REDUCES] + [
+        lambda: C.tree_broadcast(e, 0), lambda: C.tree_reduce(e, 0),
+        lambda: C.scatter(e, [x] * p if r == 0 else None, 0),
+        lambda: C.ring_reduce_scatter(e, [x] * p),
+        lambda: C.ring_all_gather(outs() if r == 1 else [torch.empty(4) for _ in range(p)], x),
+        lambda: C.gather(x, outs() if r == 1 else None, dst=1)]
+    gathered = [torch.empty(4) for _ in range(p)]
+    C.ring_all_gather(gathered, e)  # only read: fine
+    return {"errors": [_message(c) for c in written],
+            "read": [t.tolist() for t in gathered]}
+
+
+def test_expanded_tensors_are_refused_where_a_result_is_written():
+    out = microddp.spawn(_expanded, 3, timeout=90)
+    for rank, m in enumerate(out):
+        assert len(m["errors"]) == 9
+        for e in m["errors"]:
+            if rank == 1:
+                assert "share memory (an expand()ed view" in e and ".clone()" in e, e
+            else:
+                assert "another rank of the group rejected its arguments" in e, e
+        assert m["read"] == [[1.0] * 4, [2.0] * 4, [3.0] * 4]

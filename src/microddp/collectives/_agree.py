@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MicroDDPError
-from ._group import Peers, check_tensor, try_list, try_op, try_root, wait_all
+from ._group import Peers, check_tensor, try_list, try_op, try_root, try_writable, wait_all
 
 
 def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
@@ -101,17 +101,20 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
     if not peers.member:
         return None
     name, problem = try_op(op, tensor, where)
+    problem = problem or try_writable(tensor, where)
     agree(peers, where, tensor.device, problem, check,
           shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
     return (peers, name) if peers.size > 1 else None
 
 
 def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name: str,
-                 root_rank: int, op=None, parts=None, parts_name: str | None = None):
+                 root_rank: int, op=None, parts=None, parts_name: str | None = None,
+                 gathers: bool = False):
     """What every rooted collective (broadcast, reduce, scatter, gather) does before moving
     data: validate the tensor, the root (`root_name` is the argument's name, src or dst), the
     op if it takes one and, on the root, its list of per-rank tensors if it takes one; then
-    agree across ranks on shape, dtype, op and root. Returns (peers, group rank of the root,
+    agree across ranks on shape, dtype, op and root. Results go into `tensor`, except when
+    `gathers` (gather reads `tensor` and writes the root's list). Returns (peers, group rank of the root,
     op name or None, the root's list or []), or None off the group.
     """
     check_tensor(tensor, where)
@@ -120,10 +123,10 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
         return None
     name, problem = try_op(op, tensor, where) if op is not None else (None, None)
     root, root_problem = try_root(peers, root_rank, root_name)
-    problem = problem or root_problem
+    problem = problem or root_problem or (None if gathers else try_writable(tensor, where))
     items: list = []
     if parts_name is not None and problem is None and peers.me == root:
-        items, problem = try_list(parts, tensor, peers.size, where, parts_name)
+        items, problem = try_list(parts, tensor, peers.size, where, parts_name, gathers)
     fields = {"shape": tuple(tensor.shape), "dtype": tensor.dtype}
     if op is not None:
         fields["op"] = name

@@ -60,13 +60,29 @@ def try_root(peers: Peers, rank: int, what: str) -> tuple[int, MicroDDPError | N
         return 0, e
 
 
-def try_list(tensors, like: torch.Tensor, size: int, where: str,
-             name: str) -> tuple[list, MicroDDPError | None]:
+def try_list(tensors, like: torch.Tensor, size: int, where: str, name: str,
+             written: bool = False) -> tuple[list, MicroDDPError | None]:
     """check_list, returning the error to share instead of raising it."""
     try:
-        return check_list(tensors, like, size, where, name), None
+        return check_list(tensors, like, size, where, name, written), None
     except MicroDDPError as e:
         return [], e
+
+
+def try_writable(tensor: torch.Tensor, where: str,
+                 name: str = "tensor") -> MicroDDPError | None:
+    """The error to share when a result cannot be written into `tensor` in place, else None.
+
+    An expand()ed tensor (a dimension of stride 0) keeps one memory location for many
+    elements, so it cannot hold a different value in each: torch refuses the write, but only
+    at the end, after the data has moved. Refused here, before anything is sent.
+    """
+    if any(stride == 0 and n > 1 for n, stride in zip(tensor.shape, tensor.stride(), strict=True)):
+        return MicroDDPError(
+            f"{where}: {name} {tuple(tensor.shape)} has elements that share memory (an expand()ed "
+            f"view, strides {tuple(tensor.stride())}), so it cannot hold a result in place; "
+            f"pass a tensor of its own, e.g. {name}.clone()")
+    return None
 
 
 class Traffic:
@@ -248,8 +264,10 @@ def check_tensor(tensor, where: str, name: str = "tensor") -> torch.Tensor:
     return tensor
 
 
-def check_list(tensors, like: torch.Tensor, size: int, where: str, name: str) -> list:
-    """A list of `size` tensors, each the same shape, dtype and device as `like`."""
+def check_list(tensors, like: torch.Tensor, size: int, where: str, name: str,
+               written: bool = False) -> list:
+    """A list of `size` tensors, each the same shape, dtype and device as `like` (and, if the
+    results are `written` into them, each able to hold one: see try_writable)."""
     if tensors is None or len(tensors) != size:
         got = "None" if tensors is None else f"{len(tensors)} tensors"
         raise MicroDDPError(f"{where}: {name} must hold one tensor per rank of the group "
@@ -260,4 +278,7 @@ def check_list(tensors, like: torch.Tensor, size: int, where: str, name: str) ->
             raise MicroDDPError(
                 f"{where}: {name}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the "
                 f"tensor is {tuple(like.shape)} {like.dtype} on {like.device}; make them match")
+        problem = try_writable(t, where, f"{name}[{i}]") if written else None
+        if problem is not None:
+            raise problem
     return list(tensors)

@@ -21,6 +21,7 @@ from ._group import (
     scratch,
     try_list,
     try_op,
+    try_writable,
     wait_all,
 )
 from ._pipeline import pipelined_ring_all_reduce_, segments_per_chunk
@@ -270,6 +271,7 @@ def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op
         return output
     name, problem = try_op(op, output, where)
     inputs, problem2 = try_list(input_list, output, peers.size, where, "input_list")
+    problem = problem or try_writable(output, where, "output")
     agree(peers, where, output.device, problem or problem2, check,
           shape=tuple(output.shape), dtype=output.dtype, op=name)
     # One packed working copy: the ring reduces in place, the caller's inputs stay as they were.
@@ -292,7 +294,7 @@ def ring_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group
     peers = Peers(group)
     if not peers.member:
         return tensor_list
-    outs, problem = try_list(tensor_list, tensor, peers.size, where, "tensor_list")
+    outs, problem = try_list(tensor_list, tensor, peers.size, where, "tensor_list", written=True)
     agree(peers, where, tensor.device, problem, check,
           shape=tuple(tensor.shape), dtype=tensor.dtype)
     n = tensor.numel()
