@@ -1,4 +1,4 @@
-"""ring_all_reduce picks its path by chunk size on gloo (see collectives/ring.py): whole chunks
+"""ring_all_reduce picks its path by chunk size on gloo (see collectives/_policy.py): whole chunks
 below PIPELINE_MIN_CHUNK, segments of PIPELINE_SEGMENT from there on. Each path must give
 torch.distributed's result; the messages sent show which path ran."""
 

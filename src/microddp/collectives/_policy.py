@@ -1,0 +1,76 @@
+"""Which loop the ring all-reduce runs on gloo, chosen by chunk size and world size.
+
+The loops themselves are in ring.py (plain, lookahead, preposted) and _pipeline.py; what
+each costs on this 2-core host, measured interleaved against gloo, decides the thresholds
+below (chapter 4 tells the whole story).
+"""
+
+from __future__ import annotations
+
+from ._pipeline import segments_per_chunk
+
+# On gloo, chunks up to this size go, on more than 2 ranks, with every receive posted before
+# the first send (one round trip less per step, most of a small message's cost); larger ones
+# go plainly, one message per step, send first; from PIPELINE_MIN_CHUNK on, they are
+# pipelined in segments of PIPELINE_SEGMENT (gloo's own ring cuts at most 1 MiB per message
+# too), so that adding one segment overlaps the next one's transfer. A message costs about 80
+# us here (thread wake-ups, not bytes), a segment of 1 MiB about 1 ms: measured on a 2-core
+# host, the pipeline lost to the plain ring below 8 MiB chunks and was level at 8 MiB, but
+# from 16 MiB chunks it was 0.97-1.02x gloo's time where the plain ring was 1.10-1.17x.
+# Both rings from kept views (_plan.py), interleaved: on 4 ranks, posting every receive first
+# took 0.62-0.90x gloo's time at 64 KiB-1 MiB tensors where the plain ring took 1.03-1.34x,
+# and on 3 ranks 0.78-1.05x against 1.12-1.16x. On 2 ranks, with only two steps, the plain
+# ring won at 15 of 16 points (1 KiB-1 MiB tensors, four runs: 0.79-1.00x against
+# 0.90-1.15x): there the preposted ring's copies out of its inbox and its wait on its sends
+# cost more than the round trip saves (chapter 4).
+PREPOST_MAX_CHUNK = 256 << 10
+# The plain ring posts each step's next receive before adding (planned_ring_all_reduce_) on
+# more than 2 ranks, and on 2 ranks from chunks of this size. Measured interleaved against
+# posting each receive with its own send: on 3 and 4 ranks it won at every size tried (2-32
+# MiB tensors: 0.98-1.10x gloo's time against 1.09-2.06x); on 2 ranks it won with 8 MiB
+# chunks (0.98-1.03x against 1.06-1.09x), was level with 4 MiB ones and lost with 1-2 MiB
+# ones (1.07-1.23x against 1.02-1.13x), where the early data competes with the add for a core.
+# There (2 ranks, 8 MiB chunks) the first receive also goes before the first send: 0.98-1.08x
+# against 1.06-1.14x in three runs; on 4 ranks, the other way round (send first: 1.00-1.09x
+# against 1.02-1.12x in two).
+LOOKAHEAD_MIN_CHUNK_2 = 8 << 20
+PIPELINE_MIN_CHUNK = 16 << 20
+PIPELINE_SEGMENT = 1 << 20
+
+
+def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
+    """How the ring on gloo orders its messages for chunks of `chunk_bytes` on `p` ranks:
+    "pipeline" (segments), "prepost" (every receive before the first send; more than 2
+    ranks only), "lookahead" (each next receive before the add), "lookahead, receive
+    first", or "plain" (each receive posted beside its own send). The thresholds are
+    explained at the top of this file."""
+    if _segment_bytes(chunk_bytes, segment_bytes) is not None:
+        return "pipeline"
+    if chunk_bytes <= PREPOST_MAX_CHUNK and p > 2:
+        return "prepost"
+    if p > 2:
+        return "lookahead"
+    return "lookahead, receive first" if chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2 else "plain"
+
+
+def _chunk_bytes(numel: int, p: int, element_size: int) -> int:
+    """Bytes of the widest of the p near-equal chunks that bounds() cuts `numel` elements into."""
+    return -(-numel // p) * element_size
+
+
+def _segment_bytes(chunk_bytes: int, asked: int | None) -> int | None:
+    """The segment size the ring pipelines chunks of `chunk_bytes` in on gloo, or None when
+    chunks go whole."""
+    segment = PIPELINE_SEGMENT if asked is None and chunk_bytes >= PIPELINE_MIN_CHUNK else asked
+    return segment if segment is not None and chunk_bytes > segment else None
+
+
+def ring_segments(nbytes: int, p: int, element_size: int = 4,
+                  segment_bytes: int | None = None) -> int:
+    """Messages per ring step on gloo for an all-reduce of `nbytes` on `p` ranks: 1 when chunks
+    go whole, else the pipeline's segments per chunk (what the cost model needs to know)."""
+    chunk_bytes = _chunk_bytes(nbytes // element_size, p, element_size)
+    segment = _segment_bytes(chunk_bytes, segment_bytes)
+    if segment is None:
+        return 1
+    return segments_per_chunk(chunk_bytes // element_size, element_size, segment)
