@@ -9,6 +9,18 @@ import torch.distributed.distributed_c10d as c10d
 
 import microddp
 from microddp import collectives as C
+from microddp.collectives._group import Peers
+from microddp.collectives._plan import make_plan
+from microddp.collectives.ring import (
+    PREPOST_MAX_CHUNK,
+    _batched_ring_all_reduce_,
+    planned_ring_all_reduce_,
+    posting,
+)
+
+PAIR = [0, 2]  # a sub-group
+# int64 x of 7 elements, repeated: 3 chunks each a little over PREPOST_MAX_CHUNK bytes
+BIG_REPEAT = 3 * PREPOST_MAX_CHUNK // (7 * 8) + 1
 
 COLLECTIVES = [
     "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
@@ -31,11 +43,30 @@ def _trap(name):
     return trap
 
 
-def _everything(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
+def _ring_paths(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
+    """The sum of `x` over ranks by every loop the ring has (_policy.py picks one by chunk size and
+    world size; the two it never picks on 3 ranks, and the NCCL loop, are called directly)."""
+    peers = Peers()
+    out = [C.ring_all_reduce(x.clone(), segment_bytes=16),  # the pipeline
+           C.ring_all_reduce(x.clone())]  # small chunks on 3 ranks: every receive posted first
+    big = x.repeat(BIG_REPEAT)  # chunks above PREPOST_MAX_CHUNK: "lookahead"
+    out.append(C.ring_all_reduce(big)[: x.numel()])
+    for how in ("plain", "lookahead, receive first"):
+        y = x.clone()
+        planned_ring_all_reduce_(peers, make_plan(y, p, me), "sum", how)
+        out.append(y)
+    y = x.clone()
+    _batched_ring_all_reduce_(peers, make_plan(y, p, me), "sum")
+    out.append(y)
+    return out
+
+
+def _everything(x: torch.Tensor, p: int, me: int, pair) -> list[torch.Tensor]:
     parts = [x * (i + 1) for i in range(p)]
-    out = [C.ring_all_reduce(x.clone(), segment_bytes=16), C.tree_all_reduce(x.clone(), "max"),
-           C.naive_all_reduce(x.clone(), "product"), C.tree_broadcast(x.clone(), src=p - 1),
-           C.ring_reduce_scatter(torch.empty_like(x), parts, "min")]
+    out = _ring_paths(x, p, me)
+    out += [C.tree_all_reduce(x.clone(), "max"), C.naive_all_reduce(x.clone(), "product"),
+            C.ring_all_reduce(x.double(), "avg"), C.tree_broadcast(x.clone(), src=p - 1),
+            C.ring_reduce_scatter(torch.empty_like(x), parts, "min")]
     out += C.ring_all_gather([torch.empty_like(x) for _ in range(p)], x)
     red = C.tree_reduce(x.clone(), dst=1, op="sum")
     out.append(red if me == 1 else torch.zeros_like(x))
@@ -45,21 +76,27 @@ def _everything(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
     g = [torch.empty_like(x) for _ in range(p)] if me == 2 else None
     C.gather(x, g, dst=2)
     out += g if me == 2 else [torch.zeros_like(x)] * p
+    # a sub-group of two: the 2-rank ring (plain), the tree and naive on group ranks
+    if me in PAIR:
+        out += [C.ring_all_reduce(x.clone(), group=pair), C.tree_all_reduce(x.clone(), group=pair),
+                C.naive_all_reduce(x.clone(), "max", group=pair)]
     return out
 
 
-def _reference(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
+def _reference(x: torch.Tensor, p: int, me: int, pair) -> list[torch.Tensor]:
     """The same results from torch.distributed's own collectives."""
-    def ar(t, op):
+    def ar(t, op, group=None):
         t = t.clone()
-        dist.all_reduce(t, op)
+        dist.all_reduce(t, op, group=group)
         return t
     parts = [x * (i + 1) for i in range(p)]
     b = x.clone()
     dist.broadcast(b, p - 1)
     rs = torch.empty_like(x)
     dist.reduce_scatter(rs, parts, dist.ReduceOp.MIN)
-    out = [ar(x, dist.ReduceOp.SUM), ar(x, dist.ReduceOp.MAX), ar(x, dist.ReduceOp.PRODUCT), b, rs]
+    out = [ar(x, dist.ReduceOp.SUM)] * 6  # the six ring loops
+    out += [ar(x, dist.ReduceOp.MAX), ar(x, dist.ReduceOp.PRODUCT),
+            ar(x.double(), dist.ReduceOp.SUM) / p, b, rs]
     ag = [torch.empty_like(x) for _ in range(p)]
     dist.all_gather(ag, x)
     out += ag
@@ -72,12 +109,15 @@ def _reference(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
     g = [torch.empty_like(x) for _ in range(p)] if me == 2 else None
     dist.gather(x, g, dst=2)
     out += g if me == 2 else [torch.zeros_like(x)] * p
+    if me in PAIR:
+        out += [ar(x, dist.ReduceOp.SUM, pair)] * 2 + [ar(x, dist.ReduceOp.MAX, pair)]
     return out
 
 
 def _run_trapped(world) -> tuple[bool, int]:
     x = torch.arange(1, 8, dtype=torch.int64) * (world.rank + 2)
-    expected = _reference(x, world.world_size, world.rank)
+    pair = dist.new_group(PAIR)  # made before the traps: new_group may synchronise the ranks
+    expected = _reference(x, world.world_size, world.rank, pair)
     sends = []
     real_send = dist.ProcessGroup.send
     for name in COLLECTIVES:
@@ -92,13 +132,18 @@ def _run_trapped(world) -> tuple[bool, int]:
         sends.append(1)
         return real_send(self, *args, **kwargs)
     dist.ProcessGroup.send = counting_send
-    ours = _everything(x, world.world_size, world.rank)
+    ours = _everything(x, world.world_size, world.rank, pair)
     same = len(ours) == len(expected) and all(
         torch.equal(a, b) for a, b in zip(ours, expected, strict=True))
     return same, len(sends)
 
 
 def test_no_builtin_collective_is_called():
+    # the paths ring_all_reduce picks for these tensors (int64: 8 bytes an element)
+    assert posting(-(-7 // 3) * 8, 3) == "prepost"
+    assert posting(-(-7 * BIG_REPEAT // 3) * 8, 3) == "lookahead"
+    assert posting(-(-7 // 2) * 8, 2) == "plain"
+    assert posting(-(-7 // 3) * 8, 3, segment_bytes=16) == "pipeline"
     out = microddp.spawn(_run_trapped, 3, timeout=90)
     assert [same for same, _ in out] == [True, True, True]
     assert all(sends > 0 for _, sends in out)  # the work went over point-to-point sends
