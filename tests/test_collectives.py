@@ -13,14 +13,17 @@ import microddp
 from microddp import collectives as C
 from test_collectives_cases import DTYPES, TORCH_OPS, run_cases
 
-CASE = st.fixed_dictionaries({
+# What hypothesis draws for each case; the dtype and op come from the grid below, so that every
+# world size sees every one of the 20 (dtype, op) pairs in every run.
+DRAW = st.fixed_dictionaries({
     "seed": st.integers(0, 2**20),
-    "shape": st.lists(st.integers(0, 9), max_size=3).map(tuple),
-    "dtype": st.sampled_from(sorted(DTYPES)),
-    "op": st.sampled_from(sorted(TORCH_OPS)),
+    # mostly small shapes of up to 3 dimensions; some long vectors, many elements per chunk
+    "shape": st.one_of(st.lists(st.integers(0, 9), max_size=3).map(tuple),
+                       st.integers(0, 4000).map(lambda n: (n,))),
     "root": st.integers(0, 7),
     "segment": st.sampled_from([8, 64, 1 << 20]),  # tiny segments: many pipelined messages
 })
+GRID = [(dtype, op) for dtype in sorted(DTYPES) for op in sorted(TORCH_OPS)]
 
 
 def _failures(world_size: int, cases: list[dict], group_ranks=None) -> list[str]:
@@ -28,11 +31,12 @@ def _failures(world_size: int, cases: list[dict], group_ranks=None) -> list[str]
     return [f"[rank {r}] {f}" for r, fails in enumerate(out) for f in fails]
 
 
-# One spawn runs a whole batch of drawn cases: starting ranks costs far more than a case.
+# One spawn runs the whole grid: starting ranks costs far more than a case.
 @pytest.mark.parametrize("world_size", range(1, 9))
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases=st.lists(CASE, min_size=6, max_size=6))
-def test_every_algorithm_matches_torch(world_size, cases):
+@given(draws=st.lists(DRAW, min_size=len(GRID), max_size=len(GRID)))
+def test_every_algorithm_matches_torch(world_size, draws):
+    cases = [{**d, "dtype": dtype, "op": op} for d, (dtype, op) in zip(draws, GRID, strict=True)]
     assert _failures(world_size, cases) == []
 
 
@@ -67,21 +71,41 @@ def test_sub_groups_match_torch(group_ranks):
     assert _failures(4, cases, group_ranks) == []
 
 
-def _non_member(world) -> list[bool]:
+def _non_member(world) -> dict[str, list]:
     """Ranks outside a group leave their tensors alone, as torch does."""
     group = dist.new_group([0, 1])
-    x = torch.full((4,), float(world.rank))
+    r = world.rank
+    x = torch.full((4,), float(r))
     C.ring_all_reduce(x, group=group)
     C.tree_all_reduce(x, group=group)
     C.naive_all_reduce(x, group=group)
     C.tree_broadcast(x, 1, group)
-    return x.tolist()
+    red = C.tree_reduce(torch.full((2,), float(r + 1)), 0, "sum", group)
+    rs = C.ring_reduce_scatter(torch.full((2,), -1.0),
+                               [torch.full((2,), float(10 * r + i)) for i in range(2)],
+                               "sum", group)
+    ag = C.ring_all_gather([torch.full((2,), -1.0) for _ in range(2)],
+                           torch.full((2,), float(r)), group)
+    sc = torch.full((2,), -1.0)
+    C.scatter(sc, [torch.full((2,), float(i + 5)) for i in range(2)] if r == 0 else None, 0,
+              group)
+    g = [torch.full((2,), -1.0) for _ in range(2)]
+    C.gather(torch.full((2,), float(r)), g if r == 1 else None, 1, group)
+    return {"all-reduce": x.tolist(), "reduce": red.tolist(), "reduce_scatter": rs.tolist(),
+            "all_gather": [t.tolist() for t in ag], "scatter": sc.tolist(),
+            "gather": [t.tolist() for t in g]}
 
 
 def test_non_members_are_untouched():
     out = microddp.spawn(_non_member, 3, timeout=60)
     # members: 0+1 = 1, doubled by the tree and by naive, then broadcast; rank 2 keeps its 2
-    assert out == [[4.0] * 4, [4.0] * 4, [2.0] * 4]
+    assert [o["all-reduce"] for o in out] == [[4.0] * 4, [4.0] * 4, [2.0] * 4]
+    assert [o["reduce"] for o in out] == [[3.0] * 2, [2.0] * 2, [3.0] * 2]
+    assert [o["reduce_scatter"] for o in out] == [[10.0] * 2, [12.0] * 2, [-1.0] * 2]
+    assert [o["all_gather"] for o in out] == [[[0.0] * 2, [1.0] * 2]] * 2 + [[[-1.0] * 2] * 2]
+    assert [o["scatter"] for o in out] == [[5.0] * 2, [6.0] * 2, [-1.0] * 2]
+    assert out[1]["gather"] == [[0.0] * 2, [1.0] * 2]  # the dst
+    assert out[2]["gather"] == [[-1.0] * 2] * 2
 
 
 def _strided(world) -> list[list[float]]:
