@@ -6,7 +6,7 @@ import re
 import pytest
 
 from microddp import cli
-from microddp.bench.allreduce import _describe
+from microddp.bench.allreduce import DEFAULT_SIZES, _describe, parse_size
 from microddp.collectives.cost import CostModel
 from microddp.collectives.ring import ring_segments
 
@@ -14,7 +14,7 @@ from microddp.collectives.ring import ring_segments
 def test_bench_allreduce_end_to_end(tmp_path, capsys):
     sizes = ["1K", "4K", "16K", "64K", "256K", "512K", "1M"]
     code = cli.main(["bench", "allreduce", "-n", "2", "--sizes", ",".join(sizes),
-                     "--algorithms", "ring,tree", "--repeats", "4", "--min-repeats", "2",
+                     "--algorithms", "ring,tree,naive", "--repeats", "4", "--min-repeats", "2",
                      "--warmup", "1", "--control", "--timeout", "240", "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out
@@ -35,8 +35,16 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
         assert row["ring_predicted_s"] == pytest.approx(
             model.predict("ring_all_reduce", n, 2, segments=ring_segments(n, 2)), rel=1e-12)
         assert row["ring_vs_gloo"] == pytest.approx(row["ring_s"] / row["gloo_s"], rel=1e-9)
-        assert {"tree_s", "control_vs_gloo", "ring+check_s"} <= set(row)
+        for a in ("tree", "naive"):
+            assert row[f"{a}_predicted_s"] == pytest.approx(
+                model.predict(f"{a}_all_reduce", n, 2), rel=1e-12)
+        assert {"tree_s", "naive_s", "control_vs_gloo", "ring+check_s"} <= set(row)
     assert (tmp_path / "allreduce_2ranks.png").stat().st_size > 0
+
+
+def test_default_sizes_span_1_kib_to_64_mib():
+    sizes = [parse_size(s) for s in DEFAULT_SIZES.split(",")]
+    assert sizes[0] == 1 << 10 and sizes[-1] == 64 << 20 and sizes == sorted(sizes)
 
 
 def test_fitted_line_is_printed_for_a_person():
