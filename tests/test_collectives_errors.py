@@ -164,10 +164,10 @@ def test_op_and_root_errors_name_the_problem_on_every_rank():
             assert f"ranks disagree on {name}" in e and f"{name}={rank % 2}" in e, (rank, e)
 
 
-def _expanded(world) -> dict[str, list[str]]:
+def _expanded(world) -> dict:
     """Rank 1 passes an expand()ed tensor (one memory location for all its elements) where a
-    result must be written: it says why, the others are told a rank gave up; where the tensor
-    is only read, it works."""
+    result must be written: it says why, the others are told a rank gave up. Where such a
+    tensor is only read, the collective works and gives torch's answer."""
     p, r = world.world_size, world.rank
     x = torch.full((4,), float(r + 1))
     e = torch.full((1,), float(r + 1)).expand(4) if r == 1 else x.clone()
@@ -175,15 +175,24 @@ def _expanded(world) -> dict[str, list[str]]:
     def outs() -> list[torch.Tensor]:
         return [e if i == 2 else torch.empty(4) for i in range(p)]
     written = [lambda f=f: f(e) for f in ALL_REDUCES] + [
-        lambda: C.tree_broadcast(e, 0), lambda: C.tree_reduce(e, 0),
+        lambda: C.tree_broadcast(e, 0), lambda: C.tree_reduce(e, dst=1),
         lambda: C.scatter(e, [x] * p if r == 0 else None, 0),
         lambda: C.ring_reduce_scatter(e, [x] * p),
         lambda: C.ring_all_gather(outs() if r == 1 else [torch.empty(4) for _ in range(p)], x),
         lambda: C.gather(x, outs() if r == 1 else None, dst=1)]
-    gathered = [torch.empty(4) for _ in range(p)]
-    C.ring_all_gather(gathered, e)  # only read: fine
-    return {"errors": [_message(c) for c in written],
-            "read": [t.tolist() for t in gathered]}
+    errors = [_message(c) for c in written]
+    # Only read: all-gather's and gather's input, scatter's and reduce-scatter's lists, and
+    # reduce's tensor on a rank that is not the destination.
+    ex = [torch.full((1,), float(10 * r + i)).expand(4) for i in range(p)]
+    read = {"all_gather": C.ring_all_gather([torch.empty(4) for _ in range(p)], e),
+            "reduce_scatter": [C.ring_reduce_scatter(torch.empty(4), ex)],
+            "reduce": [C.tree_reduce(e.clone() if r == 0 else e, dst=0)]}
+    sc = torch.empty(4)
+    C.scatter(sc, ex if r == 0 else None, 0)
+    g = [torch.empty(4) for _ in range(p)] if r == 0 else None
+    C.gather(e, g, dst=0)
+    read.update(scatter=[sc], gather=g or [])
+    return {"errors": errors, "read": {k: [t.tolist() for t in v] for k, v in read.items()}}
 
 
 def test_expanded_tensors_are_refused_where_a_result_is_written():
@@ -195,4 +204,20 @@ def test_expanded_tensors_are_refused_where_a_result_is_written():
                 assert "share memory (an expand()ed view" in e and ".clone()" in e, e
             else:
                 assert "another rank of the group rejected its arguments" in e, e
-        assert m["read"] == [[1.0] * 4, [2.0] * 4, [3.0] * 4]
+        read = m["read"]
+        assert read["all_gather"] == [[1.0] * 4, [2.0] * 4, [3.0] * 4]
+        assert read["reduce_scatter"] == [[float(30 + 3 * rank)] * 4]  # sum over r of 10r + rank
+        assert read["scatter"] == [[float(rank)] * 4]  # rank 0's list: 0, 1, 2
+        assert read["reduce"] == [[6.0] * 4] if rank == 0 else read["reduce"] == [
+            [float(rank + 1)] * 4]
+    assert out[0]["read"]["gather"] == [[1.0] * 4, [2.0] * 4, [3.0] * 4]
+
+
+def test_sparse_tensors_are_refused_and_empty_expanded_ones_accepted():
+    """In a world of one process: the check runs before any exchange, as it would on p ranks."""
+    with pytest.raises(MicroDDPError, match=r"torch.sparse_coo tensor; .*\.to_dense\(\)"):
+        C.ring_all_reduce(torch.eye(3).to_sparse())
+    with pytest.raises(MicroDDPError, match=r"output is a torch.sparse_coo tensor"):
+        C.ring_reduce_scatter(torch.zeros(3).to_sparse(), [torch.zeros(3).to_sparse()])
+    empty = torch.empty(0).expand(3, 0)  # stride 0, but no element to share memory with
+    assert C.tree_all_reduce(empty) is empty

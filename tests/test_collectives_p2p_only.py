@@ -50,7 +50,7 @@ def _ring_paths(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
     out = [C.ring_all_reduce(x.clone(), segment_bytes=16),  # the pipeline
            C.ring_all_reduce(x.clone())]  # small chunks on 3 ranks: every receive posted first
     big = x.repeat(BIG_REPEAT)  # chunks above PREPOST_MAX_CHUNK: "lookahead"
-    out.append(C.ring_all_reduce(big)[: x.numel()])
+    out.append(C.ring_all_reduce(big))
     for how in ("plain", "lookahead, receive first"):
         y = x.clone()
         planned_ring_all_reduce_(peers, make_plan(y, p, me), "sum", how)
@@ -76,9 +76,14 @@ def _everything(x: torch.Tensor, p: int, me: int, pair) -> list[torch.Tensor]:
     g = [torch.empty_like(x) for _ in range(p)] if me == 2 else None
     C.gather(x, g, dst=2)
     out += g if me == 2 else [torch.zeros_like(x)] * p
-    # a sub-group of two: the 2-rank ring (plain), the tree and naive on group ranks
+    # a sub-group of two: the 2-rank ring (plain), the 2-rank receive-first loop (which waits
+    # for each send before posting the next receive), the tree and naive on group ranks
     if me in PAIR:
-        out += [C.ring_all_reduce(x.clone(), group=pair), C.tree_all_reduce(x.clone(), group=pair),
+        y = x.clone()
+        planned_ring_all_reduce_(Peers(pair), make_plan(y, 2, PAIR.index(me)), "sum",
+                                 "lookahead, receive first")
+        out += [C.ring_all_reduce(x.clone(), group=pair), y,
+                C.tree_all_reduce(x.clone(), group=pair),
                 C.naive_all_reduce(x.clone(), "max", group=pair)]
     return out
 
@@ -94,7 +99,8 @@ def _reference(x: torch.Tensor, p: int, me: int, pair) -> list[torch.Tensor]:
     dist.broadcast(b, p - 1)
     rs = torch.empty_like(x)
     dist.reduce_scatter(rs, parts, dist.ReduceOp.MIN)
-    out = [ar(x, dist.ReduceOp.SUM)] * 6  # the six ring loops
+    out = [ar(x, dist.ReduceOp.SUM)] * 2 + [ar(x.repeat(BIG_REPEAT), dist.ReduceOp.SUM)]
+    out += [ar(x, dist.ReduceOp.SUM)] * 3  # the other three ring loops
     out += [ar(x, dist.ReduceOp.MAX), ar(x, dist.ReduceOp.PRODUCT),
             ar(x.double(), dist.ReduceOp.SUM) / p, b, rs]
     ag = [torch.empty_like(x) for _ in range(p)]
@@ -110,7 +116,7 @@ def _reference(x: torch.Tensor, p: int, me: int, pair) -> list[torch.Tensor]:
     dist.gather(x, g, dst=2)
     out += g if me == 2 else [torch.zeros_like(x)] * p
     if me in PAIR:
-        out += [ar(x, dist.ReduceOp.SUM, pair)] * 2 + [ar(x, dist.ReduceOp.MAX, pair)]
+        out += [ar(x, dist.ReduceOp.SUM, pair)] * 3 + [ar(x, dist.ReduceOp.MAX, pair)]
     return out
 
 

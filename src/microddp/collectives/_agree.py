@@ -15,7 +15,15 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MicroDDPError
-from ._group import Peers, check_tensor, try_list, try_op, try_root, try_writable, wait_all
+from ._group import (
+    Peers,
+    check_tensor,
+    try_layout,
+    try_list,
+    try_op,
+    try_root,
+    wait_all,
+)
 
 
 def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
@@ -101,7 +109,7 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
     if not peers.member:
         return None
     name, problem = try_op(op, tensor, where)
-    problem = problem or try_writable(tensor, where)
+    problem = problem or try_layout(tensor, where)
     agree(peers, where, tensor.device, problem, check,
           shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
     return (peers, name) if peers.size > 1 else None
@@ -109,13 +117,15 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
 
 def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name: str,
                  root_rank: int, op=None, parts=None, parts_name: str | None = None,
-                 gathers: bool = False):
+                 result_in: str = "tensor"):
     """What every rooted collective (broadcast, reduce, scatter, gather) does before moving
     data: validate the tensor, the root (`root_name` is the argument's name, src or dst), the
     op if it takes one and, on the root, its list of per-rank tensors if it takes one; then
-    agree across ranks on shape, dtype, op and root. Results go into `tensor`, except when
-    `gathers` (gather reads `tensor` and writes the root's list). Returns (peers, group rank of the root,
-    op name or None, the root's list or []), or None off the group.
+    agree across ranks on shape, dtype, op and root. `result_in` says where results are
+    written, which must be able to hold them: "tensor" (every rank's), "root" (the root's
+    tensor only: reduce) or "list" (the root's list: gather, which only reads `tensor`).
+    Returns (peers, group rank of the root, op name or None, the root's list or []), or None
+    off the group.
     """
     check_tensor(tensor, where)
     peers = Peers(group)
@@ -123,10 +133,12 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
         return None
     name, problem = try_op(op, tensor, where) if op is not None else (None, None)
     root, root_problem = try_root(peers, root_rank, root_name)
-    problem = problem or root_problem or (None if gathers else try_writable(tensor, where))
+    written = result_in == "tensor" or (result_in == "root" and peers.me == root)
+    problem = problem or root_problem or try_layout(tensor, where, written=written)
     items: list = []
     if parts_name is not None and problem is None and peers.me == root:
-        items, problem = try_list(parts, tensor, peers.size, where, parts_name, gathers)
+        items, problem = try_list(parts, tensor, peers.size, where, parts_name,
+                                  written=result_in == "list")
     fields = {"shape": tuple(tensor.shape), "dtype": tensor.dtype}
     if op is not None:
         fields["op"] = name

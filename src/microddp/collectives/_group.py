@@ -69,15 +69,20 @@ def try_list(tensors, like: torch.Tensor, size: int, where: str, name: str,
         return [], e
 
 
-def try_writable(tensor: torch.Tensor, where: str,
-                 name: str = "tensor") -> MicroDDPError | None:
-    """The error to share when a result cannot be written into `tensor` in place, else None.
+def try_layout(tensor: torch.Tensor, where: str, name: str = "tensor",
+               written: bool = True) -> MicroDDPError | None:
+    """The error to share when `tensor` cannot be used as it is laid out in memory, else None.
 
-    An expand()ed tensor (a dimension of stride 0) keeps one memory location for many
-    elements, so it cannot hold a different value in each: torch refuses the write, but only
-    at the end, after the data has moved. Refused here, before anything is sent.
+    Sparse tensors are refused: these algorithms move dense memory. Where a result is
+    `written` into the tensor in place, an expand()ed one (a dimension of stride 0) is refused
+    too: it keeps one memory location for many elements, so it cannot hold a different value
+    in each. torch refuses that write, but only at the end, after the data has moved.
     """
-    if any(stride == 0 and n > 1 for n, stride in zip(tensor.shape, tensor.stride(), strict=True)):
+    if tensor.layout != torch.strided:
+        return MicroDDPError(f"{where}: {name} is a {tensor.layout} tensor; these collectives "
+                             f"work on dense tensors: pass {name}.to_dense()")
+    if written and tensor.numel() > 1 and any(stride == 0 and n > 1 for n, stride in
+                                  zip(tensor.shape, tensor.stride(), strict=True)):
         return MicroDDPError(
             f"{where}: {name} {tuple(tensor.shape)} has elements that share memory (an expand()ed "
             f"view, strides {tuple(tensor.stride())}), so it cannot hold a result in place; "
@@ -267,7 +272,7 @@ def check_tensor(tensor, where: str, name: str = "tensor") -> torch.Tensor:
 def check_list(tensors, like: torch.Tensor, size: int, where: str, name: str,
                written: bool = False) -> list:
     """A list of `size` tensors, each the same shape, dtype and device as `like` (and, if the
-    results are `written` into them, each able to hold one: see try_writable)."""
+    results are `written` into them, each able to hold one: see try_layout)."""
     if tensors is None or len(tensors) != size:
         got = "None" if tensors is None else f"{len(tensors)} tensors"
         raise MicroDDPError(f"{where}: {name} must hold one tensor per rank of the group "
@@ -278,7 +283,7 @@ def check_list(tensors, like: torch.Tensor, size: int, where: str, name: str,
             raise MicroDDPError(
                 f"{where}: {name}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the "
                 f"tensor is {tuple(like.shape)} {like.dtype} on {like.device}; make them match")
-        problem = try_writable(t, where, f"{name}[{i}]") if written else None
+        problem = try_layout(t, where, f"{name}[{i}]", written)
         if problem is not None:
             raise problem
     return list(tensors)

@@ -44,7 +44,7 @@ def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
     ranks only), "lookahead" (each next receive before the add), "lookahead, receive
     first", or "plain" (each receive posted beside its own send). The thresholds are
     explained at the top of this file."""
-    if _segment_bytes(chunk_bytes, segment_bytes) is not None:
+    if segment_size(chunk_bytes, segment_bytes) is not None:
         return "pipeline"
     if chunk_bytes <= PREPOST_MAX_CHUNK and p > 2:
         return "prepost"
@@ -53,12 +53,12 @@ def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
     return "lookahead, receive first" if chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2 else "plain"
 
 
-def _chunk_bytes(numel: int, p: int, element_size: int) -> int:
+def widest_chunk_bytes(numel: int, p: int, element_size: int) -> int:
     """Bytes of the widest of the p near-equal chunks that bounds() cuts `numel` elements into."""
     return -(-numel // p) * element_size
 
 
-def _segment_bytes(chunk_bytes: int, asked: int | None) -> int | None:
+def segment_size(chunk_bytes: int, asked: int | None) -> int | None:
     """The segment size the ring pipelines chunks of `chunk_bytes` in on gloo, or None when
     chunks go whole."""
     segment = PIPELINE_SEGMENT if asked is None and chunk_bytes >= PIPELINE_MIN_CHUNK else asked
@@ -69,8 +69,8 @@ def ring_segments(nbytes: int, p: int, element_size: int = 4,
                   segment_bytes: int | None = None) -> int:
     """Messages per ring step on gloo for an all-reduce of `nbytes` on `p` ranks: 1 when chunks
     go whole, else the pipeline's segments per chunk (what the cost model needs to know)."""
-    chunk_bytes = _chunk_bytes(nbytes // element_size, p, element_size)
-    segment = _segment_bytes(chunk_bytes, segment_bytes)
+    chunk_bytes = widest_chunk_bytes(nbytes // element_size, p, element_size)
+    segment = segment_size(chunk_bytes, segment_bytes)
     if segment is None:
         return 1
     return segments_per_chunk(chunk_bytes // element_size, element_size, segment)

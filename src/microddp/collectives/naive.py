@@ -70,7 +70,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     Returns gather_list on `dst`, None elsewhere.
     """
     started = begin_rooted(tensor, "gather", group, check, "dst", dst, parts=gather_list,
-                           parts_name="gather_list", gathers=True)
+                           parts_name="gather_list", result_in="list")
     if started is None:
         return None
     peers, root, _, outs = started

@@ -19,9 +19,9 @@ from ._group import (
     bounds,
     check_tensor,
     scratch,
+    try_layout,
     try_list,
     try_op,
-    try_writable,
     wait_all,
 )
 from ._pipeline import pipelined_ring_all_reduce_
@@ -31,10 +31,10 @@ from ._policy import (
     PIPELINE_MIN_CHUNK,
     PIPELINE_SEGMENT,
     PREPOST_MAX_CHUNK,
-    _chunk_bytes,
-    _segment_bytes,
     posting,
     ring_segments,
+    segment_size,
+    widest_chunk_bytes,
 )
 
 # The ring's choice of loop (_policy.py) is offered from here too, with the ring itself.
@@ -193,11 +193,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
         return tensor
     peers, name = started
     flat = Flat(tensor)
-    chunk_bytes = _chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
+    chunk_bytes = widest_chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
     how = "batched" if peers.nccl else posting(chunk_bytes, peers.size, segment_bytes)
     if how == "pipeline":
         pipelined_ring_all_reduce_(peers, flat.data, name,
-                                   _segment_bytes(chunk_bytes, segment_bytes))
+                                   segment_size(chunk_bytes, segment_bytes))
         return flat.done()
     # The ring from views kept for this tensor while it lives (a packed copy's change every
     # call).
@@ -221,7 +221,7 @@ def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op
         return output
     name, problem = try_op(op, output, where)
     inputs, problem2 = try_list(input_list, output, peers.size, where, "input_list")
-    problem = problem or try_writable(output, where, "output")
+    problem = problem or try_layout(output, where, "output")
     agree(peers, where, output.device, problem or problem2, check,
           shape=tuple(output.shape), dtype=output.dtype, op=name)
     # One packed working copy: the ring reduces in place, the caller's inputs stay as they were.
@@ -245,6 +245,7 @@ def ring_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group
     if not peers.member:
         return tensor_list
     outs, problem = try_list(tensor_list, tensor, peers.size, where, "tensor_list", written=True)
+    problem = problem or try_layout(tensor, where, written=False)
     agree(peers, where, tensor.device, problem, check,
           shape=tuple(tensor.shape), dtype=tensor.dtype)
     n = tensor.numel()

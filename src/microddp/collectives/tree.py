@@ -57,7 +57,8 @@ def tree_reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None,
     The broadcast tree run backwards: partial results flow up and are combined on the way.
     Other ranks' tensors are left as they were (torch leaves them unspecified).
     """
-    started = begin_rooted(tensor, "tree_reduce", group, check, "dst", dst, op=op)
+    started = begin_rooted(tensor, "tree_reduce", group, check, "dst", dst, op=op,
+                           result_in="root")
     if started is None:
         return tensor
     peers, root, name, _ = started
