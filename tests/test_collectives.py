@@ -61,7 +61,7 @@ def test_edge_sizes_match_torch():
     assert _failures(5, cases) == []
 
 
-@pytest.mark.parametrize("group_ranks", [[1, 2, 3], [0, 3]])
+@pytest.mark.parametrize("group_ranks", [[1, 2, 3], [0, 3], [2]])
 def test_sub_groups_match_torch(group_ranks):
     cases = [
         {"seed": 7, "shape": (5, 3), "dtype": "float32", "op": "sum", "root": 1, "segment": 16},
