@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 
 from microddp import collectives as C
+from microddp.collectives._group import Peers
+from microddp.collectives._pair import pair_all_reduce_
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "int64": torch.int64}
@@ -84,6 +86,10 @@ def run_case(case: dict, group=None) -> list[str]:
                              ("tree", C.tree_all_reduce, {}), ("naive", C.naive_all_reduce, {})):
             fails.append(compare(f"{name}_all_reduce", fn(x.clone(), op, group, **kw), ref, op,
                                  dtype, p, abs_sum))
+        if p == 2:  # the pair loop (the default for large chunks on 2 ranks), in 3 segments
+            y = x.clone()
+            pair_all_reduce_(Peers(group), y.view(-1), op, 3)
+            fails.append(compare("pair_all_reduce_", y, ref, op, dtype, p, abs_sum))
         # reduce: torch leaves non-destination tensors unspecified, so compare only on dst
         y = x.clone()
         dist.reduce(y, root, TORCH_OPS[op], group=group)

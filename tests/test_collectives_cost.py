@@ -14,7 +14,13 @@ from microddp import collectives as C
 from microddp.bench.allreduce import parse_size, repeats_for
 from microddp.collectives import cost
 from microddp.collectives.cost import ALGORITHMS, CostModel, bytes_sent, fit_line, fit_lines
-from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT, ring_segments
+from microddp.collectives.ring import (
+    PAIR_MIN_CHUNK,
+    PAIR_SEGMENT,
+    PIPELINE_MIN_CHUNK,
+    PIPELINE_SEGMENT,
+    ring_segments,
+)
 
 M = CostModel(alpha=1e-5, beta=1e-9, gamma=2e-10)
 
@@ -34,10 +40,14 @@ def test_pipelined_ring_formula_and_segments_the_ring_sends():
     expected = 2 * 3 * (1e-5 + (n / 4) * 1e-9) + 3 * (n / 4 / k) * 2e-10
     assert M.ring_all_reduce(n, p, segments=k) == pytest.approx(expected, rel=1e-12)
     assert M.predict("ring_all_reduce", n, p, segments=1) == M.ring_all_reduce(n, p)
-    # The ring's own choice, on gloo: whole chunks below PIPELINE_MIN_CHUNK, then segments.
+    # The ring's own choice, on gloo: whole chunks below PIPELINE_MIN_CHUNK, then segments;
+    # on 2 ranks, from PAIR_MIN_CHUNK, the pair loop's segments of at most PAIR_SEGMENT.
     at = PIPELINE_MIN_CHUNK * p
     assert ring_segments(at - 4 * p, p) == 1
     assert ring_segments(at, p) == PIPELINE_MIN_CHUNK // PIPELINE_SEGMENT
+    assert ring_segments(2 * PAIR_MIN_CHUNK - 8, 2) == 1
+    assert ring_segments(2 * PAIR_MIN_CHUNK, 2) == PAIR_MIN_CHUNK // PAIR_SEGMENT
+    assert ring_segments(2 * PIPELINE_MIN_CHUNK, 2) == PIPELINE_MIN_CHUNK // PAIR_SEGMENT
     assert ring_segments(1 << 20, p, segment_bytes=1 << 16) == 4  # 256 KiB chunks
     assert ring_segments(1 << 20, p, segment_bytes=1 << 20) == 1  # chunk fits one segment
 

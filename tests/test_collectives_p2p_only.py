@@ -10,8 +10,10 @@ import torch.distributed.distributed_c10d as c10d
 import microddp
 from microddp import collectives as C
 from microddp.collectives._group import Peers
+from microddp.collectives._pair import pair_all_reduce_
 from microddp.collectives._plan import make_plan
 from microddp.collectives.ring import (
+    PAIR_MIN_CHUNK,
     PREPOST_MAX_CHUNK,
     _batched_ring_all_reduce_,
     planned_ring_all_reduce_,
@@ -44,17 +46,17 @@ def _trap(name):
 
 
 def _ring_paths(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
-    """The sum of `x` over ranks by every loop the ring has (_policy.py picks one by chunk size and
-    world size; the two it never picks on 3 ranks, and the NCCL loop, are called directly)."""
+    """The sum of `x` over 3 ranks by the ring's loops (_policy.py picks one by chunk size and
+    world size; the plain loop, which it never picks on 3 ranks, and the NCCL loop are called
+    directly; the pair loop runs on 2 ranks, in _everything)."""
     peers = Peers()
     out = [C.ring_all_reduce(x.clone(), segment_bytes=16),  # the pipeline
            C.ring_all_reduce(x.clone())]  # small chunks on 3 ranks: every receive posted first
     big = x.repeat(BIG_REPEAT)  # chunks above PREPOST_MAX_CHUNK: "lookahead"
     out.append(C.ring_all_reduce(big))
-    for how in ("plain", "lookahead, receive first"):
-        y = x.clone()
-        planned_ring_all_reduce_(peers, make_plan(y, p, me), "sum", how)
-        out.append(y)
+    y = x.clone()
+    planned_ring_all_reduce_(peers, make_plan(y, p, me), "sum", "plain")
+    out.append(y)
     y = x.clone()
     _batched_ring_all_reduce_(peers, make_plan(y, p, me), "sum")
     out.append(y)
@@ -76,12 +78,11 @@ def _everything(x: torch.Tensor, p: int, me: int, pair) -> list[torch.Tensor]:
     g = [torch.empty_like(x) for _ in range(p)] if me == 2 else None
     C.gather(x, g, dst=2)
     out += g if me == 2 else [torch.zeros_like(x)] * p
-    # a sub-group of two: the 2-rank ring (plain), the 2-rank receive-first loop (which waits
-    # for each send before posting the next receive), the tree and naive on group ranks
+    # a sub-group of two: the 2-rank ring (plain), the pair loop (large chunks on 2 ranks, here
+    # in 3 segments), the tree and naive on group ranks
     if me in PAIR:
         y = x.clone()
-        planned_ring_all_reduce_(Peers(pair), make_plan(y, 2, PAIR.index(me)), "sum",
-                                 "lookahead, receive first")
+        pair_all_reduce_(Peers(pair), y, "sum", 3)
         out += [C.ring_all_reduce(x.clone(), group=pair), y,
                 C.tree_all_reduce(x.clone(), group=pair),
                 C.naive_all_reduce(x.clone(), "max", group=pair)]
@@ -100,7 +101,7 @@ def _reference(x: torch.Tensor, p: int, me: int, pair) -> list[torch.Tensor]:
     rs = torch.empty_like(x)
     dist.reduce_scatter(rs, parts, dist.ReduceOp.MIN)
     out = [ar(x, dist.ReduceOp.SUM)] * 2 + [ar(x.repeat(BIG_REPEAT), dist.ReduceOp.SUM)]
-    out += [ar(x, dist.ReduceOp.SUM)] * 3  # the other three ring loops
+    out += [ar(x, dist.ReduceOp.SUM)] * 2  # the plain and NCCL loops
     out += [ar(x, dist.ReduceOp.MAX), ar(x, dist.ReduceOp.PRODUCT),
             ar(x.double(), dist.ReduceOp.SUM) / p, b, rs]
     ag = [torch.empty_like(x) for _ in range(p)]
@@ -150,6 +151,7 @@ def test_no_builtin_collective_is_called():
     assert posting(-(-7 * BIG_REPEAT // 3) * 8, 3) == "lookahead"
     assert posting(-(-7 // 2) * 8, 2) == "plain"
     assert posting(-(-7 // 3) * 8, 3, segment_bytes=16) == "pipeline"
+    assert posting(PAIR_MIN_CHUNK, 2) == "pair"
     out = microddp.spawn(_run_trapped, 3, timeout=90)
     assert [same for same, _ in out] == [True, True, True]
     assert all(sends > 0 for _, sends in out)  # the work went over point-to-point sends

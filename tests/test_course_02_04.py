@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT
+from microddp.collectives.ring import PAIR_SEGMENT, PIPELINE_MIN_CHUNK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,8 @@ def test_compare_algorithms_counts_match_the_model():
         r"(\w+)$", out, re.M))
     chunk_mib = PIPELINE_MIN_CHUNK >> 20
     assert seg["whole chunks"] == (2 * chunk_mib, 2, "yes")  # 2 ranks: 2 steps, one message each
-    assert seg["default"] == (2 * chunk_mib, 2 * chunk_mib * (1 << 20) // PIPELINE_SEGMENT, "yes")
+    # 2 ranks: the pair loop, 2 steps of chunk / PAIR_SEGMENT messages each
+    assert seg["default"] == (2 * chunk_mib, 2 * chunk_mib * (1 << 20) // PAIR_SEGMENT, "yes")
     check_fitted_lines(out)
 
 

@@ -1,6 +1,7 @@
 """ring_all_reduce picks its path by chunk size on gloo (see collectives/_policy.py): whole chunks
-below PIPELINE_MIN_CHUNK, segments of PIPELINE_SEGMENT from there on. Each path must give
-torch.distributed's result; the messages sent show which path ran."""
+below a switch, segments from there on (on 2 ranks the pair loop's, from PAIR_MIN_CHUNK in
+PAIR_SEGMENT; on more, the pipeline's, from PIPELINE_MIN_CHUNK in PIPELINE_SEGMENT). Each
+path must give torch.distributed's result; the messages sent show which path ran."""
 
 import pytest
 import torch
@@ -8,13 +9,20 @@ import torch.distributed as dist
 
 import microddp as mdp
 from microddp.collectives import ring_all_reduce, traffic
-from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT
+from microddp.collectives.ring import (
+    PAIR_MIN_CHUNK,
+    PAIR_SEGMENT,
+    PIPELINE_MIN_CHUNK,
+    PIPELINE_SEGMENT,
+)
+
+SWITCH = {2: (PAIR_MIN_CHUNK, PAIR_SEGMENT), 3: (PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT)}
 
 
 def around_the_switch(world):
     p = world.world_size
     g = torch.Generator().manual_seed(world.rank)
-    at = PIPELINE_MIN_CHUNK // 4 * p  # float32 elements: chunks of exactly PIPELINE_MIN_CHUNK
+    at = SWITCH[p][0] // 4 * p  # float32 elements: chunks of exactly the switch's size
     out = {}
     for label, numel, op in (("below", at - p, "sum"), ("at", at, "sum"), ("at", at, "avg"),
                              ("above", at + 2 * p + 1, "sum")):
@@ -33,7 +41,8 @@ def around_the_switch(world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_large_chunks_are_pipelined_and_equal_to_torch(world_size):
     p = world_size
-    segments = PIPELINE_MIN_CHUNK // PIPELINE_SEGMENT
+    switch, segment = SWITCH[p]
+    segments = switch // segment
     for r in mdp.spawn(around_the_switch, p, timeout=120):
         assert all(v["equal"] for v in r.values()), r
         assert r[("below", "sum")]["messages"] == 2 * (p - 1)  # one message per step
@@ -51,7 +60,7 @@ def rhythms(world):
     peers = Peers()
     p, prv = world.world_size, (world.rank - 1) % world.world_size
     out = {}
-    for how in ("prepost", "lookahead", "lookahead, receive first", "plain"):
+    for how in ("prepost", "lookahead", "plain", "pair", "pipeline"):
         a, inbox = torch.full((1000,), float(world.rank)), torch.full((2 * (p - 1), 1000), -1.0)
         with traffic() as sent:
             ring_rhythm(peers, rhythm_plan(p, a, inbox, how), how)
@@ -61,20 +70,23 @@ def rhythms(world):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_calibration_chain_follows_each_posting_order(world_size):
-    from microddp.collectives.ring import LOOKAHEAD_MIN_CHUNK_2, PREPOST_MAX_CHUNK, posting
+    from microddp.collectives.ring import PAIR_MIN_CHUNK, PREPOST_MAX_CHUNK, posting
 
     p = world_size
     for r in mdp.spawn(rhythms, p, timeout=60):
         assert r == dict.fromkeys(r, {"messages": 2 * (p - 1), "from_left": True}), r
-        assert len(r) == 4
+        assert len(r) == 5
     # the orders the ring picks, by chunk size and world size
     assert posting(PREPOST_MAX_CHUNK, 3) == "prepost"
     assert posting(PREPOST_MAX_CHUNK, 2) == "plain"  # two steps: no gain from preposting
     assert posting(PREPOST_MAX_CHUNK + 4, 2) == "plain"
     assert posting(PREPOST_MAX_CHUNK + 4, 3) == "lookahead"
-    assert posting(LOOKAHEAD_MIN_CHUNK_2, 2) == "lookahead, receive first"
-    assert posting(PIPELINE_MIN_CHUNK, 2) == "pipeline"
-    assert posting(4 << 20, 2, segment_bytes=1 << 20) == "pipeline"
+    assert posting(PAIR_MIN_CHUNK - 4, 2) == "plain"
+    assert posting(PAIR_MIN_CHUNK, 2) == "pair"
+    assert posting(PIPELINE_MIN_CHUNK, 2) == "pair"  # on 2 ranks the pair loop, at any size
+    assert posting(PIPELINE_MIN_CHUNK, 3) == "pipeline"
+    assert posting(PIPELINE_MIN_CHUNK - 4, 3) == "lookahead"
+    assert posting(4 << 20, 2, segment_bytes=1 << 20) == "pipeline"  # asked for: the pipeline
 
 
 def batched(world):

@@ -20,7 +20,12 @@ import torch.distributed as dist
 import microddp as mdp
 from microddp import collectives as C
 from microddp.collectives.cost import CostModel, fit_lines
-from microddp.collectives.ring import PIPELINE_MIN_CHUNK, PIPELINE_SEGMENT
+from microddp.collectives.ring import (
+    PAIR_MIN_CHUNK,
+    PAIR_SEGMENT,
+    PIPELINE_MIN_CHUNK,
+    PIPELINE_SEGMENT,
+)
 
 NBYTES = 1 << 20  # a 1 MiB float32 tensor
 ALGORITHMS = {
@@ -93,8 +98,10 @@ def segmented(world) -> dict:
 
 def part3() -> None:
     mib = PIPELINE_MIN_CHUNK >> 20
-    print(f"\nPart 3: a {2 * mib} MiB tensor on 2 ranks ({mib} MiB chunks): the ring pipelines "
-          f"chunks of {mib} MiB or more in {PIPELINE_SEGMENT >> 20} MiB segments")
+    print(f"\nPart 3: a {2 * mib} MiB tensor on 2 ranks ({mib} MiB chunks). On 2 ranks the ring "
+          f"cuts chunks of {PAIR_MIN_CHUNK >> 20} MiB or more into segments of at most "
+          f"{PAIR_SEGMENT >> 20} MiB; on more ranks, chunks of {mib} MiB or more into "
+          f"{PIPELINE_SEGMENT >> 20} MiB ones")
     r = mdp.spawn(segmented, 2, timeout=120)[0]
     for label, (nbytes, messages, ok) in r.items():
         print(f"  {label:<13} {nbytes >> 20:>4} MiB sent in {messages:>3} messages  "

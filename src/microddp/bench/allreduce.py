@@ -145,8 +145,8 @@ def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
     ring's own loop: the ring's rhythm, without its adds."""
     if how == "prepost":
         preposted_ring_all_reduce_(peers, plan, "sum")
-    else:  # the pipeline's steps go whole
-        planned_ring_all_reduce_(peers, plan, "sum", "plain" if how == "pipeline" else how)
+    else:  # the pipelines' steps go whole
+        planned_ring_all_reduce_(peers, plan, "sum", "lookahead" if how == "lookahead" else "plain")
 
 
 CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again

@@ -1,8 +1,8 @@
 """Which loop the ring all-reduce runs on gloo, chosen by chunk size and world size.
 
-The loops themselves are in ring.py (plain, lookahead, preposted) and _pipeline.py; what
-each costs on this 2-core host, measured interleaved against gloo, decides the thresholds
-below (chapter 4 tells the whole story).
+The loops themselves are in ring.py (plain, lookahead, preposted), _pipeline.py and
+_pair.py; what each costs on this 2-core host, measured interleaved against gloo, decides the
+thresholds below (chapter 4 tells the whole story).
 """
 
 from __future__ import annotations
@@ -25,32 +25,37 @@ from ._pipeline import segments_per_chunk
 # cost more than the round trip saves (chapter 4).
 PREPOST_MAX_CHUNK = 256 << 10
 # The plain ring posts each step's next receive before adding (planned_ring_all_reduce_) on
-# more than 2 ranks, and on 2 ranks from chunks of this size. Measured interleaved against
-# posting each receive with its own send: on 3 and 4 ranks it won at every size tried (2-32
-# MiB tensors: 0.98-1.10x gloo's time against 1.09-2.06x); on 2 ranks it won with 8 MiB
-# chunks (0.98-1.03x against 1.06-1.09x), was level with 4 MiB ones and lost with 1-2 MiB
-# ones (1.07-1.23x against 1.02-1.13x), where the early data competes with the add for a core.
-# There (2 ranks, 8 MiB chunks) the first receive also goes before the first send: 0.98-1.08x
-# against 1.06-1.14x in three runs; on 4 ranks, the other way round (send first: 1.00-1.09x
-# against 1.02-1.12x in two).
-LOOKAHEAD_MIN_CHUNK_2 = 8 << 20
+# more than 2 ranks. Measured interleaved against posting each receive with its own send: on
+# 3 and 4 ranks it won at every size tried (2-32 MiB tensors: 0.98-1.10x gloo's time against
+# 1.09-2.06x); on 4 ranks the send still goes before the receive (send first: 1.00-1.09x
+# against 1.02-1.12x in two runs).
 PIPELINE_MIN_CHUNK = 16 << 20
 PIPELINE_SEGMENT = 1 << 20
-
+# On 2 ranks, chunks from PAIR_MIN_CHUNK on go through the pair loop (_pair.py): both
+# exchanges cut into segments of at most PAIR_SEGMENT, all of the first exchange's posted at
+# once. Measured interleaved against the loops it replaced (the plain ring, the receive-first
+# lookahead and the 1 MiB pipeline), ratio to gloo's time: at 16 MiB tensors 0.93-0.98x
+# against 1.00-1.07x in five runs, at 32 MiB 0.93-0.96x against 1.02-1.05x in three, at 64
+# MiB 0.94-0.96x against 0.95-1.03x in three; at 8 MiB (two segments of 2 MiB) better in 10
+# of 14 runs, by 3% in the median. Smaller pieces lost: 1 MiB segments of a 2 MiB chunk took
+# 1.18x (two runs) against the plain ring's 1.07-1.13x.
+PAIR_MIN_CHUNK = 4 << 20
+PAIR_SEGMENT = 2 << 20
 
 def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None) -> str:
     """How the ring on gloo orders its messages for chunks of `chunk_bytes` on `p` ranks:
-    "pipeline" (segments), "prepost" (every receive before the first send; more than 2
-    ranks only), "lookahead" (each next receive before the add), "lookahead, receive
-    first", or "plain" (each receive posted beside its own send). The thresholds are
-    explained at the top of this file."""
+    "pair" (2 ranks, large chunks: _pair.py), "pipeline" (segments: _pipeline.py), "prepost"
+    (every receive before the first send; more than 2 ranks only), "lookahead" (each next
+    receive before the add; more than 2 ranks), or "plain" (each receive posted beside its
+    own send). A `segment_bytes` asked for by the caller selects the general pipeline. The
+    thresholds are explained at the top of this file."""
+    if p == 2 and segment_bytes is None and chunk_bytes >= PAIR_MIN_CHUNK:
+        return "pair"
     if segment_size(chunk_bytes, segment_bytes) is not None:
         return "pipeline"
     if chunk_bytes <= PREPOST_MAX_CHUNK and p > 2:
         return "prepost"
-    if p > 2:
-        return "lookahead"
-    return "lookahead, receive first" if chunk_bytes >= LOOKAHEAD_MIN_CHUNK_2 else "plain"
+    return "lookahead" if p > 2 else "plain"
 
 
 def widest_chunk_bytes(numel: int, p: int, element_size: int) -> int:
@@ -68,8 +73,11 @@ def segment_size(chunk_bytes: int, asked: int | None) -> int | None:
 def ring_segments(nbytes: int, p: int, element_size: int = 4,
                   segment_bytes: int | None = None) -> int:
     """Messages per ring step on gloo for an all-reduce of `nbytes` on `p` ranks: 1 when chunks
-    go whole, else the pipeline's segments per chunk (what the cost model needs to know)."""
+    go whole, else the segments per chunk of the pair loop or of the pipeline (what the cost
+    model needs to know)."""
     chunk_bytes = widest_chunk_bytes(nbytes // element_size, p, element_size)
+    if posting(chunk_bytes, p, segment_bytes) == "pair":
+        return segments_per_chunk(chunk_bytes // element_size, element_size, PAIR_SEGMENT)
     segment = segment_size(chunk_bytes, segment_bytes)
     if segment is None:
         return 1

@@ -24,10 +24,12 @@ from ._group import (
     try_op,
     wait_all,
 )
-from ._pipeline import pipelined_ring_all_reduce_
+from ._pair import pair_all_reduce_
+from ._pipeline import pipelined_ring_all_reduce_, segments_per_chunk
 from ._plan import RingPlan, make_plan, plan_for
 from ._policy import (
-    LOOKAHEAD_MIN_CHUNK_2,
+    PAIR_MIN_CHUNK,
+    PAIR_SEGMENT,
     PIPELINE_MIN_CHUNK,
     PIPELINE_SEGMENT,
     PREPOST_MAX_CHUNK,
@@ -38,8 +40,8 @@ from ._policy import (
 )
 
 # The ring's choice of loop (_policy.py) is offered from here too, with the ring itself.
-__all__ = ["LOOKAHEAD_MIN_CHUNK_2", "PIPELINE_MIN_CHUNK", "PIPELINE_SEGMENT", "PREPOST_MAX_CHUNK",
-           "all_gather_flat_", "planned_ring_all_reduce_", "posting", "preposted_ring_all_reduce_",
+__all__ = ["PAIR_MIN_CHUNK", "PAIR_SEGMENT", "PIPELINE_MIN_CHUNK", "PIPELINE_SEGMENT",
+           "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_", "posting", "preposted_ring_all_reduce_",
            "reduce_scatter_flat_", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
            "ring_segments"]
 
@@ -89,9 +91,9 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     announced its buffer, so the neighbour's next send can start while this rank is still
     adding, without waiting for it to be scheduled. On more than 2 ranks that buffer is free
     at once: the reduce-scatter alternates two incoming buffers, and a gather step receives
-    into a chunk this rank sent two or more steps before. With 2 ranks it is the chunk this
-    very step sends, so the step waits for its send first. "lookahead, receive first" posts
-    the first receive before the first send too. Steps whose `into` is None only move bytes.
+    into a chunk this rank sent two or more steps before. With 2 ranks it would be the chunk
+    this very step is sending, so there "lookahead" runs as "plain" (2 ranks have the pair
+    loop, _pair.py, for large chunks). Steps whose `into` is None only move bytes.
     """
     if peers.nccl:
         _batched_ring_all_reduce_(peers, plan, name)
@@ -100,22 +102,18 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
     combine = COMBINE[name]
     steps = plan.steps
-    lookahead = how.startswith("lookahead")
+    lookahead = how == "lookahead" and p > 2
 
     def post(k: int):
         recv, tag = steps[k][1], steps[k][3]
         return peers.irecv(recv, prv, tag) if recv.numel() else None
 
-    # this step's receive, if posted before the step
-    ahead = post(0) if how == "lookahead, receive first" else None
+    ahead = None  # the next step's receive, when posted early
     for k, (send, recv, into, tag) in enumerate(steps):
         sent = peers.isend(send, nxt, tag) if send.numel() else None
         posted = ahead if ahead is not None else post(k)
         ahead = None
         if lookahead and k + 1 < len(steps):
-            if p == 2 and sent is not None:  # the next receive lands in what this step sends
-                sent.wait()
-                sent = None
             ahead = post(k + 1)
         if posted is not None:
             posted.wait()
@@ -182,8 +180,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     the caller already knows every rank passes the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
     through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
-    internally); by default chunks go whole, and chunks of PIPELINE_MIN_CHUNK bytes or more
-    go in segments of PIPELINE_SEGMENT.
+    internally). By default chunks go whole, except that on 2 ranks chunks of PAIR_MIN_CHUNK
+    bytes or more go in segments of at most PAIR_SEGMENT (_pair.py), and on more ranks chunks
+    of PIPELINE_MIN_CHUNK bytes or more in segments of PIPELINE_SEGMENT.
     """
     where = "ring_all_reduce"
     if segment_bytes is not None and segment_bytes < 1:
@@ -195,6 +194,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     flat = Flat(tensor)
     chunk_bytes = widest_chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
     how = "batched" if peers.nccl else posting(chunk_bytes, peers.size, segment_bytes)
+    if how == "pair":
+        width = chunk_bytes // flat.data.element_size()
+        pair_all_reduce_(peers, flat.data, name,
+                         segments_per_chunk(width, flat.data.element_size(), PAIR_SEGMENT))
+        return flat.done()
     if how == "pipeline":
         pipelined_ring_all_reduce_(peers, flat.data, name,
                                    segment_size(chunk_bytes, segment_bytes))
