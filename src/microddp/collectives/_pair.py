@@ -30,7 +30,7 @@ def pair_all_reduce_(peers: Peers, data: torch.Tensor, name: str, segments: int)
     mine, theirs = data[off[me]:off[me + 1]], data[off[other]:off[other + 1]]
     box = scratch("ring-pair", mine.numel(), data.dtype, data.device)
     # The same cuts on both ranks: my j-th piece of `theirs` is the other's j-th of `mine`.
-    mine_s, theirs_s, box_s = (_cut(t, segments) for t in (mine, theirs, box))
+    mine_s, theirs_s, box_s = (t.tensor_split(segments) for t in (mine, theirs, box))
     combine = COMBINE[name]
     k = len(mine_s)
     recvs = [_post(peers.irecv, b, other, 1 + j) for j, b in enumerate(box_s)]
@@ -47,11 +47,6 @@ def pair_all_reduce_(peers: Peers, data: torch.Tensor, name: str, segments: int)
             sends[j].wait()  # that piece of `theirs` is on its way: it may be overwritten now
         back.append(_post(peers.irecv, theirs_s[j], other, 1 + k + j))
     wait_all([w for w in back if w is not None])
-
-
-def _cut(t: torch.Tensor, k: int) -> list[torch.Tensor]:
-    edges = bounds(t.numel(), k)
-    return [t[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
 def _post(call, tensor: torch.Tensor, peer: int, tag: int):

@@ -70,6 +70,11 @@ def segment_size(chunk_bytes: int, asked: int | None) -> int | None:
     return segment if segment is not None and chunk_bytes > segment else None
 
 
+def pair_segments(chunk_bytes: int, element_size: int) -> int:
+    """Segments per step of the pair loop for chunks of `chunk_bytes` (at most PAIR_SEGMENT)."""
+    return segments_per_chunk(chunk_bytes // element_size, element_size, PAIR_SEGMENT)
+
+
 def ring_segments(nbytes: int, p: int, element_size: int = 4,
                   segment_bytes: int | None = None) -> int:
     """Messages per ring step on gloo for an all-reduce of `nbytes` on `p` ranks: 1 when chunks
@@ -77,7 +82,7 @@ def ring_segments(nbytes: int, p: int, element_size: int = 4,
     model needs to know)."""
     chunk_bytes = widest_chunk_bytes(nbytes // element_size, p, element_size)
     if posting(chunk_bytes, p, segment_bytes) == "pair":
-        return segments_per_chunk(chunk_bytes // element_size, element_size, PAIR_SEGMENT)
+        return pair_segments(chunk_bytes, element_size)
     segment = segment_size(chunk_bytes, segment_bytes)
     if segment is None:
         return 1

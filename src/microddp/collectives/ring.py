@@ -25,7 +25,7 @@ from ._group import (
     wait_all,
 )
 from ._pair import pair_all_reduce_
-from ._pipeline import pipelined_ring_all_reduce_, segments_per_chunk
+from ._pipeline import pipelined_ring_all_reduce_
 from ._plan import RingPlan, make_plan, plan_for
 from ._policy import (
     PAIR_MIN_CHUNK,
@@ -33,6 +33,7 @@ from ._policy import (
     PIPELINE_MIN_CHUNK,
     PIPELINE_SEGMENT,
     PREPOST_MAX_CHUNK,
+    pair_segments,
     posting,
     ring_segments,
     segment_size,
@@ -41,9 +42,9 @@ from ._policy import (
 
 # The ring's choice of loop (_policy.py) is offered from here too, with the ring itself.
 __all__ = ["PAIR_MIN_CHUNK", "PAIR_SEGMENT", "PIPELINE_MIN_CHUNK", "PIPELINE_SEGMENT",
-           "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_", "posting", "preposted_ring_all_reduce_",
-           "reduce_scatter_flat_", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
-           "ring_segments"]
+           "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_", "posting",
+           "preposted_ring_all_reduce_", "reduce_scatter_flat_", "ring_all_gather",
+           "ring_all_reduce", "ring_reduce_scatter", "ring_segments"]
 
 
 def reduce_scatter_flat_(peers: Peers, data: torch.Tensor, name: str,
@@ -195,9 +196,8 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     chunk_bytes = widest_chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
     how = "batched" if peers.nccl else posting(chunk_bytes, peers.size, segment_bytes)
     if how == "pair":
-        width = chunk_bytes // flat.data.element_size()
         pair_all_reduce_(peers, flat.data, name,
-                         segments_per_chunk(width, flat.data.element_size(), PAIR_SEGMENT))
+                         pair_segments(chunk_bytes, flat.data.element_size()))
         return flat.done()
     if how == "pipeline":
         pipelined_ring_all_reduce_(peers, flat.data, name,
