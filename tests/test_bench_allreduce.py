@@ -6,7 +6,8 @@ import re
 import pytest
 
 from microddp import cli
-from microddp.bench.allreduce import DEFAULT_SIZES, _describe, parse_size
+from microddp.bench.allreduce import DEFAULT_SIZES, parse_size
+from microddp.bench.allreduce_report import describe
 from microddp.collectives.cost import CostModel
 from microddp.collectives.ring import ring_segments
 
@@ -21,8 +22,10 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
     assert out.startswith("fitted:", out.index("\n") + 1)
     # One gloo row per size, each ratio 1.00 against itself; the ring's row has a prediction.
     assert len(re.findall(r"^\s+[\d.]+ [KM]iB\s+gloo\s+[\d.]+ms\s+1\.00$", out, re.M)) == 7
-    ring = re.findall(r"^\s+ring\s+([\d.]+)ms\s+([\d.]+)ms\s+[+-]\d+%\s+([\d.]+)$", out, re.M)
-    assert len(ring) == 7 and all(float(m) > 0 and float(p) > 0 for m, p, _ in ring)
+    ring = re.findall(r"^\s+ring\s+([\d.]+)ms\s+([\d.]+)ms\s+[+-]\d+%\s+([\d.]+)\s+"
+                      r"([\d.]+)-([\d.]+)$", out, re.M)
+    assert len(ring) == 7 and all(float(m) > 0 and float(p) > 0 for m, p, *_ in ring)
+    assert all(0 < float(lo) <= float(hi) for *_, lo, hi in ring), ring
     doc = json.loads((tmp_path / "allreduce_2ranks.json").read_text())
     cal = doc["calibration"]
     assert len(cal["step_s"]) == len(cal["add_s"]) == 7
@@ -35,6 +38,8 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
         assert row["ring_predicted_s"] == pytest.approx(
             model.predict("ring_all_reduce", n, 2, segments=ring_segments(n, 2)), rel=1e-12)
         assert row["ring_vs_gloo"] == pytest.approx(row["ring_s"] / row["gloo_s"], rel=1e-9)
+        lo, hi = row["ring_vs_gloo_interval"]
+        assert 0 < lo <= hi
         for a in ("tree", "naive"):
             assert row[f"{a}_predicted_s"] == pytest.approx(
                 model.predict(f"{a}_all_reduce", n, 2), rel=1e-12)
@@ -48,9 +53,9 @@ def test_default_sizes_span_1_kib_to_64_mib():
 
 
 def test_fitted_line_is_printed_for_a_person():
-    one = _describe(CostModel(5e-5, 1e-9, 1e-10))
+    one = describe(CostModel(5e-5, 1e-9, 1e-10))
     assert one == "fitted: alpha 50.0 us/message, beta 1.00 GB/s per link, gamma 10.00 GB/s reduction"
-    two = _describe(CostModel(1e-4, 1e-9, 1e-10, small=(512 << 10, 2e-5, 5e-10)))
+    two = describe(CostModel(1e-4, 1e-9, 1e-10, small=(512 << 10, 2e-5, 5e-10)))
     assert two.splitlines() == [
         "fitted: messages up to 512 KiB: alpha 20.0 us/message, beta 2.00 GB/s per link",
         "        larger messages: alpha 100.0 us/message, beta 1.00 GB/s per link",

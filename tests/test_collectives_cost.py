@@ -226,14 +226,17 @@ def test_bench_size_parsing_and_repeats():
     assert repeats_for(2 << 20, 30, 5) == 15
 
 
-def test_bench_table_shows_the_control_ratio():
-    from microddp.bench.allreduce import CONTROL, _table
+def test_bench_table_shows_the_control_ratio_and_intervals():
+    from microddp.bench.allreduce_report import CONTROL, table
 
     times = {"gloo": [1.0, 1.0, 1.0], CONTROL: [1.1, 1.1, 1.1], "ring": [2.0, 2.0, 2.0]}
-    table = _table([{"bytes": 1 << 20, "times": times}], ["ring"], M, 2)
-    control = [line for line in table["lines"] if CONTROL in line]
-    assert len(control) == 1 and control[0].rstrip().endswith("1.10")
-    assert table["records"][0]["control_vs_gloo"] == pytest.approx(1.1)
-    assert table["records"][0]["ring_vs_gloo"] == pytest.approx(2.0)
-    without = _table([{"bytes": 1 << 20, "times": {"gloo": [1.0], "ring": [2.0]}}], ["ring"], M, 2)
+    report = table([{"bytes": 1 << 20, "times": times}], ["ring"], M, 2)
+    control = [line for line in report["lines"] if CONTROL in line]
+    # ratio, then the bootstrap interval: no scatter at all, so it is the ratio itself
+    assert len(control) == 1 and control[0].split()[-2:] == ["1.10", "1.10-1.10"]
+    rec = report["records"][0]
+    assert rec["control_vs_gloo"] == pytest.approx(1.1)
+    assert rec["ring_vs_gloo"] == pytest.approx(2.0)
+    assert rec["ring_vs_gloo_interval"] == pytest.approx([2.0, 2.0])
+    without = table([{"bytes": 1 << 20, "times": {"gloo": [1.0], "ring": [2.0]}}], ["ring"], M, 2)
     assert "control_vs_gloo" not in without["records"][0]

@@ -26,11 +26,11 @@ from ..collectives.ring import (
     planned_ring_all_reduce_,
     posting,
     preposted_ring_all_reduce_,
-    ring_segments,
 )
 from ..errors import MicroDDPError
 from ..spawn import spawn
-from .timing import interleaved, median, ratio_of_medians
+from .allreduce_report import CONTROL, describe, plot, table
+from .timing import interleaved, median
 
 EPILOG = """\
 examples:
@@ -43,8 +43,6 @@ writes allreduce_<N>ranks.png and .json into --out.
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
 ALGOS = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce}
-MODELLED = {"ring": "ring_all_reduce", "ring+check": "ring_all_reduce",
-            "tree": "tree_all_reduce", "naive": "naive_all_reduce"}
 CALIBRATION_SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
@@ -74,13 +72,6 @@ def parse_size(text: str) -> int:
     if not digits.isdigit() or int(digits) <= 0:
         raise MicroDDPError(f"size {text!r} is not a positive number of bytes like 4096, 64K, 1M")
     return int(digits) * mult
-
-
-def human(nbytes: float) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 def repeats_for(nbytes: int, repeats: int, min_repeats: int) -> int:
@@ -149,9 +140,6 @@ def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
         planned_ring_all_reduce_(peers, plan, "sum", "lookahead" if how == "lookahead" else "plain")
 
 
-CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again
-
-
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
           warmup: int, control: bool = False):
     peers = Peers()
@@ -206,88 +194,21 @@ def run(args: argparse.Namespace) -> int:
     cal = out["calibration"]
     small = tuple(cal["small"]) if cal["small"] else None
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"], small)
-    print(_describe(model))
+    print(describe(model))
     shown = [a for a in ("ring", "ring+check", "tree", "naive") if a in out["rows"][0]["times"]]
-    table = _table(out["rows"], shown, model, p)
-    for line in table["lines"]:
+    report = table(out["rows"], shown, model, p)
+    for line in report["lines"]:
         print(line)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"allreduce_{p}ranks")
     with open(stem + ".json", "w") as f:
-        json.dump({"world_size": p, "calibration": cal, "rows": table["records"]}, f, indent=1)
-    _plot(table["records"], shown, p, stem + ".png")
+        json.dump({"world_size": p, "calibration": cal, "rows": report["records"]}, f, indent=1)
+    plot(report["records"], shown, p, stem + ".png")
     if args.control:
         print(f"{CONTROL} = gloo's all_reduce timed again: a gap between gloo and an algorithm "
               f"no larger than gloo-2's is within this run's noise")
+    print("90% interval = where the ratio lands when this run's rounds are drawn again (a "
+          "bootstrap);\n  load that lasted the whole run does not show in it: compare runs "
+          "for that")
     print(f"wrote {stem}.png and {stem}.json in {time.perf_counter() - start:.0f} s")
     return 0
-
-
-def _describe(model: CostModel) -> str:
-    """The fitted parameters, as a person reads them: latency in us, rates in GB/s."""
-    def per_byte(seconds: float) -> str:  # a fit on bad data can give a slope <= 0
-        return f"{1 / seconds / 1e9:.2f} GB/s" if seconds > 0 else f"{seconds:.3g} s/byte"
-
-    def link(alpha: float, beta: float) -> str:
-        return f"alpha {alpha * 1e6:.1f} us/message, beta {per_byte(beta)} per link"
-
-    rate = per_byte(model.gamma)
-    if model.small is None:
-        return f"fitted: {link(model.alpha, model.beta)}, gamma {rate} reduction"
-    up_to, a, b = model.small
-    return (f"fitted: messages up to {human(int(up_to))}: {link(a, b)}\n"
-            f"        larger messages: {link(model.alpha, model.beta)}\n"
-            f"        gamma {rate} reduction")
-
-
-def _table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:
-    lines = [f"{'size':>9}  {'algorithm':<10} {'measured':>11} {'predicted':>11} "
-             f"{'model err':>9} {'x gloo time':>11}"]
-    records = []
-    for row in rows:
-        n, times = row["bytes"], row["times"]
-        gloo = median(times["gloo"])
-        lines.append(f"{human(n):>9}  {'gloo':<10} {gloo * 1e3:>9.3f}ms {'':>11} {'':>9} "
-                     f"{1.0:>11.2f}")
-        rec = {"bytes": n, "gloo_s": gloo, "repeats": len(times["gloo"])}
-        if CONTROL in times:
-            aa = ratio_of_medians(times[CONTROL], times["gloo"])
-            lines.append(f"{'':>9}  {CONTROL:<10} {median(times[CONTROL]) * 1e3:>9.3f}ms "
-                         f"{'':>11} {'':>9} {aa:>11.2f}")
-            rec["control_vs_gloo"] = aa
-        for a in algos:
-            got = median(times[a])
-            # The ring pipelines large chunks: model the messages it really sends.
-            opts = {"segments": ring_segments(n, p)} if a.startswith("ring") else {}
-            pred = model.predict(MODELLED[a], n, p, **opts)
-            ratio = ratio_of_medians(times[a], times["gloo"])
-            lines.append(f"{'':>9}  {a:<10} {got * 1e3:>9.3f}ms {pred * 1e3:>9.3f}ms "
-                         f"{(pred - got) / got:>+9.0%} {ratio:>11.2f}")
-            rec.update({f"{a}_s": got, f"{a}_predicted_s": pred, f"{a}_vs_gloo": ratio})
-        records.append(rec)
-    return {"lines": lines, "records": records}
-
-
-def _plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
-    import matplotlib  # noqa: PLC0415 (only the benchmark needs it)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    sizes = [r["bytes"] for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(sizes, [r["gloo_s"] * 1e3 for r in records], "k-o", label="gloo all_reduce")
-    for a, color in zip(algos, ("tab:blue", "tab:purple", "tab:orange", "tab:green"),
-                        strict=False):
-        ax.plot(sizes, [r[f"{a}_s"] * 1e3 for r in records], "-o", color=color,
-                label=f"{a} (measured)")
-        if a != "ring+check":  # same model line as the ring
-            ax.plot(sizes, [r[f"{a}_predicted_s"] * 1e3 for r in records], "--", color=color,
-                    alpha=0.6, label=f"{a} (model)")
-    ax.set(xscale="log", yscale="log", xlabel="tensor size (bytes)", ylabel="time per call (ms)",
-           title=f"all-reduce on {p} ranks: from send/recv vs gloo")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

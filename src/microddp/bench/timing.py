@@ -7,6 +7,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
 
 def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
                 warmup: int = 2, sync: Callable[[], object] | None = None) -> dict[str, list[float]]:
@@ -44,3 +46,28 @@ def median(xs: list[float]) -> float:
 def ratio_of_medians(a: list[float], b: list[float]) -> float:
     """median(a) / median(b): below 1 means `a` is faster."""
     return statistics.median(a) / statistics.median(b)
+
+
+def ratio_interval(a: list[float], b: list[float], level: float = 0.9, resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval for ratio_of_medians(a, b), where a[i] and b[i] were timed in the
+    same round of `interleaved` (the lists must be equally long).
+
+    Rounds are resampled whole, so that a burst of load that slowed both contenders in one
+    round moves both medians together, as it did in the run. The interval holds `level` of
+    the resampled ratios: how far this run's own scatter could move its ratio. It does not
+    see what stays constant over a run (another job running throughout), which only comparing
+    runs does; the A/A control (gloo against itself) shows whether the run is calibrated: its
+    interval should hold 1 in about `level` of runs.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need two equally long, non-empty lists of times, got {len(a)} and "
+                         f"{len(b)}")
+    ta, tb = (torch.tensor(x, dtype=torch.float64) for x in (a, b))
+    picks = torch.randint(len(a), (resamples, len(a)),
+                          generator=torch.Generator().manual_seed(seed))
+    # quantile 0.5 interpolates between the middle two, as statistics.median does
+    ratios = torch.quantile(ta[picks], 0.5, dim=1) / torch.quantile(tb[picks], 0.5, dim=1)
+    tail = (1 - level) / 2
+    lo, hi = torch.quantile(ratios, torch.tensor([tail, 1 - tail], dtype=torch.float64))
+    return lo.item(), hi.item()

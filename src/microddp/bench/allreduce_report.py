@@ -1,0 +1,98 @@
+"""How `microddp bench allreduce` shows its results: the fitted model in words, one table row
+per size and contender (measured, predicted, the ratio to gloo with its interval), the JSON
+records and the plot."""
+
+from __future__ import annotations
+
+from ..collectives.cost import CostModel
+from ..collectives.ring import ring_segments
+from .timing import median, ratio_interval, ratio_of_medians
+
+CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again
+MODELLED = {"ring": "ring_all_reduce", "ring+check": "ring_all_reduce",
+            "tree": "tree_all_reduce", "naive": "naive_all_reduce"}
+
+
+def human(nbytes: float) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def describe(model: CostModel) -> str:
+    """The fitted parameters, as a person reads them: latency in us, rates in GB/s."""
+    def per_byte(seconds: float) -> str:  # a fit on bad data can give a slope <= 0
+        return f"{1 / seconds / 1e9:.2f} GB/s" if seconds > 0 else f"{seconds:.3g} s/byte"
+
+    def link(alpha: float, beta: float) -> str:
+        return f"alpha {alpha * 1e6:.1f} us/message, beta {per_byte(beta)} per link"
+
+    rate = per_byte(model.gamma)
+    if model.small is None:
+        return f"fitted: {link(model.alpha, model.beta)}, gamma {rate} reduction"
+    up_to, a, b = model.small
+    return (f"fitted: messages up to {human(int(up_to))}: {link(a, b)}\n"
+            f"        larger messages: {link(model.alpha, model.beta)}\n"
+            f"        gamma {rate} reduction")
+
+
+def table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:
+    lines = [f"{'size':>9}  {'algorithm':<10} {'measured':>11} {'predicted':>11} "
+             f"{'model err':>9} {'x gloo time':>11}  {'90% interval':>12}"]
+    records = []
+    for row in rows:
+        n, times = row["bytes"], row["times"]
+        gloo = median(times["gloo"])
+        lines.append(f"{human(n):>9}  {'gloo':<10} {gloo * 1e3:>9.3f}ms {'':>11} {'':>9} "
+                     f"{1.0:>11.2f}")
+        rec = {"bytes": n, "gloo_s": gloo, "repeats": len(times["gloo"])}
+        if CONTROL in times:
+            aa, (lo, hi) = versus_gloo(times, CONTROL)
+            lines.append(f"{'':>9}  {CONTROL:<10} {median(times[CONTROL]) * 1e3:>9.3f}ms "
+                         f"{'':>11} {'':>9} {aa:>11.2f}  {lo:>7.2f}-{hi:.2f}")
+            rec.update({"control_vs_gloo": aa, "control_vs_gloo_interval": [lo, hi]})
+        for a in algos:
+            got = median(times[a])
+            # The ring pipelines large chunks: model the messages it really sends.
+            opts = {"segments": ring_segments(n, p)} if a.startswith("ring") else {}
+            pred = model.predict(MODELLED[a], n, p, **opts)
+            ratio, (lo, hi) = versus_gloo(times, a)
+            lines.append(f"{'':>9}  {a:<10} {got * 1e3:>9.3f}ms {pred * 1e3:>9.3f}ms "
+                         f"{(pred - got) / got:>+9.0%} {ratio:>11.2f}  {lo:>7.2f}-{hi:.2f}")
+            rec.update({f"{a}_s": got, f"{a}_predicted_s": pred, f"{a}_vs_gloo": ratio,
+                        f"{a}_vs_gloo_interval": [lo, hi]})
+        records.append(rec)
+    return {"lines": lines, "records": records}
+
+
+def versus_gloo(times: dict[str, list[float]], name: str) -> tuple[float, tuple[float, float]]:
+    """`name`'s time over gloo's (ratio of medians) and its 90% bootstrap interval: the rounds
+    of `interleaved` paired, the same seed for every row."""
+    return (ratio_of_medians(times[name], times["gloo"]),
+            ratio_interval(times[name], times["gloo"]))
+
+
+def plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
+    import matplotlib  # noqa: PLC0415 (only the benchmark needs it)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    sizes = [r["bytes"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(sizes, [r["gloo_s"] * 1e3 for r in records], "k-o", label="gloo all_reduce")
+    for a, color in zip(algos, ("tab:blue", "tab:purple", "tab:orange", "tab:green"),
+                        strict=False):
+        ax.plot(sizes, [r[f"{a}_s"] * 1e3 for r in records], "-o", color=color,
+                label=f"{a} (measured)")
+        if a != "ring+check":  # same model line as the ring
+            ax.plot(sizes, [r[f"{a}_predicted_s"] * 1e3 for r in records], "--", color=color,
+                    alpha=0.6, label=f"{a} (model)")
+    ax.set(xscale="log", yscale="log", xlabel="tensor size (bytes)", ylabel="time per call (ms)",
+           title=f"all-reduce on {p} ranks: from send/recv vs gloo")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
