@@ -133,6 +133,10 @@ def test_ddp_benchmark_control_prints_an_a_a_ratio(capsys):
                                         "--control"])) == 0
     out = capsys.readouterr().out
     row = next(line.split() for line in out.splitlines() if line.strip().startswith("16 "))
-    # dim, three times (microddp, torch, torch-2), microddp/torch, A/A
-    assert len(row) == 6 and row[-1].endswith("x") and float(row[-1][:-1]) > 0
-    assert "torch-2" in out and "A/A" in out
+    # dim, three times (microddp, torch, torch-2), microddp/torch and A/A, each with its
+    # 90% interval
+    assert len(row) == 8 and row[-2].endswith("x") and float(row[-2][:-1]) > 0
+    for cell in (row[-3], row[-1]):
+        lo, hi = (float(x) for x in cell.split("-"))
+        assert 0 < lo <= hi
+    assert "torch-2" in out and "A/A" in out and "90% interval" in out

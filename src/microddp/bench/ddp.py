@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import MicroDDPError
-from .timing import interleaved, median
+from .timing import interleaved, median, ratio_interval, ratio_of_medians
 
 EPILOG = """\
 examples:
@@ -106,16 +106,27 @@ def run(args: argparse.Namespace) -> int:
           f"median of {args.repeats} interleaved steps (slowest rank), ms")
     head = "".join(f"{e:>10}" for e in names)
     has_ratio = "microddp" in args.engines and "torch" in args.engines
-    print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}" if has_ratio else "")
-          + (f"{'A/A':>8}" if args.control else ""))
+    print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}{'90% interval':>14}" if has_ratio else "")
+          + (f"{'A/A':>8}{'90% interval':>14}" if args.control else ""))
     for dim, times in results.items():
         row = "".join(f"{median(times[e]) * 1e3:>10.2f}" for e in names)
         if has_ratio:
-            row += f"{median(times['microddp']) / median(times['torch']):>15.3f}x"
+            row += f"{_versus_torch(times, 'microddp', 15)}"
         if args.control:
-            row += f"{median(times[CONTROL]) / median(times['torch']):>7.3f}x"
+            row += f"{_versus_torch(times, CONTROL, 7)}"
         print(f"{dim:>6}{row}")
     if args.control:
         print("A/A = torch-2/torch: two identical contenders; a microddp/torch ratio that close "
               "to 1.000 is within this run's noise")
+    if has_ratio or args.control:
+        print("90% interval = where the ratio lands when this run's rounds are drawn again (a "
+              "bootstrap)")
     return 0
+
+
+def _versus_torch(times: dict[str, list[float]], name: str, width: int) -> str:
+    """`name`'s median step time over PyTorch DDP's, and its 90% bootstrap interval (steps of
+    one round paired), as table cells."""
+    lo, hi = ratio_interval(times[name], times["torch"])
+    return (f"{ratio_of_medians(times[name], times['torch']):>{width}.3f}x"
+            f"{lo:>8.3f}-{hi:.3f}")
