@@ -40,14 +40,17 @@ def test_pipelined_ring_formula_and_segments_the_ring_sends():
     expected = 2 * 3 * (1e-5 + (n / 4) * 1e-9) + 3 * (n / 4 / k) * 2e-10
     assert M.ring_all_reduce(n, p, segments=k) == pytest.approx(expected, rel=1e-12)
     assert M.predict("ring_all_reduce", n, p, segments=1) == M.ring_all_reduce(n, p)
-    # The ring's own choice, on gloo: whole chunks below PIPELINE_MIN_CHUNK, then segments;
-    # on 2 ranks, from PAIR_MIN_CHUNK, the pair loop's segments of at most PAIR_SEGMENT.
+    # The ring's own choice, on gloo: whole chunks below PIPELINE_MIN_CHUNK, then segments of
+    # at most PIPELINE_SEGMENT; on 2 ranks, from PAIR_MIN_CHUNK, the pair loop's segments of at
+    # most PAIR_SEGMENT.
     at = PIPELINE_MIN_CHUNK * p
     assert ring_segments(at - 4 * p, p) == 1
-    assert ring_segments(at, p) == PIPELINE_MIN_CHUNK // PIPELINE_SEGMENT
+    assert ring_segments(at, p) == -(-PIPELINE_MIN_CHUNK // PIPELINE_SEGMENT)
+    assert ring_segments(at + 4 * p, p) == ring_segments(at, p) + 1
+    assert ring_segments(64 << 20, p) == (16 << 20) // PIPELINE_SEGMENT
     assert ring_segments(2 * PAIR_MIN_CHUNK - 8, 2) == 1
     assert ring_segments(2 * PAIR_MIN_CHUNK, 2) == PAIR_MIN_CHUNK // PAIR_SEGMENT
-    assert ring_segments(2 * PIPELINE_MIN_CHUNK, 2) == PIPELINE_MIN_CHUNK // PAIR_SEGMENT
+    assert ring_segments(64 << 20, 2) == (32 << 20) // PAIR_SEGMENT
     assert ring_segments(1 << 20, p, segment_bytes=1 << 16) == 4  # 256 KiB chunks
     assert ring_segments(1 << 20, p, segment_bytes=1 << 20) == 1  # chunk fits one segment
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from microddp.collectives.ring import PAIR_SEGMENT, PIPELINE_MIN_CHUNK
+from microddp.collectives.ring import PAIR_SEGMENT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,10 +87,10 @@ def test_compare_algorithms_counts_match_the_model():
     seg = dict((label, (int(mib), int(msgs), ok)) for label, mib, msgs, ok in re.findall(
         r"^\s+(whole chunks|default)\s+(\d+) MiB sent in\s+(\d+) messages\s+matches torch: "
         r"(\w+)$", out, re.M))
-    chunk_mib = PIPELINE_MIN_CHUNK >> 20
-    assert seg["whole chunks"] == (2 * chunk_mib, 2, "yes")  # 2 ranks: 2 steps, one message each
-    # 2 ranks: the pair loop, 2 steps of chunk / PAIR_SEGMENT messages each
-    assert seg["default"] == (2 * chunk_mib, 2 * chunk_mib * (1 << 20) // PAIR_SEGMENT, "yes")
+    # a 32 MiB tensor on 2 ranks: 2 steps, one message each, then the pair loop's 2 steps of
+    # chunk / PAIR_SEGMENT messages each
+    assert seg["whole chunks"] == (32, 2, "yes")
+    assert seg["default"] == (32, 2 * (16 << 20) // PAIR_SEGMENT, "yes")
     check_fitted_lines(out)
 
 

@@ -80,15 +80,18 @@ def part2() -> None:
     print("  large tensors: bandwidth (beta) dominates and the ring's constant volume wins.")
 
 
+SEGMENTED_BYTES = 32 << 20  # a tensor large enough to be cut on any world size
+
+
 def segmented(world) -> dict:
     """The same large tensor all-reduced by the ring twice: chunks whole, then by default."""
-    n = PIPELINE_MIN_CHUNK * world.world_size // 4  # float32 elements: chunks of exactly that
+    n = SEGMENTED_BYTES // 4  # float32 elements
     x = torch.randn(n, generator=torch.Generator().manual_seed(world.rank))
     ref = x.clone()
     dist.all_reduce(ref)
     out = {}
-    for label, kw in (("whole chunks", {"segment_bytes": PIPELINE_MIN_CHUNK}),
-                      ("default", {})):
+    whole = {"segment_bytes": SEGMENTED_BYTES // world.world_size}  # one segment per chunk
+    for label, kw in (("whole chunks", whole), ("default", {})):
         y = x.clone()
         with C.traffic() as sent:
             C.ring_all_reduce(y, check=False, **kw)
@@ -97,11 +100,11 @@ def segmented(world) -> dict:
 
 
 def part3() -> None:
-    mib = PIPELINE_MIN_CHUNK >> 20
-    print(f"\nPart 3: a {2 * mib} MiB tensor on 2 ranks ({mib} MiB chunks). On 2 ranks the ring "
+    mib = SEGMENTED_BYTES >> 20
+    print(f"\nPart 3: a {mib} MiB tensor on 2 ranks ({mib // 2} MiB chunks). On 2 ranks the ring "
           f"cuts chunks of {PAIR_MIN_CHUNK >> 20} MiB or more into segments of at most "
-          f"{PAIR_SEGMENT >> 20} MiB; on more ranks, chunks of {mib} MiB or more into "
-          f"{PIPELINE_SEGMENT >> 20} MiB ones")
+          f"{PAIR_SEGMENT >> 20} MiB; on more ranks, chunks of {PIPELINE_MIN_CHUNK >> 20} MiB or "
+          f"more into segments of at most {PIPELINE_SEGMENT >> 20} MiB")
     r = mdp.spawn(segmented, 2, timeout=120)[0]
     for label, (nbytes, messages, ok) in r.items():
         print(f"  {label:<13} {nbytes >> 20:>4} MiB sent in {messages:>3} messages  "

@@ -136,8 +136,9 @@ def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
     ring's own loop: the ring's rhythm, without its adds."""
     if how == "prepost":
         preposted_ring_all_reduce_(peers, plan, "sum")
-    else:  # the pipelines' steps go whole
-        planned_ring_all_reduce_(peers, plan, "sum", "lookahead" if how == "lookahead" else "plain")
+    else:  # whole steps; on 3+ ranks the pipeline posts its receives ahead, like lookahead
+        ahead = how in ("lookahead", "pipeline")
+        planned_ring_all_reduce_(peers, plan, "sum", "lookahead" if ahead else "plain")
 
 
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,

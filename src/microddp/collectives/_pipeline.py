@@ -18,7 +18,9 @@ from ._group import COMBINE, Peers, bounds, scratch
 
 def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
                                segment_bytes: int, window: int = 4) -> None:
-    """In place on a 1-D tensor: op over ranks, via 2(p-1) ring steps of k segments each."""
+    """In place on a 1-D tensor: op over ranks, via 2(p-1) ring steps of k segments each, with
+    up to `window` receives posted ahead (and as many scratch segments, at most the (p-1)k
+    of the reduce-scatter)."""
     p, r = peers.size, peers.me
     nxt, prv = (r + 1) % p, (r - 1) % p
     off = bounds(data.numel(), p)
@@ -41,7 +43,8 @@ def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
 
     tasks = [(s, j) for s in range(steps) for j in range(k)]
     seg_width = max(t.numel() for chunk in seg for t in chunk)
-    slots = min(window, len(tasks))
+    # Only the reduce-scatter's receives need a buffer of their own (the gather's land in place).
+    slots = min(window, rs_steps * k)
     pool = scratch("ring-pipeline", slots * seg_width, data.dtype, data.device).view(
         slots, seg_width)
     free = deque(range(len(pool)))

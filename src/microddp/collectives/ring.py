@@ -32,17 +32,17 @@ from ._policy import (
     PAIR_SEGMENT,
     PIPELINE_MIN_CHUNK,
     PIPELINE_SEGMENT,
+    PIPELINE_WINDOW,
     PREPOST_MAX_CHUNK,
     pair_segments,
     posting,
     ring_segments,
-    segment_size,
     widest_chunk_bytes,
 )
 
 # The ring's choice of loop (_policy.py) is offered from here too, with the ring itself.
 __all__ = ["PAIR_MIN_CHUNK", "PAIR_SEGMENT", "PIPELINE_MIN_CHUNK", "PIPELINE_SEGMENT",
-           "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_", "posting",
+           "PIPELINE_WINDOW", "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_", "posting",
            "preposted_ring_all_reduce_", "reduce_scatter_flat_", "ring_all_gather",
            "ring_all_reduce", "ring_reduce_scatter", "ring_segments"]
 
@@ -183,7 +183,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
     internally). By default chunks go whole, except that on 2 ranks chunks of PAIR_MIN_CHUNK
     bytes or more go in segments of at most PAIR_SEGMENT (_pair.py), and on more ranks chunks
-    of PIPELINE_MIN_CHUNK bytes or more in segments of PIPELINE_SEGMENT.
+    of PIPELINE_MIN_CHUNK bytes or more in segments of at most PIPELINE_SEGMENT.
     """
     where = "ring_all_reduce"
     if segment_bytes is not None and segment_bytes < 1:
@@ -200,8 +200,8 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
                          pair_segments(chunk_bytes, flat.data.element_size()))
         return flat.done()
     if how == "pipeline":
-        pipelined_ring_all_reduce_(peers, flat.data, name,
-                                   segment_size(chunk_bytes, segment_bytes))
+        pipelined_ring_all_reduce_(peers, flat.data, name, segment_bytes or PIPELINE_SEGMENT,
+                                   PIPELINE_WINDOW)
         return flat.done()
     # The ring from views kept for this tensor while it lives (a packed copy's change every
     # call).
