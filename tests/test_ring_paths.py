@@ -1,7 +1,8 @@
 """ring_all_reduce picks its path by chunk size on gloo (see collectives/_policy.py): whole chunks
 below a switch, segments from there on (on 2 ranks the pair loop's, from PAIR_MIN_CHUNK in
 PAIR_SEGMENT; on more, the pipeline's, from PIPELINE_MIN_CHUNK in PIPELINE_SEGMENT). Each
-path must give torch.distributed's result; the messages sent show which path ran."""
+path must give torch.distributed's result; a wrapper around the segmented loop shows which
+path ran, and the messages sent how many segments it cut."""
 
 import pytest
 import torch

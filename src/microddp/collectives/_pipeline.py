@@ -62,6 +62,11 @@ def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
             b = free.popleft()
             posted.append((b, peers.irecv(pool[b][: target.numel()], prv, 1 + i)))
         else:
+            # A gather receive lands in a segment this rank sends (or sent) in the
+            # reduce-scatter. If that send is out, let it finish first. With a wide window the
+            # receive may be posted before the send is even issued; it is still safe, because
+            # the final value that lands here is built from that very send: it cannot arrive
+            # before the send has delivered its bytes.
             pending = last_send.pop((c, j), None)
             if pending is not None:
                 pending.wait()

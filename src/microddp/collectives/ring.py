@@ -42,8 +42,8 @@ from ._policy import (
 
 # The ring's choice of loop (_policy.py) is offered from here too, with the ring itself.
 __all__ = ["PAIR_MIN_CHUNK", "PAIR_SEGMENT", "PIPELINE_MIN_CHUNK", "PIPELINE_SEGMENT",
-           "PIPELINE_WINDOW", "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_", "posting",
-           "preposted_ring_all_reduce_", "reduce_scatter_flat_", "ring_all_gather",
+           "PIPELINE_WINDOW", "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_",
+           "posting", "preposted_ring_all_reduce_", "reduce_scatter_flat_", "ring_all_gather",
            "ring_all_reduce", "ring_reduce_scatter", "ring_segments"]
 
 
@@ -183,7 +183,10 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
     internally). By default chunks go whole, except that on 2 ranks chunks of PAIR_MIN_CHUNK
     bytes or more go in segments of at most PAIR_SEGMENT (_pair.py), and on more ranks chunks
-    of PIPELINE_MIN_CHUNK bytes or more in segments of at most PIPELINE_SEGMENT.
+    of PIPELINE_MIN_CHUNK bytes or more in segments of at most PIPELINE_SEGMENT. The pipeline
+    posts up to PIPELINE_WINDOW receives ahead and keeps a scratch segment for each
+    reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
+    given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
     """
     where = "ring_all_reduce"
     if segment_bytes is not None and segment_bytes < 1:
