@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from microddp.bench.timing import interleaved, ratio_interval, ratio_of_medians
+from microddp.bench.timing import compare, interleaved, ratio_interval, ratio_of_medians
 
 
 def record_order(repeats=40, warmup=2):
@@ -90,3 +90,8 @@ def test_ratio_interval_refuses_unpaired_lists():
         ratio_interval([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="equally long"):
         ratio_interval([], [])
+
+
+def test_compare_is_the_ratio_with_its_interval():
+    a, b = drifting_times(200, 1.3, seed=3)
+    assert compare(a, b) == (ratio_of_medians(a, b), ratio_interval(a, b))

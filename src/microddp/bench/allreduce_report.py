@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..collectives.cost import CostModel
 from ..collectives.ring import ring_segments
-from .timing import median, ratio_interval, ratio_of_medians
+from .timing import compare, median
 
 CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again
 MODELLED = {"ring": "ring_all_reduce", "ring+check": "ring_all_reduce",
@@ -48,7 +48,7 @@ def table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:
                      f"{1.0:>11.2f}")
         rec = {"bytes": n, "gloo_s": gloo, "repeats": len(times["gloo"])}
         if CONTROL in times:
-            aa, (lo, hi) = versus_gloo(times, CONTROL)
+            aa, (lo, hi) = compare(times[CONTROL], times["gloo"])
             lines.append(f"{'':>9}  {CONTROL:<10} {median(times[CONTROL]) * 1e3:>9.3f}ms "
                          f"{'':>11} {'':>9} {aa:>11.2f}  {lo:>7.2f}-{hi:.2f}")
             rec.update({"control_vs_gloo": aa, "control_vs_gloo_interval": [lo, hi]})
@@ -57,20 +57,13 @@ def table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:
             # The ring pipelines large chunks: model the messages it really sends.
             opts = {"segments": ring_segments(n, p)} if a.startswith("ring") else {}
             pred = model.predict(MODELLED[a], n, p, **opts)
-            ratio, (lo, hi) = versus_gloo(times, a)
+            ratio, (lo, hi) = compare(times[a], times["gloo"])
             lines.append(f"{'':>9}  {a:<10} {got * 1e3:>9.3f}ms {pred * 1e3:>9.3f}ms "
                          f"{(pred - got) / got:>+9.0%} {ratio:>11.2f}  {lo:>7.2f}-{hi:.2f}")
             rec.update({f"{a}_s": got, f"{a}_predicted_s": pred, f"{a}_vs_gloo": ratio,
                         f"{a}_vs_gloo_interval": [lo, hi]})
         records.append(rec)
     return {"lines": lines, "records": records}
-
-
-def versus_gloo(times: dict[str, list[float]], name: str) -> tuple[float, tuple[float, float]]:
-    """`name`'s time over gloo's (ratio of medians) and its 90% bootstrap interval: the rounds
-    of `interleaved` paired, the same seed for every row."""
-    return (ratio_of_medians(times[name], times["gloo"]),
-            ratio_interval(times[name], times["gloo"]))
 
 
 def plot(records: list[dict], algos: list[str], p: int, path: str) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import MicroDDPError
-from .timing import interleaved, median, ratio_interval, ratio_of_medians
+from .timing import compare, interleaved, median
 
 EPILOG = """\
 examples:
@@ -127,6 +127,5 @@ def run(args: argparse.Namespace) -> int:
 def _versus_torch(times: dict[str, list[float]], name: str, width: int) -> str:
     """`name`'s median step time over PyTorch DDP's, and its 90% bootstrap interval (steps of
     one round paired), as table cells."""
-    lo, hi = ratio_interval(times[name], times["torch"])
-    return (f"{ratio_of_medians(times[name], times['torch']):>{width}.3f}x"
-            f"{lo:>8.3f}-{hi:.3f}")
+    ratio, (lo, hi) = compare(times[name], times["torch"])
+    return f"{ratio:>{width}.3f}x{lo:>8.3f}-{hi:.3f}"

@@ -48,6 +48,12 @@ def ratio_of_medians(a: list[float], b: list[float]) -> float:
     return statistics.median(a) / statistics.median(b)
 
 
+def compare(a: list[float], b: list[float]) -> tuple[float, tuple[float, float]]:
+    """How `a` timed against `b` in one interleaved run: ratio_of_medians(a, b), and its 90%
+    ratio_interval (how far the run's own scatter could move it)."""
+    return ratio_of_medians(a, b), ratio_interval(a, b)
+
+
 def ratio_interval(a: list[float], b: list[float], level: float = 0.9, resamples: int = 2000,
                    seed: int = 0) -> tuple[float, float]:
     """A bootstrap interval for ratio_of_medians(a, b), where a[i] and b[i] were timed in the

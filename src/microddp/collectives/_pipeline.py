@@ -17,7 +17,7 @@ from ._group import COMBINE, Peers, bounds, scratch
 
 
 def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
-                               segment_bytes: int, window: int = 4) -> None:
+                               segment_bytes: int, window: int) -> None:
     """In place on a 1-D tensor: op over ranks, via 2(p-1) ring steps of k segments each, with
     up to `window` receives posted ahead (and as many scratch segments, at most the (p-1)k
     of the reduce-scatter)."""

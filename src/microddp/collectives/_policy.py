@@ -28,8 +28,8 @@ PREPOST_MAX_CHUNK = 256 << 10
 # (_pipeline.py) in segments of at most PIPELINE_SEGMENT, with up to PIPELINE_WINDOW receives
 # posted ahead: a segment is added and passed on while the next ones arrive, and up to 64
 # messages ahead no sender waits for its receiver to announce a buffer. A message costs
-# about 80 us here (thread wake-ups, not bytes), so segments stay large. Measured interleaved against the lookahead
-# ring, ratio to gloo's time, in two sessions: on 4 ranks at 8-64 MiB tensors, better in 21
+# about 80 us here (thread wake-ups, not bytes), so segments stay large. Measured
+# interleaved against the lookahead ring, ratio to gloo's time, in two sessions: on 4 ranks at 8-64 MiB tensors, better in 21
 # of 22 comparisons, by up to 7% (e.g. 8 MiB: 1.10-1.14x against 1.16-1.17x); on 3 ranks at
 # 12-48 MiB better in 3 of 3, at 6 MiB in 1 of 2. A window of 16 lost to 64 at 32 and 64 MiB
 # on 4 ranks, and 1 MiB segments (window 16) lost at every size. The pipeline keeps one
