@@ -47,7 +47,7 @@ def _trap(name):
 
 def _ring_paths(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
     """The sum of `x` over 3 ranks by the ring's loops (_policy.py picks one by chunk size and
-    world size; the plain loop, which it never picks on 3 ranks, and the NCCL loop are called
+    world size; the plain loop, which it never picks, and the NCCL loop are called
     directly; the pair loop runs on 2 ranks, in _everything)."""
     peers = Peers()
     out = [C.ring_all_reduce(x.clone(), segment_bytes=16),  # the pipeline
@@ -149,7 +149,7 @@ def test_no_builtin_collective_is_called():
     # the paths ring_all_reduce picks for these tensors (int64: 8 bytes an element)
     assert posting(-(-7 // 3) * 8, 3) == "prepost"
     assert posting(-(-7 * BIG_REPEAT // 3) * 8, 3) == "lookahead"
-    assert posting(-(-7 // 2) * 8, 2) == "plain"
+    assert posting(-(-7 // 2) * 8, 2) == "lookahead"
     assert posting(-(-7 // 3) * 8, 3, segment_bytes=16) == "pipeline"
     assert posting(PAIR_MIN_CHUNK, 2) == "pair"
     out = microddp.spawn(_run_trapped, 3, timeout=90)

@@ -58,7 +58,7 @@ def plans(world, small):
 def test_plans_are_reused_checked_and_freed_with_their_tensor(world_size, small):
     chunk_bytes = -(-_numel(world_size, small) // world_size) * 4  # the widest chunk
     assert posting(chunk_bytes, world_size) == ("prepost" if small and world_size > 2 else
-                                                 "lookahead" if world_size > 2 else "plain")
+                                                 "lookahead")
     for r in mdp.spawn(plans, world_size, args=(small,), timeout=90):
         assert all(r["ok"]), r["ok"]
         assert r["one_plan"] == 1 and r["still_one"] == 1  # the swap replaced it, not added

@@ -88,10 +88,10 @@ def test_calibration_chain_follows_each_posting_order(world_size):
         assert len(r) == 5
     # the orders the ring picks, by chunk size and world size
     assert posting(PREPOST_MAX_CHUNK, 3) == "prepost"
-    assert posting(PREPOST_MAX_CHUNK, 2) == "plain"  # two steps: no gain from preposting
-    assert posting(PREPOST_MAX_CHUNK + 4, 2) == "plain"
+    assert posting(PREPOST_MAX_CHUNK, 2) == "lookahead"  # two steps: only the gather's ahead
+    assert posting(PREPOST_MAX_CHUNK + 4, 2) == "lookahead"
     assert posting(PREPOST_MAX_CHUNK + 4, 3) == "lookahead"
-    assert posting(PAIR_MIN_CHUNK - 4, 2) == "plain"
+    assert posting(PAIR_MIN_CHUNK - 4, 2) == "lookahead"
     assert posting(PAIR_MIN_CHUNK, 2) == "pair"
     assert posting(64 << 20, 2) == "pair"  # on 2 ranks the pair loop, at any size
     assert posting(PIPELINE_MIN_CHUNK, 3) == "pipeline"

@@ -2,7 +2,7 @@
 
 With p = 2 the ring is one exchange of halves: each rank sends the half the other will own,
 adds what it receives into its own half (the reduce-scatter), then sends its finished half
-back (the all-gather). Done whole, the add of a 4 MiB half sits between the two exchanges,
+back (the all-gather). Done whole, the add of an 8 MiB half sits between the two exchanges,
 with nothing on the wire. Cut into k segments, a segment is added and sent back the moment
 it lands, while the next ones are still arriving, so the adds hide behind the transfer.
 

@@ -90,11 +90,12 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     `how` is the message order `posting` chose. With "lookahead" (gloo only), each step posts
     the next step's receive before adding: gloo holds a send back until the receiver has
     announced its buffer, so the neighbour's next send can start while this rank is still
-    adding, without waiting for it to be scheduled. On more than 2 ranks that buffer is free
-    at once: the reduce-scatter alternates two incoming buffers, and a gather step receives
-    into a chunk this rank sent two or more steps before. With 2 ranks it would be the chunk
-    this very step is sending, so there "lookahead" runs as "plain" (2 ranks have the pair
-    loop, _pair.py, for large chunks). Steps whose `into` is None only move bytes.
+    adding, without waiting for it to be scheduled. The reduce-scatter alternates two
+    incoming buffers. A gather step receives into a chunk whose own send may still be going
+    out (on 2 ranks, the first step's), and that is safe: what lands there is that chunk
+    completed, which cannot exist before every rank's partial of it, this rank's message
+    included, has arrived, so no byte lands before the last byte has left. Steps whose
+    `into` is None only move bytes.
     """
     if peers.nccl:
         _batched_ring_all_reduce_(peers, plan, name)
@@ -103,7 +104,7 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
     combine = COMBINE[name]
     steps = plan.steps
-    lookahead = how == "lookahead" and p > 2
+    lookahead = how == "lookahead"
 
     def post(k: int):
         recv, tag = steps[k][1], steps[k][3]
