@@ -18,14 +18,12 @@ group, so a tensor whose memory was swapped (`t.set_(...)`, `t.data = ...`) gets
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ._group import bounds, scratch
-
-MAX_PLANS = 64  # oldest dropped first: a bound for code that all-reduces endless new tensors
+from ._memo import PerTensor
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class RingPlan:
     steps: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int], ...]
 
 
-_plans: dict[int, tuple[weakref.ref, tuple, RingPlan]] = {}
+_plans = PerTensor()  # per tensor object, at most MAX_ENTRIES
 
 
 def make_plan(data: torch.Tensor, size: int, me: int, preposted: bool = False) -> RingPlan:
@@ -94,20 +92,10 @@ def plan_for(tensor: torch.Tensor, data: torch.Tensor, size: int, me: int,
     packed copy, call make_plan directly: a copy's address changes every call.
     """
     key = (data.data_ptr(), data.numel(), data.dtype, data.device, size, me, preposted)
-    ident = id(tensor)
-    entry = _plans.get(ident)
-    if entry is not None and entry[0]() is tensor and entry[1] == key:
-        return entry[2]
-    plan = make_plan(data, size, me, preposted)
-    if len(_plans) >= MAX_PLANS:
-        _plans.pop(next(iter(_plans)))
-
-    def forget(ref: weakref.ref, ident: int = ident) -> None:
-        # Drop the entry only if it is still this tensor's: the id may be reused by then.
-        if _plans.get(ident, (None,))[0] is ref:
-            del _plans[ident]
-
-    _plans[ident] = (weakref.ref(tensor, forget), key, plan)
+    plan = _plans.get(tensor, key)
+    if plan is None:
+        plan = make_plan(data, size, me, preposted)
+        _plans.put(tensor, key, plan)
     return plan
 
 

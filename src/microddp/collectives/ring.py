@@ -8,6 +8,8 @@ does not grow with the world size, which is why data parallelism uses it for gra
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..errors import MicroDDPError
@@ -24,6 +26,7 @@ from ._group import (
     try_op,
     wait_all,
 )
+from ._memo import recall, remember
 from ._pair import pair_all_reduce_
 from ._pipeline import pipelined_ring_all_reduce_
 from ._plan import RingPlan, make_plan, plan_for
@@ -188,10 +191,18 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     posts up to PIPELINE_WINDOW receives ahead and keeps a scratch segment for each
     reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
+    A repeat call with `check=False` on a tensor whose chunks go whole (the same tensor
+    object, memory, dtype, op and group) skips the local checks and set-up as well: it runs
+    the loop kept from the last call (_memo.py).
     """
     where = "ring_all_reduce"
     if segment_bytes is not None and segment_bytes < 1:
         raise MicroDDPError(f"segment_bytes must be positive, got {segment_bytes}")
+    if not check and segment_bytes is None:
+        again = recall(tensor, op, group)  # this very call before: nothing to check or set up
+        if again is not None:
+            again()
+            return tensor
     started = begin_all_reduce(tensor, op, group, check, where)
     if started is None:
         return tensor
@@ -212,10 +223,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     preposted = how == "prepost"
     plan = (plan_for(tensor, flat.data, peers.size, peers.me, preposted)
             if flat.packed is tensor else make_plan(flat.data, peers.size, peers.me, preposted))
-    if preposted:
-        preposted_ring_all_reduce_(peers, plan, name)
-    else:
-        planned_ring_all_reduce_(peers, plan, name, how)
+    run = (partial(preposted_ring_all_reduce_, peers, plan, name) if preposted
+           else partial(planned_ring_all_reduce_, peers, plan, name, how))
+    run()
+    if flat.packed is tensor and segment_bytes is None:
+        remember(tensor, op, group, run)  # holds the plan, whose views alias, not `tensor`
     return flat.done()
 
 

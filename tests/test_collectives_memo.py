@@ -1,0 +1,86 @@
+"""Repeat calls of ring_all_reduce with check=False (collectives/_memo.py): the second call on
+the same tensor runs the kept loop without checks or set-up, gives torch.distributed's result
+every time, and falls back to the full path whenever something it depends on changed; with
+check=True the ranks still agree first; nothing is kept past its tensor."""
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import microddp as mdp
+from microddp import MicroDDPError
+from microddp.collectives import ring
+from microddp.collectives._memo import remembered_calls
+
+
+def _reference(t: torch.Tensor, op: str) -> torch.Tensor:
+    ref = t.clone()
+    dist.all_reduce(ref, {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                          "avg": dist.ReduceOp.SUM}[op])
+    return ref / dist.get_world_size() if op == "avg" else ref
+
+
+def repeats(world):
+    p, g = world.world_size, torch.Generator().manual_seed(world.rank)
+    full_path = []  # calls that went through the checks and set-up
+    real_begin = ring.begin_all_reduce
+    ring.begin_all_reduce = lambda *a, **k: (full_path.append(1), real_begin(*a, **k))[1]
+    base = remembered_calls()
+    out = {}
+
+    def call(t, op="sum", **kw):
+        """Contents fresh every call; did it match torch, and did it take the full path?"""
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        ref = _reference(t, op)
+        before = len(full_path)
+        ring.ring_all_reduce(t, op, check=False, **kw)
+        return torch.allclose(t, ref, rtol=1e-6, atol=1e-6), len(full_path) > before
+
+    t = torch.empty(40 * p + 3)
+    out["first"] = call(t)
+    out["again"] = [call(t) for _ in range(3)]
+    out["kept"] = remembered_calls() - base
+    out["other op"] = call(t, "max")
+    out["other op again"] = call(t, "max")
+    out["avg"] = call(t, "avg")
+    t.set_(torch.empty(40 * p + 3))  # new memory under the same tensor object
+    out["new memory"] = call(t)
+    out["new memory again"] = call(t)
+    t.data = torch.empty(40 * p + 3, dtype=torch.float64)  # a new dtype, same object
+    out["new dtype"] = call(t)
+    out["segments asked for"] = call(t, segment_bytes=64)
+    strided = torch.empty(2 * (40 * p + 3))[::2]  # works on a packed copy: never kept
+    out["strided"] = [call(strided) for _ in range(2)]
+    out["kept before free"] = remembered_calls() - base
+    # check=True on a kept tensor still agrees first: here the ranks disagree on the op
+    u = torch.ones(8)
+    ring.ring_all_reduce(u, check=False)
+    try:
+        ring.ring_all_reduce(u, "sum" if world.rank == 0 else "max")
+        out["disagree"] = "no error"
+    except MicroDDPError as e:
+        out["disagree"] = str(e)
+    ring.begin_all_reduce = real_begin
+    del t, u, strided
+    gc.collect()
+    out["after free"] = remembered_calls() - base
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_repeat_calls_skip_the_checks_and_stay_equal_to_torch(world_size):
+    for r in mdp.spawn(repeats, world_size, timeout=90):
+        assert r["first"] == (True, True)
+        assert r["again"] == [(True, False)] * 3  # the kept loop, nothing checked again
+        assert r["kept"] == 1
+        assert r["other op"] == (True, True) and r["other op again"] == (True, False)
+        assert r["avg"] == (True, True)
+        assert r["new memory"] == (True, True) and r["new memory again"] == (True, False)
+        assert r["new dtype"] == (True, True)
+        assert r["segments asked for"] == (True, True)  # the pipeline, never kept
+        assert r["strided"] == [(True, True)] * 2
+        assert r["kept before free"] == 1  # one entry per tensor, replaced as it changed
+        assert "ranks disagree on op" in r["disagree"], r["disagree"]
+        assert r["after free"] == 0
