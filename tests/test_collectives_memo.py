@@ -4,6 +4,7 @@ every time, and falls back to the full path whenever something it depends on cha
 check=True the ranks still agree first; nothing is kept past its tensor."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import microddp as mdp
 from microddp import MicroDDPError
 from microddp.collectives import ring
-from microddp.collectives._memo import remembered_calls
+from microddp.collectives._memo import PerTensor, remembered_calls
 
 
 def _reference(t: torch.Tensor, op: str) -> torch.Tensor:
@@ -48,6 +49,9 @@ def repeats(world):
     t.set_(torch.empty(40 * p + 3))  # new memory under the same tensor object
     out["new memory"] = call(t)
     out["new memory again"] = call(t)
+    t.data = t.view(torch.int32)  # a new dtype at the same address, same length
+    out["same memory, new dtype"] = call(t)
+    out["same memory, new dtype again"] = call(t)
     t.data = torch.empty(40 * p + 3, dtype=torch.float64)  # a new dtype, same object
     out["new dtype"] = call(t)
     out["segments asked for"] = call(t, segment_bytes=64)
@@ -62,8 +66,19 @@ def repeats(world):
         out["disagree"] = "no error"
     except MicroDDPError as e:
         out["disagree"] = str(e)
+    # a kept call holds its group weakly: a destroyed group is freed, not kept alive
+    sub = dist.new_group(list(range(p)))
+    w = torch.ones(8)
+    ring.ring_all_reduce(w, group=sub, check=False)
+    out["sub-group"] = (w == p).all().item()
+    out["sub-group again"] = call(w, group=sub)
+    group_ref = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    out["group freed"] = group_ref() is None
     ring.begin_all_reduce = real_begin
-    del t, u, strided
+    del t, u, w, strided
     gc.collect()
     out["after free"] = remembered_calls() - base
     return out
@@ -78,9 +93,36 @@ def test_repeat_calls_skip_the_checks_and_stay_equal_to_torch(world_size):
         assert r["other op"] == (True, True) and r["other op again"] == (True, False)
         assert r["avg"] == (True, True)
         assert r["new memory"] == (True, True) and r["new memory again"] == (True, False)
+        assert r["same memory, new dtype"] == (True, True)  # only the dtype tells them apart
+        assert r["same memory, new dtype again"] == (True, False)
         assert r["new dtype"] == (True, True)
         assert r["segments asked for"] == (True, True)  # the pipeline, never kept
         assert r["strided"] == [(True, True)] * 2
-        assert r["kept before free"] == 1  # one entry per tensor, replaced as it changed
+        assert r["kept before free"] == 1  # the strided tensor's copies are never kept
         assert "ranks disagree on op" in r["disagree"], r["disagree"]
+        assert r["sub-group"] and r["sub-group again"] == (True, False)
+        assert r["group freed"]
         assert r["after free"] == 0
+
+
+def test_per_tensor_entries_match_their_key_and_go_with_their_tensor():
+    memo = PerTensor(limit=2)
+    a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    memo.put(a, ("k",), "A")
+    assert memo.get(a, ("k",)) == "A" and memo.get(a, ("other",)) is None
+    assert memo.get(b, ("k",)) is None  # another tensor, even with the same key
+    memo.put(a, ("k2",), "A2")  # replaced in place, not added
+    assert len(memo) == 1 and memo.get(a, ("k",)) is None and memo.get(a, ("k2",)) == "A2"
+    memo.put(b, ("k",), "B")
+    memo.put(c, ("k",), "C")  # over the limit: the oldest (a) goes
+    assert len(memo) == 2 and not memo.holds(a) and memo.get(c, ("k",)) == "C"
+    del b
+    gc.collect()
+    assert len(memo) == 1  # freed with its tensor
+    # a dead tensor's callback must not drop the entry of a new tensor under the same id
+    d = torch.zeros(1)
+    memo.put(d, ("k",), "D")
+    stale = memo._entries[id(d)][0]
+    memo._entries[id(d)] = (weakref.ref(d), ("k",), "D2")  # as if d's id had been reused
+    stale.__callback__(stale)
+    assert memo.get(d, ("k",)) == "D2"

@@ -13,7 +13,10 @@ all-reduce 1.19-1.53x as slow as the bare loop, and 1-4 MiB ones 0.99-1.14x (cha
 A repeat call may skip them because nothing they checked can have changed: the caller
 vouched for agreement across ranks (`check=False`), and what this rank's own checks looked
 at (the op, the dtype, the memory layout, the group) is in the call's signature, compared
-on every call.
+on every call. The memory's address is a safe test of "the same memory": the kept plan's
+views keep the old storage alive, so memory swapped in later (`t.set_(...)`, `t.data =
+...`) cannot sit at the same address. The group is held weakly: a kept call must not keep
+a destroyed process group (and its store's port) alive.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ._group import Peers
 
 MAX_ENTRIES = 64  # per kind, oldest dropped first: a bound for code that makes endless tensors
 
@@ -57,6 +62,10 @@ class PerTensor:
 
         self._entries[ident] = (weakref.ref(tensor, forget), key, value)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether some entry was put for this tensor object (valid or not: see get)."""
+        return id(tensor) in self._entries
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -64,25 +73,34 @@ class PerTensor:
 _calls = PerTensor()
 
 
-def _signature(tensor: torch.Tensor, op: str, group) -> tuple:
-    """What a call's checks and set-up depend on, besides what check=False vouches for. The
-    group is the process group object itself (None resolves to the current default group, so
-    a world set up anew never meets the old one's calls)."""
+def _signature(tensor: torch.Tensor, op: str, group) -> tuple | None:
+    """What a call's checks and set-up depend on, besides what check=False vouches for, or
+    None when there is no process group to name. The group is the process group object
+    itself, held weakly (None means the current default group, so a world set up anew never
+    meets the old one's calls, and a destroyed group's calls never match again)."""
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, dist.ProcessGroup):
+        return None  # no world, or this process is off the group (new_group gave an int)
     return (tensor.data_ptr(), tensor.numel(), tensor.dtype, tensor.device,
-            tensor.is_contiguous(), op, group if group is not None else dist.group.WORLD)
+            tensor.is_contiguous(), op, weakref.ref(pg))
 
 
-def recall(tensor: torch.Tensor, op, group) -> Callable[[], object] | None:
-    """The call `remember`ed for this tensor, op and group, if nothing it depends on changed."""
-    if not isinstance(op, str) or id(tensor) not in _calls._entries:
-        return None  # a ReduceOp is not remembered: comparing it with a str could raise
-    return _calls.get(tensor, _signature(tensor, op, group))
+def recall(tensor: torch.Tensor, op, group) -> Callable[[Peers], object] | None:
+    """The loop `remember`ed for this tensor, op and group, if nothing it depends on changed:
+    call it with the group's Peers. Only an op given as a str (the default) is kept, so that
+    comparing it with whatever a caller passes next is plain string equality."""
+    if not isinstance(op, str) or not _calls.holds(tensor):
+        return None
+    key = _signature(tensor, op, group)
+    return None if key is None else _calls.get(tensor, key)
 
 
-def remember(tensor: torch.Tensor, op, group, run: Callable[[], object]) -> None:
-    """Keep `run` (which must not hold `tensor`) to redo this call for a contiguous `tensor`."""
-    if isinstance(op, str):
-        _calls.put(tensor, _signature(tensor, op, group), run)
+def remember(tensor: torch.Tensor, op, group, loop: Callable[[Peers], object]) -> None:
+    """Keep `loop` to redo this call on a contiguous `tensor`. It must hold neither the
+    tensor nor the group: it is given the group's Peers on every call."""
+    key = _signature(tensor, op, group) if isinstance(op, str) else None
+    if key is not None:
+        _calls.put(tensor, key, loop)
 
 
 def remembered_calls() -> int:

@@ -199,9 +199,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     if segment_bytes is not None and segment_bytes < 1:
         raise MicroDDPError(f"segment_bytes must be positive, got {segment_bytes}")
     if not check and segment_bytes is None:
-        again = recall(tensor, op, group)  # this very call before: nothing to check or set up
-        if again is not None:
-            again()
+        loop = recall(tensor, op, group)  # this very call before: nothing to check or set up
+        if loop is not None:
+            loop(Peers(group))
             return tensor
     started = begin_all_reduce(tensor, op, group, check, where)
     if started is None:
@@ -223,11 +223,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     preposted = how == "prepost"
     plan = (plan_for(tensor, flat.data, peers.size, peers.me, preposted)
             if flat.packed is tensor else make_plan(flat.data, peers.size, peers.me, preposted))
-    run = (partial(preposted_ring_all_reduce_, peers, plan, name) if preposted
-           else partial(planned_ring_all_reduce_, peers, plan, name, how))
-    run()
+    loop = (partial(preposted_ring_all_reduce_, plan=plan, name=name) if preposted
+            else partial(planned_ring_all_reduce_, plan=plan, name=name, how=how))
+    loop(peers)
     if flat.packed is tensor and segment_bytes is None:
-        remember(tensor, op, group, run)  # holds the plan, whose views alias, not `tensor`
+        remember(tensor, op, group, loop)  # holds the plan, whose views alias, not `tensor`
     return flat.done()
 
 
