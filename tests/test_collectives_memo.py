@@ -14,12 +14,12 @@ import microddp as mdp
 from microddp import MicroDDPError
 from microddp.collectives import ring
 from microddp.collectives._memo import PerTensor, remembered_calls
+from microddp.comms import REDUCE_OPS
 
 
 def _reference(t: torch.Tensor, op: str) -> torch.Tensor:
     ref = t.clone()
-    dist.all_reduce(ref, {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                          "avg": dist.ReduceOp.SUM}[op])
+    dist.all_reduce(ref, REDUCE_OPS[op])  # avg: the sum, divided below
     return ref / dist.get_world_size() if op == "avg" else ref
 
 

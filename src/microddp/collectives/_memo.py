@@ -73,11 +73,15 @@ class PerTensor:
 _calls = PerTensor()
 
 
-def _signature(tensor: torch.Tensor, op: str, group) -> tuple | None:
+def _signature(tensor: torch.Tensor, op, group) -> tuple | None:
     """What a call's checks and set-up depend on, besides what check=False vouches for, or
-    None when there is no process group to name. The group is the process group object
-    itself, held weakly (None means the current default group, so a world set up anew never
-    meets the old one's calls, and a destroyed group's calls never match again)."""
+    None for a call that is not kept. Only an op given as a str (the default) is kept, so
+    that comparing it with whatever a caller passes next is plain string equality. The group
+    is the process group object itself, held weakly (None means the current default group,
+    so a world set up anew never meets the old one's calls, and a destroyed group's calls
+    never match again); without one there is nothing to keep."""
+    if not isinstance(op, str):
+        return None
     pg = group if group is not None else dist.group.WORLD
     if not isinstance(pg, dist.ProcessGroup):
         return None  # no world, or this process is off the group (new_group gave an int)
@@ -87,9 +91,8 @@ def _signature(tensor: torch.Tensor, op: str, group) -> tuple | None:
 
 def recall(tensor: torch.Tensor, op, group) -> Callable[[Peers], object] | None:
     """The loop `remember`ed for this tensor, op and group, if nothing it depends on changed:
-    call it with the group's Peers. Only an op given as a str (the default) is kept, so that
-    comparing it with whatever a caller passes next is plain string equality."""
-    if not isinstance(op, str) or not _calls.holds(tensor):
+    call it with the group's Peers."""
+    if not _calls.holds(tensor):
         return None
     key = _signature(tensor, op, group)
     return None if key is None else _calls.get(tensor, key)
@@ -98,7 +101,7 @@ def recall(tensor: torch.Tensor, op, group) -> Callable[[Peers], object] | None:
 def remember(tensor: torch.Tensor, op, group, loop: Callable[[Peers], object]) -> None:
     """Keep `loop` to redo this call on a contiguous `tensor`. It must hold neither the
     tensor nor the group: it is given the group's Peers on every call."""
-    key = _signature(tensor, op, group) if isinstance(op, str) else None
+    key = _signature(tensor, op, group)
     if key is not None:
         _calls.put(tensor, key, loop)
 

@@ -193,7 +193,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
     A repeat call with `check=False` on a tensor whose chunks go whole (the same tensor
     object, memory, dtype, op and group) skips the local checks and set-up as well: it runs
-    the loop kept from the last call (_memo.py).
+    the loop kept from its last such call (_memo.py).
     """
     where = "ring_all_reduce"
     if segment_bytes is not None and segment_bytes < 1:
@@ -226,7 +226,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     loop = (partial(preposted_ring_all_reduce_, plan=plan, name=name) if preposted
             else partial(planned_ring_all_reduce_, plan=plan, name=name, how=how))
     loop(peers)
-    if flat.packed is tensor and segment_bytes is None:
+    if not check and flat.packed is tensor and segment_bytes is None:  # only these recall
         remember(tensor, op, group, loop)  # holds the plan, whose views alias, not `tensor`
     return flat.done()
 
