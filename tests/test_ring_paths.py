@@ -1,8 +1,9 @@
 """ring_all_reduce picks its path by chunk size on gloo (see collectives/_policy.py): whole chunks
-below a switch, segments from there on (on 2 ranks the pair loop's, from PAIR_MIN_CHUNK in
-PAIR_SEGMENT; on more, the pipeline's, from PIPELINE_MIN_CHUNK in PIPELINE_SEGMENT). Each
-path must give torch.distributed's result; a wrapper around the segmented loop shows which
-path ran, and the messages sent how many segments it cut."""
+below a switch, segments from there on (on 2 ranks sharing one connection, MICRODDP_DUPLEX=0,
+the pair loop's, from PAIR_MIN_CHUNK in PAIR_SEGMENT; on more, the pipeline's, from
+PIPELINE_MIN_CHUNK in PIPELINE_SEGMENT). Each path must give torch.distributed's result; a
+wrapper around the segmented loop shows which path ran, and the messages sent how many
+segments it cut. (2 ranks with a connection per direction: tests/test_collectives_duplex.py.)"""
 
 import pytest
 import torch
@@ -48,7 +49,8 @@ def around_the_switch(world):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_large_chunks_are_pipelined_and_equal_to_torch(world_size):
+def test_large_chunks_are_pipelined_and_equal_to_torch(world_size, monkeypatch):
+    monkeypatch.setenv("MICRODDP_DUPLEX", "0")  # 2 ranks on one connection: the pair loop
     p = world_size
     switch, segment = SWITCH[p]
     segments = -(-switch // segment)
@@ -65,12 +67,13 @@ def test_large_chunks_are_pipelined_and_equal_to_torch(world_size):
 def rhythms(world):
     """The benchmark's calibration chain, in every order the ring posts messages in."""
     from microddp.bench.allreduce import rhythm_plan, ring_rhythm
+    from microddp.collectives._duplex import duplex
     from microddp.collectives._group import Peers
 
-    peers = Peers()
+    peers = duplex(Peers())  # on 2 ranks, a connection per direction: no effect on the count
     p, prv = world.world_size, (world.rank - 1) % world.world_size
     out = {}
-    for how in ("prepost", "lookahead", "plain", "pair", "pipeline"):
+    for how in ("prepost", "lookahead", "plain", "pair", "pipeline", "receive-first"):
         a, inbox = torch.full((1000,), float(world.rank)), torch.full((2 * (p - 1), 1000), -1.0)
         with traffic() as sent:
             ring_rhythm(peers, rhythm_plan(p, a, inbox, how), how)
@@ -85,7 +88,7 @@ def test_calibration_chain_follows_each_posting_order(world_size):
     p = world_size
     for r in mdp.spawn(rhythms, p, timeout=60):
         assert r == dict.fromkeys(r, {"messages": 2 * (p - 1), "from_left": True}), r
-        assert len(r) == 5
+        assert len(r) == 6
     # the orders the ring picks, by chunk size and world size
     assert posting(PREPOST_MAX_CHUNK, 3) == "prepost"
     assert posting(PREPOST_MAX_CHUNK, 2) == "lookahead"  # two steps: only the gather's ahead
@@ -98,6 +101,12 @@ def test_calibration_chain_follows_each_posting_order(world_size):
     assert posting(PIPELINE_MIN_CHUNK, 8) == "pipeline"
     assert posting(PIPELINE_MIN_CHUNK - 4, 3) == "lookahead"
     assert posting(4 << 20, 2, segment_bytes=1 << 20) == "pipeline"  # asked for: the pipeline
+    # 2 ranks with a connection per direction: whole chunks, receives first, at any size
+    for chunk in (4, PREPOST_MAX_CHUNK, PAIR_MIN_CHUNK, 64 << 20):
+        assert posting(chunk, 2, duplex=True) == "receive-first"
+    assert posting(4 << 20, 2, segment_bytes=1 << 20, duplex=True) == "pipeline"
+    assert posting(4 << 20, 2, segment_bytes=4 << 20, duplex=True) == "receive-first"
+    assert posting(PIPELINE_MIN_CHUNK, 3, duplex=True) == "pipeline"  # only 2 ranks have one
 
 
 def batched(world):

@@ -7,7 +7,8 @@ torch.distributed.all_reduce, and counts the bytes every rank sends. Part 2 feed
 counts into the alpha-beta cost model to show which algorithm wins at which size. Part 3
 shows the ring cutting large chunks into segments, so that adding one overlaps the next.
 Part 4 fits the model's message cost to this machine: one line, or two if the link is
-faster per byte below some size. Full timings on this machine: `microddp bench allreduce`.
+faster per byte below some size. Part 5 times the 2-rank ring on one connection and on one
+per direction. Full timings on this machine: `microddp bench allreduce`.
 """
 
 import random
@@ -19,12 +20,15 @@ import torch.distributed as dist
 
 import microddp as mdp
 from microddp import collectives as C
+from microddp.bench.timing import compare, interleaved
+from microddp.collectives._duplex import duplex
+from microddp.collectives._group import Peers
+from microddp.collectives._plan import make_plan
 from microddp.collectives.cost import CostModel, fit_lines
 from microddp.collectives.ring import (
-    PAIR_MIN_CHUNK,
-    PAIR_SEGMENT,
     PIPELINE_MIN_CHUNK,
     PIPELINE_SEGMENT,
+    planned_ring_all_reduce_,
 )
 
 NBYTES = 1 << 20  # a 1 MiB float32 tensor
@@ -101,11 +105,10 @@ def segmented(world) -> dict:
 
 def part3() -> None:
     mib = SEGMENTED_BYTES >> 20
-    print(f"\nPart 3: a {mib} MiB tensor on 2 ranks ({mib // 2} MiB chunks). On 2 ranks the ring "
-          f"cuts chunks of {PAIR_MIN_CHUNK >> 20} MiB or more into segments of at most "
-          f"{PAIR_SEGMENT >> 20} MiB; on more ranks, chunks of {PIPELINE_MIN_CHUNK >> 20} MiB or "
-          f"more into segments of at most {PIPELINE_SEGMENT >> 20} MiB")
-    r = mdp.spawn(segmented, 2, timeout=120)[0]
+    print(f"\nPart 3: a {mib} MiB tensor on 4 ranks ({mib // 4} MiB chunks). On 3 or more ranks "
+          f"the ring cuts chunks of {PIPELINE_MIN_CHUNK >> 20} MiB or more into segments of at "
+          f"most {PIPELINE_SEGMENT >> 20} MiB")
+    r = mdp.spawn(segmented, 4, timeout=180)[0]
     for label, (nbytes, messages, ok) in r.items():
         print(f"  {label:<13} {nbytes >> 20:>4} MiB sent in {messages:>3} messages  "
               f"matches torch: {'yes' if ok else 'NO'}")
@@ -165,11 +168,51 @@ def part4(repeats: int = 15) -> None:
     print("  a second line is kept only if it fits better than 95% of noisy straight lines would.")
 
 
+DUPLEX_BYTES = 8 << 20
+
+
+def connections(world, repeats: int) -> dict:
+    """The 2-rank ring's own loop on one connection and on one per direction (each in the
+    order the ring uses there), and gloo's all_reduce, interleaved; plus a check of each."""
+    one, two = Peers(), duplex(Peers())  # duplex: collective, both ranks get here
+    x = torch.randn(DUPLEX_BYTES // 4, generator=torch.Generator().manual_seed(world.rank))
+    ref = x.clone()
+    dist.all_reduce(ref)
+    runs = {"one connection": (one, "lookahead"), "two connections": (two, "receive-first")}
+    ok = {}
+    for label, (peers, how) in runs.items():
+        y = x.clone()
+        planned_ring_all_reduce_(peers, make_plan(y, 2, world.rank), "sum", how)
+        ok[label] = torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    z = torch.zeros(DUPLEX_BYTES // 4)  # zeros stay zeros: every timed call does equal work
+    plan = make_plan(z, 2, world.rank)
+    calls = {label: (lambda p=peers, h=how: planned_ring_all_reduce_(p, plan, "sum", h))
+             for label, (peers, how) in runs.items()}
+    times = interleaved({**calls, "gloo": lambda: dist.all_reduce(z)}, repeats, 3, dist.barrier)
+    return {"ok": ok, "two": two.back is not None,
+            "ratio": {label: compare(times[label], times["gloo"]) for label in runs}}
+
+
+def part5(repeats: int = 40) -> None:
+    print(f"\nPart 5: two ranks, one connection or two ({DUPLEX_BYTES >> 20} MiB, {repeats} "
+          f"calls each, interleaved with gloo)")
+    r = mdp.spawn(connections, 2, (repeats,), timeout=180)[0]
+    if not r["two"]:
+        print("  (MICRODDP_DUPLEX=0: the second row also runs on one connection)")
+    for label, (ratio, (lo, hi)) in r["ratio"].items():
+        print(f"  {label:<16} {ratio:.2f}x gloo's time (90% interval {lo:.2f}-{hi:.2f})  "
+              f"matches torch: {'yes' if r['ok'][label] else 'NO'}")
+    print("  with 2 ranks both neighbours are one rank, and gloo gives a pair of ranks one socket;")
+    print("  a send written while the other side's bytes arrive holds that socket's lock, so the")
+    print("  two directions take turns. A second connection lets them overlap.")
+
+
 def main() -> None:
     part1()
     part2()
     part3()
     part4()
+    part5()
 
 
 if __name__ == "__main__":

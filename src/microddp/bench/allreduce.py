@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
+from ..collectives._duplex import duplex
 from ..collectives._group import Peers
 from ..collectives._plan import RingPlan
 from ..collectives.cost import CostModel, fit_line, fit_lines
@@ -87,7 +88,7 @@ def _calibrate(world, reps: int) -> dict:
     at once (the ring's own contention), timed as the ring takes them: a chain of 2(p-1)
     steps, each waiting for the one before, posted in the ring's order (`ring_rhythm`).
     """
-    peers = Peers()
+    peers = duplex(Peers())  # the ring's own connections (collective: every rank is here)
     chain = 2 * (peers.size - 1)
     step, add = [], []
     for n in CALIBRATION_SIZES:
@@ -112,7 +113,7 @@ def _calibration_contenders(peers: Peers, width: int) -> dict:
     only the work, as the ring does with its kept plan."""
     chain = 2 * (peers.size - 1)
     a, inbox = torch.zeros(width), torch.zeros(chain, width)
-    how = posting(width * 4, peers.size)
+    how = posting(width * 4, peers.size, duplex=peers.back is not None)
     plan = rhythm_plan(peers.size, a, inbox, how)
     return {"step": lambda: ring_rhythm(peers, plan, how),
             "add": lambda b=inbox[0]: a.add_(b)}
@@ -136,6 +137,8 @@ def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
     ring's own loop: the ring's rhythm, without its adds."""
     if how == "prepost":
         preposted_ring_all_reduce_(peers, plan, "sum")
+    elif how == "receive-first":  # 2 ranks, a connection per direction
+        planned_ring_all_reduce_(peers, plan, "sum", how)
     else:  # whole steps; on 3+ ranks the pipeline posts its receives ahead, like lookahead
         ahead = how in ("lookahead", "pipeline")
         planned_ring_all_reduce_(peers, plan, "sum", "lookahead" if ahead else "plain")
@@ -143,7 +146,7 @@ def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
 
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
           warmup: int, control: bool = False):
-    peers = Peers()
+    peers = duplex(Peers())  # as the ring's first call would (collective: every rank is here)
     p = peers.size
     chain = 2 * (p - 1)
 
@@ -173,7 +176,8 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
     if interleave_cal:
         chunk = [max(4, n // 4 // p * 4) for n in sizes]
         cal = {**_fit(chunk, step, add), "sizes": chunk, "step_s": step, "add_s": add}
-    return {"calibration": cal, "rows": rows} if world.rank == 0 else None
+    return ({"calibration": cal, "rows": rows, "duplex": peers.back is not None}
+            if world.rank == 0 else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,13 +201,14 @@ def run(args: argparse.Namespace) -> int:
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"], small)
     print(describe(model))
     shown = [a for a in ("ring", "ring+check", "tree", "naive") if a in out["rows"][0]["times"]]
-    report = table(out["rows"], shown, model, p)
+    report = table(out["rows"], shown, model, p, out["duplex"])
     for line in report["lines"]:
         print(line)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"allreduce_{p}ranks")
     with open(stem + ".json", "w") as f:
-        json.dump({"world_size": p, "calibration": cal, "rows": report["records"]}, f, indent=1)
+        json.dump({"world_size": p, "duplex": out["duplex"], "calibration": cal,
+                   "rows": report["records"]}, f, indent=1)
     plot(report["records"], shown, p, stem + ".png")
     if args.control:
         print(f"{CONTROL} = gloo's all_reduce timed again: a gap between gloo and an algorithm "

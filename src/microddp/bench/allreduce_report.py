@@ -37,7 +37,10 @@ def describe(model: CostModel) -> str:
             f"        gamma {rate} reduction")
 
 
-def table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:
+def table(rows: list[dict], algos: list[str], model: CostModel, p: int,
+          duplex: bool = False) -> dict:
+    """The printed table and the JSON records; `duplex`: whether the 2-rank ring ran with a
+    connection per direction (it changes how many messages the model counts)."""
     lines = [f"{'size':>9}  {'algorithm':<10} {'measured':>11} {'predicted':>11} "
              f"{'model err':>9} {'x gloo time':>11}  {'90% interval':>12}"]
     records = []
@@ -55,7 +58,7 @@ def table(rows: list[dict], algos: list[str], model: CostModel, p: int) -> dict:
         for a in algos:
             got = median(times[a])
             # The ring pipelines large chunks: model the messages it really sends.
-            opts = {"segments": ring_segments(n, p)} if a.startswith("ring") else {}
+            opts = {"segments": ring_segments(n, p, duplex=duplex)} if a.startswith("ring") else {}
             pred = model.predict(MODELLED[a], n, p, **opts)
             ratio, (lo, hi) = compare(times[a], times["gloo"])
             lines.append(f"{'':>9}  {a:<10} {got * 1e3:>9.3f}ms {pred * 1e3:>9.3f}ms "

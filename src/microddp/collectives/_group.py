@@ -137,6 +137,7 @@ class Peers:
 
     def __init__(self, group=None):
         self.group = group
+        self.back = None  # on 2 ranks, a second group for messages from rank 1 to 0 (_duplex.py)
         self.distributed = get_world().distributed
         if not self.distributed:
             self.size, self.me, self.pg, self.nccl = 1, 0, None, False
@@ -174,13 +175,16 @@ class Peers:
     # Tags tell apart the messages of consecutive steps between the same two ranks; NCCL
     # ignores them (its messages match in order), gloo is much faster with them: with one tag
     # for every step, a receive posted early can stall for milliseconds on a busy machine.
+    # With a second connection (`back`), messages from the higher group rank go over it.
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         if _counters:
             _count(tensor)
-        return self.pg.send([_wire(tensor)], peer, 0 if self.nccl else tag)
+        pg = self.back if self.back is not None and peer < self.me else self.pg
+        return pg.send([_wire(tensor)], peer, 0 if self.nccl else tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
-        return self.pg.recv([_wire(tensor)], peer, 0 if self.nccl else tag)
+        pg = self.back if self.back is not None and peer > self.me else self.pg
+        return pg.recv([_wire(tensor)], peer, 0 if self.nccl else tag)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
         self.isend(tensor, peer, tag).wait()

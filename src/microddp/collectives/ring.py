@@ -14,6 +14,7 @@ import torch
 
 from ..errors import MicroDDPError
 from ._agree import agree, begin_all_reduce
+from ._duplex import duplex
 from ._group import (
     COMBINE,
     Flat,
@@ -97,8 +98,10 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     incoming buffers. A gather step receives into a chunk whose own send may still be going
     out (on 2 ranks, the first step's), and that is safe: what lands there is that chunk
     completed, which cannot exist before every rank's partial of it, this rank's message
-    included, has arrived, so no byte lands before the last byte has left. Steps whose
-    `into` is None only move bytes.
+    included, has arrived, so no byte lands before the last byte has left. "receive-first"
+    (2 ranks with a connection per direction, _duplex.py) posts this step's receive and the
+    next one before the send, so that every send finds its receiver ready (the same reasoning
+    makes the early gather receive safe). Steps whose `into` is None only move bytes.
     """
     if peers.nccl:
         _batched_ring_all_reduce_(peers, plan, name)
@@ -107,7 +110,8 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
     combine = COMBINE[name]
     steps = plan.steps
-    lookahead = how == "lookahead"
+    first = how == "receive-first"
+    lookahead = first or how == "lookahead"
 
     def post(k: int):
         recv, tag = steps[k][1], steps[k][3]
@@ -115,11 +119,13 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
 
     ahead = None  # the next step's receive, when posted early
     for k, (send, recv, into, tag) in enumerate(steps):
-        sent = peers.isend(send, nxt, tag) if send.numel() else None
+        sent = peers.isend(send, nxt, tag) if send.numel() and not first else None
         posted = ahead if ahead is not None else post(k)
         ahead = None
         if lookahead and k + 1 < len(steps):
             ahead = post(k + 1)
+        if first and send.numel():
+            sent = peers.isend(send, nxt, tag)
         if posted is not None:
             posted.wait()
             if into is not None:
@@ -185,9 +191,12 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     the caller already knows every rank passes the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
     through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
-    internally). By default chunks go whole, except that on 2 ranks chunks of PAIR_MIN_CHUNK
-    bytes or more go in segments of at most PAIR_SEGMENT (_pair.py), and on more ranks chunks
-    of PIPELINE_MIN_CHUNK bytes or more in segments of at most PIPELINE_SEGMENT. The pipeline
+    internally). By default chunks go whole, except on more than 2 ranks, where chunks of
+    PIPELINE_MIN_CHUNK bytes or more go in segments of at most PIPELINE_SEGMENT. On 2 gloo
+    ranks the first call opens a second connection between them (_duplex.py), one per
+    direction, and every message from group rank 1 to 0 goes over it; with MICRODDP_DUPLEX=0
+    they share one, and chunks of PAIR_MIN_CHUNK bytes or more go in segments of at most
+    PAIR_SEGMENT (_pair.py). The pipeline
     posts up to PIPELINE_WINDOW receives ahead and keeps a scratch segment for each
     reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
@@ -201,15 +210,17 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     if not check and segment_bytes is None:
         loop = recall(tensor, op, group)  # this very call before: nothing to check or set up
         if loop is not None:
-            loop(Peers(group))
+            loop(duplex(Peers(group)))
             return tensor
     started = begin_all_reduce(tensor, op, group, check, where)
     if started is None:
         return tensor
     peers, name = started
+    peers = duplex(peers)  # on 2 gloo ranks, opens a connection per direction on first use
     flat = Flat(tensor)
     chunk_bytes = widest_chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
-    how = "batched" if peers.nccl else posting(chunk_bytes, peers.size, segment_bytes)
+    how = ("batched" if peers.nccl else
+           posting(chunk_bytes, peers.size, segment_bytes, peers.back is not None))
     if how == "pair":
         pair_all_reduce_(peers, flat.data, name,
                          pair_segments(chunk_bytes, flat.data.element_size()))
