@@ -14,7 +14,8 @@ own sockets and I/O thread) and sends every message from group rank 1 to rank 0 
 those from 0 to 1 over the group itself (`Peers.isend`/`irecv` route them). Measured
 interleaved against gloo's all_reduce (`/tmp` scripts, 60-300 calls per size), with whole
 chunks and receives posted first: 0.59-0.87x gloo's time from 64 KiB to 64 MiB, where the
-same loop on one connection took 0.72-1.07x and the pair loop 0.91-1.07x (chapter 4).
+lookahead ring on one connection took 0.72-1.07x, and the pair loop 0.91-0.95x at 16-64 MiB
+(chapter 4).
 
 Opening it is collective over the two ranks (the new group meets through the group's own
 store), so only code that both ranks run at the same point may call `duplex`: the ring does,

@@ -63,7 +63,7 @@ PAIR_SEGMENT = 2 << 20
 # socket. Measured interleaved on 2 ranks (`/tmp` scripts, 60-300 calls per size), ratio to
 # gloo's time: 0.59-0.78x at 64 KiB-8 MiB tensors, against 0.64-0.92x for the lookahead order
 # on the same two connections, and 0.81-0.87x at 16-64 MiB, against 0.83-0.88x for the pair
-# loop on them (2 MiB segments) and 0.89-0.90x with 1 MiB segments.
+# loop on them (2 MiB segments) and 0.86-0.90x with 1 MiB segments.
 
 
 def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None,
