@@ -43,7 +43,12 @@ def _equal_to_torch(t: torch.Tensor, op: str, group=None, **kw) -> bool:
 
 
 def default_group(world):
+    from microddp.collectives import ring
+
     g = torch.Generator().manual_seed(world.rank)
+    hows = []  # the message order of each call the ring runs (kept calls included)
+    real = ring.planned_ring_all_reduce_
+    ring.planned_ring_all_reduce_ = lambda *a, **k: (hows.append(k.get("how")), real(*a, **k))[1]
     out = {"before": open_duplexes()}
     out["first"] = _equal_to_torch(torch.randn(1001, generator=g), "sum")
     out["opened"] = open_duplexes()
@@ -64,6 +69,16 @@ def default_group(world):
     out["sent"] = total.messages
     out["back"] = (counting.sends, counting.recvs)
     out["still"] = open_duplexes()
+    out["hows"] = set(hows)
+    # Freed with the default group once nothing holds it (the world is set up anew after).
+    second = weakref.ref(counting.pg)
+    _duplex._backs[pg] = counting.pg  # the real one back in place of the stand-in
+    del pg, counting
+    gc.collect()
+    out["alive while the group lives"] = second() is not None
+    mdp.shutdown()
+    gc.collect()
+    out["freed with the group"] = second() is None
     return out
 
 
@@ -75,6 +90,8 @@ def test_two_ranks_open_one_second_connection_and_route_one_direction_over_it():
         # whole chunks at every size, even where one connection would cut them in segments
         # (one element: only one chunk holds anything)
         assert r["messages"] == {(n, op): min(n, 2) for n, op in r["messages"]}, r["messages"]
+        assert r["hows"] == {"receive-first"}, r["hows"]
+        assert r["alive while the group lives"] and r["freed with the group"], r
     # Every message from rank 1 to rank 0 went over the second connection, and only those.
     assert r1["sent"] > 0 and r1["back"] == (r1["sent"], 0), r1
     assert r0["back"] == (0, r1["sent"]), (r0, r1)
@@ -126,3 +143,19 @@ def test_duplex_off_keeps_one_connection(monkeypatch, value):
         assert r["ok"] == [True, True] and r["opened"] == 0, r
         # 2 whole steps, then the pair loop's 2 steps in PAIR_SEGMENT pieces
         assert r["messages"] == 2 + 2 * PAIR_MIN_CHUNK // PAIR_SEGMENT, r
+
+
+def mismatched(world):
+    import os
+
+    os.environ["MICRODDP_DUPLEX"] = "0" if world.rank == 0 else "1"
+    try:
+        ring_all_reduce(torch.ones(10))
+    except mdp.MicroDDPError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_disagree_on_duplex_get_a_clear_error_not_a_hang():
+    for message in mdp.spawn(mismatched, 2, timeout=60):
+        assert "disagree on MICRODDP_DUPLEX" in message, message

@@ -73,7 +73,8 @@ def rhythms(world):
     peers = duplex(Peers())  # on 2 ranks, a connection per direction: no effect on the count
     p, prv = world.world_size, (world.rank - 1) % world.world_size
     out = {}
-    for how in ("prepost", "lookahead", "plain", "pair", "pipeline", "receive-first"):
+    two = ("receive-first",) if p == 2 else ()  # an order only 2 ranks use
+    for how in ("prepost", "lookahead", "plain", "pair", "pipeline", *two):
         a, inbox = torch.full((1000,), float(world.rank)), torch.full((2 * (p - 1), 1000), -1.0)
         with traffic() as sent:
             ring_rhythm(peers, rhythm_plan(p, a, inbox, how), how)
@@ -88,7 +89,7 @@ def test_calibration_chain_follows_each_posting_order(world_size):
     p = world_size
     for r in mdp.spawn(rhythms, p, timeout=60):
         assert r == dict.fromkeys(r, {"messages": 2 * (p - 1), "from_left": True}), r
-        assert len(r) == 6
+        assert len(r) == (6 if p == 2 else 5)
     # the orders the ring picks, by chunk size and world size
     assert posting(PREPOST_MAX_CHUNK, 3) == "prepost"
     assert posting(PREPOST_MAX_CHUNK, 2) == "lookahead"  # two steps: only the gather's ahead

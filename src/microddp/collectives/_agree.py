@@ -101,9 +101,10 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
 
 
 def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
-                     where: str) -> tuple[Peers, str] | None:
+                     where: str, **settings) -> tuple[Peers, str] | None:
     """What every all-reduce does before moving data: validate the tensor and op, and agree
-    across ranks on shape, dtype and op. Returns (peers, op name), or None off the group."""
+    across ranks on shape, dtype, op and any `settings` the algorithm needs the same on every
+    rank. Returns (peers, op name), or None off the group."""
     check_tensor(tensor, where)
     peers = Peers(group)
     if not peers.member:
@@ -111,7 +112,7 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
     name, problem = try_op(op, tensor, where)
     problem = problem or try_layout(tensor, where)
     agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name, **settings)
     return (peers, name) if peers.size > 1 else None
 
 

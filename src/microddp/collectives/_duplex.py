@@ -19,9 +19,12 @@ lookahead ring on one connection took 0.72-1.07x, and the pair loop 0.91-0.95x a
 
 Opening it is collective over the two ranks (the new group meets through the group's own
 store), so only code that both ranks run at the same point may call `duplex`: the ring does,
-on its first call on a group. It lives as long as the group object: kept weakly, so a
-destroyed group's second connection goes with it. MICRODDP_DUPLEX=0 (the same on every
-rank) keeps one connection, and the ring then runs the orders it uses on one (_policy.py).
+on its first call on a group. It lives as long as the group's Python object (kept weakly):
+torch.distributed does not know it, so `destroy_process_group` frees it only once nothing
+else holds the group. MICRODDP_DUPLEX=0 (the same on every rank: with check=True the ring
+agrees on it) keeps one connection, and the ring then runs the orders it uses on one
+(_policy.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
+may hold GPU tensors that a gloo connection cannot send.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..errors import MicroDDPError
 from ._group import Peers
 
 _backs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> second group or None
@@ -51,7 +55,8 @@ def duplex(peers: Peers) -> Peers:
         return peers
     back = _backs.get(peers.pg, _UNSEEN)
     if back is _UNSEEN:  # decided once per group, so every later call on it agrees
-        back = _backs[peers.pg] = _open(peers) if duplex_enabled() else None
+        wanted = duplex_enabled() and dist.get_backend(peers.pg) == "gloo"  # not MPI, UCC
+        back = _backs[peers.pg] = _open(peers) if wanted else None
     peers.back = back
     return peers
 
@@ -59,7 +64,14 @@ def duplex(peers: Peers) -> Peers:
 def _open(peers: Peers):
     """A gloo process group over the same two ranks, meeting through the group's store."""
     store = dist.PrefixStore("microddp-duplex/", peers.pg.get_group_store())
-    return dist.ProcessGroupGloo(store, peers.me, 2, _timeout(peers.pg))
+    try:
+        return dist.ProcessGroupGloo(store, peers.me, 2, _timeout(peers.pg))
+    except Exception as e:  # e.g. the other rank never came: it failed before its first ring
+        raise MicroDDPError(
+            f"ring_all_reduce: could not open the second connection between the 2 ranks of "
+            f"this group ({type(e).__name__}: {e}); it opens on the first ring_all_reduce "
+            "on the group, which every rank of it must reach. MICRODDP_DUPLEX=0 on every rank "
+            "keeps one connection") from e
 
 
 def _timeout(pg) -> datetime.timedelta:

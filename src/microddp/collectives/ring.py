@@ -14,7 +14,7 @@ import torch
 
 from ..errors import MicroDDPError
 from ._agree import agree, begin_all_reduce
-from ._duplex import duplex
+from ._duplex import duplex, duplex_enabled
 from ._group import (
     COMBINE,
     Flat,
@@ -212,7 +212,10 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
         if loop is not None:
             loop(duplex(Peers(group)))
             return tensor
-    started = begin_all_reduce(tensor, op, group, check, where)
+    # MICRODDP_DUPLEX is agreed on too: ranks that disagree would wait for each other on
+    # different connections until the timeout.
+    started = begin_all_reduce(tensor, op, group, check, where,
+                               MICRODDP_DUPLEX=int(duplex_enabled()))
     if started is None:
         return tensor
     peers, name = started
