@@ -159,3 +159,48 @@ def mismatched(world):
 def test_ranks_that_disagree_on_duplex_get_a_clear_error_not_a_hang():
     for message in mdp.spawn(mismatched, 2, timeout=60):
         assert "disagree on MICRODDP_DUPLEX" in message, message
+
+
+def _reinit_rank(rank: int, port: int, results) -> None:
+    """A user's script: init from MASTER_PORT (rank 0 serves the store on it), ring, shut
+    down, and again on the same port: the second connection must not keep that port bound."""
+    import os
+
+    from microddp.procs import die_with_parent
+
+    die_with_parent()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = []
+    for _ in range(2):
+        mdp.init(backend="gloo", timeout=30)
+        t = torch.full((1000,), rank + 1.0)
+        ring_all_reduce(t)
+        ring_all_reduce(t, check=False)
+        out.append((float(t[0]), open_duplexes()))
+        mdp.shutdown()  # no gc.collect(): freed as soon as the group is
+        out.append(open_duplexes())
+    results.put((rank, out))
+
+
+def test_shutdown_frees_the_port_for_a_new_world_on_it():
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_reinit_rank, args=(r, port, results), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert got == dict.fromkeys((0, 1), [(6.0, 1), 0, (6.0, 1), 0]), got
