@@ -161,29 +161,38 @@ def test_ranks_that_disagree_on_duplex_get_a_clear_error_not_a_hang():
         assert "disagree on MICRODDP_DUPLEX" in message, message
 
 
-def _reinit_rank(rank: int, port: int, results) -> None:
+def _port_rank(rank: int, port: int, results) -> None:
     """A user's script: init from MASTER_PORT (rank 0 serves the store on it), ring, shut
-    down, and again on the same port: the second connection must not keep that port bound."""
+    down. The second connection holds the group's store; if it outlived the group, the port
+    would stay bound and a new world could not start on it."""
     import os
+    import socket
 
     from microddp.procs import die_with_parent
 
     die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    out = []
-    for _ in range(2):
-        mdp.init(backend="gloo", timeout=30)
-        t = torch.full((1000,), rank + 1.0)
-        ring_all_reduce(t)
-        ring_all_reduce(t, check=False)
-        out.append((float(t[0]), open_duplexes()))
-        mdp.shutdown()  # no gc.collect(): freed as soon as the group is
-        out.append(open_duplexes())
+    mdp.init(backend="gloo", timeout=30)
+    t = torch.full((1000,), rank + 1.0)
+    ring_all_reduce(t)
+    ring_all_reduce(t, check=False)
+    out = [float(t[0]), open_duplexes()]
+    dist.barrier()  # both done with the store before rank 0 takes it down
+    mdp.shutdown()  # no gc.collect(): freed as soon as the group is
+    out.append(open_duplexes())
+    if rank == 0:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))  # refused while a store still listens on it
+                out.append("port free")
+            except OSError as e:
+                out.append(f"port still bound: {e}")
     results.put((rank, out))
 
 
-def test_shutdown_frees_the_port_for_a_new_world_on_it():
+def test_shutdown_frees_the_store_port():
     import multiprocessing as mp
     import socket
 
@@ -192,7 +201,7 @@ def test_shutdown_frees_the_port_for_a_new_world_on_it():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_reinit_rank, args=(r, port, results), daemon=True)
+    procs = [ctx.Process(target=_port_rank, args=(r, port, results), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()
@@ -203,4 +212,4 @@ def test_shutdown_frees_the_port_for_a_new_world_on_it():
             p.join(10)
             if p.is_alive():
                 p.kill()
-    assert got == dict.fromkeys((0, 1), [(6.0, 1), 0, (6.0, 1), 0]), got
+    assert got == {0: [6.0, 1, 0, "port free"], 1: [6.0, 1, 0]}, got
