@@ -137,11 +137,11 @@ def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
     ring's own loop: the ring's rhythm, without its adds."""
     if how == "prepost":
         preposted_ring_all_reduce_(peers, plan, "sum")
-    elif how == "receive-first":  # 2 ranks, a connection per direction
-        planned_ring_all_reduce_(peers, plan, "sum", how)
-    else:  # whole steps; on 3+ ranks the pipeline posts its receives ahead, like lookahead
-        ahead = how in ("lookahead", "pipeline")
-        planned_ring_all_reduce_(peers, plan, "sum", "lookahead" if ahead else "plain")
+        return
+    # Whole steps; on 3+ ranks the pipeline posts its receives ahead, like lookahead, and the
+    # pair loop (2 ranks, one connection) posts each receive beside its send, like plain.
+    order = {"pipeline": "lookahead", "pair": "plain"}.get(how, how)
+    planned_ring_all_reduce_(peers, plan, "sum", order)
 
 
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,

@@ -117,15 +117,19 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
         recv, tag = steps[k][1], steps[k][3]
         return peers.irecv(recv, prv, tag) if recv.numel() else None
 
+    def start(k: int):
+        send, tag = steps[k][0], steps[k][3]
+        return peers.isend(send, nxt, tag) if send.numel() else None
+
     ahead = None  # the next step's receive, when posted early
-    for k, (send, recv, into, tag) in enumerate(steps):
-        sent = peers.isend(send, nxt, tag) if send.numel() and not first else None
+    for k, (_, recv, into, _) in enumerate(steps):
+        sent = None if first else start(k)
         posted = ahead if ahead is not None else post(k)
         ahead = None
         if lookahead and k + 1 < len(steps):
             ahead = post(k + 1)
-        if first and send.numel():
-            sent = peers.isend(send, nxt, tag)
+        if first:
+            sent = start(k)
         if posted is not None:
             posted.wait()
             if into is not None:
