@@ -3,7 +3,8 @@ below a switch, segments from there on (on 2 ranks sharing one connection, MICRO
 the pair loop's, from PAIR_MIN_CHUNK in PAIR_SEGMENT; on more, the pipeline's, from
 PIPELINE_MIN_CHUNK in PIPELINE_SEGMENT). Each path must give torch.distributed's result; a
 wrapper around the segmented loop shows which path ran, and the messages sent how many
-segments it cut. (2 ranks with a connection per direction: tests/test_collectives_duplex.py.)"""
+segments it cut; the pipeline posts its receives before its first send. (2 ranks with a
+connection per direction: tests/test_collectives_duplex.py.)"""
 
 import pytest
 import torch
@@ -137,3 +138,48 @@ def batched(world):
 def test_nccl_loop_equals_torch_on_gloo(world_size):
     for r in mdp.spawn(batched, world_size, timeout=60):
         assert all(r.values()), r
+
+
+class Logged:
+    """Peers that note each send and receive, in the order the loop posts them."""
+
+    def __init__(self, peers):
+        self.peers, self.size, self.me, self.log = peers, peers.size, peers.me, []
+
+    def isend(self, *args):
+        self.log.append("send")
+        return self.peers.isend(*args)
+
+    def irecv(self, *args):
+        self.log.append("recv")
+        return self.peers.irecv(*args)
+
+
+def pipeline_orders(world):
+    from microddp.collectives._group import Peers
+    from microddp.collectives._pipeline import pipelined_ring_all_reduce_
+
+    p, g = world.world_size, torch.Generator().manual_seed(world.rank)
+    out = {}
+    # 2 segments of 100 float32 per chunk: 2(p-1) steps of 2 messages; windows wide and narrow.
+    for window in (64, 3):
+        t = torch.randn(200 * p, generator=g)
+        ref = t.clone()
+        dist.all_reduce(ref)
+        peers = Logged(Peers())
+        pipelined_ring_all_reduce_(peers, t, "sum", 400, window)
+        out[window] = {"equal": torch.allclose(t, ref, rtol=1e-6, atol=1e-6), "log": peers.log}
+    return out
+
+
+def test_pipeline_posts_its_receives_before_its_first_send():
+    p = 3
+    messages = 2 * (p - 1) * 2
+    for r in mdp.spawn(pipeline_orders, p, timeout=60):
+        assert all(v["equal"] for v in r.values()), r
+        for window, v in r.items():
+            log = v["log"]
+            assert log.count("send") == log.count("recv") == messages, log
+            # as many receives as the window (and the scratch slots) allow, then the sends
+            first = min(window, messages)
+            assert log[:first] == ["recv"] * first and log[first] == "send", (window, log)

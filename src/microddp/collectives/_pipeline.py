@@ -4,7 +4,8 @@ In the plain ring every rank waits for a whole chunk before reducing it and pass
 the wire is idle while the CPU adds and the CPU is idle while the wire moves. Cutting each
 chunk into k segments lets segment j+1 arrive while segment j is being reduced, and lets a
 segment move on to the next step (even into the gather phase) the moment it is ready.
-Receives are posted ahead into a fixed pool of buffers; nothing is allocated per step.
+Receives are posted ahead, before the first send, into a fixed pool of buffers; nothing is
+allocated per step.
 """
 
 from __future__ import annotations
@@ -85,9 +86,15 @@ def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
             ahead += 1
 
     ahead = 0
+    # Receives first, then the first sends: a gloo send whose receiver has already announced its
+    # buffer goes out at once from this thread, one that arrives first waits in the queue for
+    # the announcement and for gloo's I/O thread to write it. Measured interleaved against
+    # sending first (4 ranks at 8-64 MiB, 3 ranks at 6-24 MiB): faster in 21 of 24
+    # comparisons, by 2.5% in the median and up to 8%; it also took less CPU time per call in
+    # all 9 runs that counted it (all ranks' threads, e.g. 48.0 against 50.2 ms at 16 MiB).
+    fill()
     for j in range(k):
         send(0, j)
-    fill()
     for s, j in tasks:
         b, work = posted.popleft()
         if work is not None:
