@@ -5,6 +5,12 @@ Each algorithm gives the same result as torch.distributed's collective of the sa
 default group or on any sub-group. Ranks given as `src`/`dst` are global ranks, as in torch.
 Every call first checks, with one tiny exchange, that all ranks passed the same shape, dtype
 and op, so a mistake is the same clear MicroDDPError on every rank, never a hang.
+
+Tensors that require grad (a model's parameters) are written in place like any other, as
+torch.distributed does: the algorithms work on a detached view, since a collective is not a
+step autograd can differentiate. Unlike torch's, every write bumps the tensor's version, so
+autograd refuses a backward through a value that changed under it instead of computing a
+wrong gradient.
 """
 
 from ._group import Traffic, traffic

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
 from ..comms import _check_op_dtype, _op_name
 from ..errors import MicroDDPError
@@ -236,13 +237,26 @@ class Flat:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
-        self.packed = tensor if tensor.is_contiguous() else tensor.contiguous()
+        # Detached: autograd forbids writing in place into a tensor that requires grad (a
+        # parameter), and a collective is no step it could differentiate. The detached tensor
+        # shares the memory and the version counter (cheaper than entering torch.no_grad()).
+        self.base = tensor.detach()
+        self.in_place = self.base.is_contiguous()
+        self.packed = self.base if self.in_place else self.base.contiguous()
         self.data = self.packed.view(-1)
 
     def done(self) -> torch.Tensor:
-        if self.packed is not self.tensor:
-            self.tensor.copy_(self.packed)
+        if not self.in_place:
+            self.base.copy_(self.packed)
+        written(self.tensor)
         return self.tensor
+
+
+def written(tensor: torch.Tensor) -> None:
+    """Tell autograd that `tensor` changed in place. Receives (torch's, so ours too) and the
+    ring's kept views write its memory without autograd seeing it; a backward through a value
+    saved before the write would then compute a wrong gradient instead of raising."""
+    increment_version(tensor)
 
 
 _scratch: dict[tuple, torch.Tensor] = {}

@@ -58,7 +58,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     # Packed copies only for parts that are not contiguous already.
     works = [peers.isend(part.contiguous(), dst) for dst, part in enumerate(parts)
              if dst != root]
-    tensor.copy_(parts[root])
+    flat.base.copy_(parts[root].detach())  # detached, as in Flat
     wait_all(works)
     return tensor
 
@@ -79,7 +79,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         return None
     flats = [Flat(out) for out in outs]
     works = [peers.irecv(f.data, i) for i, f in enumerate(flats) if i != root]
-    flats[root].data.copy_(tensor.reshape(-1))
+    flats[root].data.copy_(tensor.detach().reshape(-1))
     wait_all(works)
     for f in flats:
         f.done()

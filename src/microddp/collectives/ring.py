@@ -26,6 +26,7 @@ from ._group import (
     try_list,
     try_op,
     wait_all,
+    written,
 )
 from ._memo import recall, remember
 from ._pair import pair_all_reduce_
@@ -215,6 +216,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
         loop = recall(tensor, op, group)  # this very call before: nothing to check or set up
         if loop is not None:
             loop(duplex(Peers(group)))
+            written(tensor)
             return tensor
     # MICRODDP_DUPLEX is agreed on too: ranks that disagree would wait for each other on
     # different connections until the timeout.
@@ -240,11 +242,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     # call).
     preposted = how == "prepost"
     plan = (plan_for(tensor, flat.data, peers.size, peers.me, preposted)
-            if flat.packed is tensor else make_plan(flat.data, peers.size, peers.me, preposted))
+            if flat.in_place else make_plan(flat.data, peers.size, peers.me, preposted))
     loop = (partial(preposted_ring_all_reduce_, plan=plan, name=name) if preposted
             else partial(planned_ring_all_reduce_, plan=plan, name=name, how=how))
     loop(peers)
-    if not check and flat.packed is tensor and segment_bytes is None:  # only these recall
+    if not check and flat.in_place and segment_bytes is None:  # only these recall
         remember(tensor, op, group, loop)  # holds the plan, whose views alias, not `tensor`
     return flat.done()
 
@@ -263,14 +265,14 @@ def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op
     agree(peers, where, output.device, problem or problem2, check,
           shape=tuple(output.shape), dtype=output.dtype, op=name)
     # One packed working copy: the ring reduces in place, the caller's inputs stay as they were.
-    data = torch.cat([t.reshape(-1) for t in inputs])
+    data = torch.cat([t.detach().reshape(-1) for t in inputs])
     n = output.numel()
     if peers.size > 1:
         reduce_scatter_flat_(peers, data, name, [i * n for i in range(peers.size + 1)])
     mine = data[peers.me * n:(peers.me + 1) * n]
     if name == "avg" and peers.size > 1:
         mine.div_(peers.size)
-    output.copy_(mine.view(output.shape))
+    output.detach().copy_(mine.view(output.shape))  # detached: see Flat
     return output
 
 
@@ -288,9 +290,9 @@ def ring_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group
           shape=tuple(tensor.shape), dtype=tensor.dtype)
     n = tensor.numel()
     data = torch.empty(n * peers.size, dtype=tensor.dtype, device=tensor.device)
-    data[peers.me * n:(peers.me + 1) * n].copy_(tensor.reshape(-1))
+    data[peers.me * n:(peers.me + 1) * n].copy_(tensor.detach().reshape(-1))
     if peers.size > 1:
         all_gather_flat_(peers, data, [i * n for i in range(peers.size + 1)])
     for i, out in enumerate(outs):
-        out.copy_(data[i * n:(i + 1) * n].view(out.shape))
+        out.detach().copy_(data[i * n:(i + 1) * n].view(out.shape))
     return tensor_list
