@@ -60,3 +60,19 @@ def test_fitted_line_is_printed_for_a_person():
         "fitted: messages up to 512 KiB: alpha 20.0 us/message, beta 2.00 GB/s per link",
         "        larger messages: alpha 100.0 us/message, beta 1.00 GB/s per link",
         "        gamma 10.00 GB/s reduction"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "1001"], "multiple of 4 bytes, e.g. 1000"),
+    (["--sizes", "2"], "multiple of 4 bytes, e.g. 4"),
+    (["--sizes", "1K,4K,1K"], "gives 1024 bytes more than once"),
+    (["--sizes", ","], "--sizes is empty"),
+    (["--warmup", "-1"], "--warmup must be 0 or more"),
+])
+def test_bad_arguments_fail_before_any_rank_starts(argv, message, tmp_path, capsys):
+    out = tmp_path / "never-made"
+    code = cli.main(["bench", "allreduce", "--timeout", "5", "--out", str(out), *argv])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("microddp bench: error:") and message in err, err
+    assert not out.exists()  # refused before the run (and before its output folder)

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+# Part 5 reaches into the ring's own loop (private modules): timing one connection against
+# two in one interleaved run needs both at once, and ring_all_reduce uses one per process.
 import microddp as mdp
 from microddp import collectives as C
 from microddp.bench.timing import compare, interleaved

@@ -36,7 +36,7 @@ from .timing import interleaved, median
 EPILOG = """\
 examples:
   microddp bench allreduce                      # 2 ranks, 1 KiB .. 64 MiB
-  microddp bench allreduce -n 4 --repeats 30    # 4 ranks, more repetitions
+  microddp bench allreduce -n 4 --repeats 100 --min-repeats 40   # 4 ranks, tighter medians
   microddp bench allreduce --sizes 1M,8M,32M --algorithms ring --out results/
   microddp bench allreduce --sizes 2M --algorithms ring --control   # is a 5% gap real here?
 writes allreduce_<N>ranks.png and .json into --out.
@@ -55,9 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated subset of ring,tree,naive (gloo is always timed)")
     p.add_argument("--repeats", type=int, default=30,
                    help="timed calls per contender at <= 1 MiB; fewer for larger sizes "
-                        "(never below --min-repeats)")
-    p.add_argument("--min-repeats", type=int, default=9)
-    p.add_argument("--warmup", type=int, default=2)
+                        "(never below --min-repeats) (default 30)")
+    p.add_argument("--min-repeats", type=int, default=9,
+                   help="timed calls per contender at any size, at least (default 9)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds of every contender before timing (default 2)")
     p.add_argument("--out", default="bench-out", help="folder for the PNG plot and JSON")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, s")
     p.add_argument("--control", action="store_true",
@@ -73,6 +75,20 @@ def parse_size(text: str) -> int:
     if not digits.isdigit() or int(digits) <= 0:
         raise MicroDDPError(f"size {text!r} is not a positive number of bytes like 4096, 64K, 1M")
     return int(digits) * mult
+
+
+def check_sizes(sizes: list[int]) -> list[int]:
+    """The sizes to time: float32 tensors, so whole multiples of 4 bytes, each given once."""
+    if not sizes:
+        raise MicroDDPError("--sizes is empty: give one or more sizes like 4K,1M,64M")
+    for n in sizes:
+        if n % 4:
+            raise MicroDDPError(f"size {n} bytes is not a whole number of float32 elements: "
+                                f"give a multiple of 4 bytes, e.g. {n // 4 * 4 or 4}")
+    twice = sorted({n for n in sizes if sizes.count(n) > 1})
+    if twice:
+        raise MicroDDPError(f"--sizes gives {', '.join(map(str, twice))} bytes more than once")
+    return sizes
 
 
 def repeats_for(nbytes: int, repeats: int, min_repeats: int) -> int:
@@ -181,7 +197,7 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = check_sizes([parse_size(s) for s in args.sizes.split(",") if s.strip()])
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in algos if a not in ALGOS]
     if bad or not algos:
@@ -190,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError(f"need at least 2 ranks to compare all-reduces, got {args.world_size}")
     if args.repeats < 1 or args.min_repeats < 1:
         raise MicroDDPError("--repeats and --min-repeats must be at least 1")
+    if args.warmup < 0:
+        raise MicroDDPError(f"--warmup must be 0 or more, got {args.warmup}")
+    os.makedirs(args.out, exist_ok=True)  # before the run: a bad --out fails now, not after it
     p = args.world_size
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
           "contenders interleaved, medians")
@@ -204,7 +223,6 @@ def run(args: argparse.Namespace) -> int:
     report = table(out["rows"], shown, model, p, out["duplex"])
     for line in report["lines"]:
         print(line)
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"allreduce_{p}ranks")
     with open(stem + ".json", "w") as f:
         json.dump({"world_size": p, "duplex": out["duplex"], "calibration": cal,
