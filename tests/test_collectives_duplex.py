@@ -157,8 +157,9 @@ def mismatched(world):
 
 
 def test_ranks_that_disagree_on_duplex_get_a_clear_error_not_a_hang():
-    for message in mdp.spawn(mismatched, 2, timeout=60):
+    for rank, message in enumerate(mdp.spawn(mismatched, 2, timeout=60)):
         assert "disagree on MICRODDP_DUPLEX" in message, message
+        assert f"MICRODDP_DUPLEX={rank}" in message, message  # each rank's own setting
 
 
 def _port_rank(rank: int, port: int, results) -> None:

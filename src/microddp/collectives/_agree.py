@@ -93,7 +93,10 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
                             "error says why); fix them there")
     differ = [name for name, hi, lo in zip(fields, highs, lows, strict=True) if hi != lo]
     if differ:
-        mine = ", ".join(f"{name}={fields[name]}" for name in list(fields)[1:])
+        # The caller's arguments, and settings (upper case: environment variables such as
+        # MICRODDP_DUPLEX) only when they are what differs: otherwise they are noise.
+        shown = [n for n in list(fields)[1:] if not n.isupper() or n in differ]
+        mine = ", ".join(f"{name}={fields[name]}" for name in shown)
         raise MicroDDPError(
             f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
             f"{peers.me}: {mine}); every rank of the group must call it with the same "
