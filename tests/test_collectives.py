@@ -141,3 +141,37 @@ def test_single_process_world_is_identity():
     rs = torch.empty(6)
     C.ring_reduce_scatter(rs, [x], "sum")
     assert torch.equal(rs, x)
+
+
+BITWISE = {"band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+
+
+def _bitwise(world) -> list[str]:
+    """Every reducing collective with each bitwise op on int64, against torch's."""
+    p, me = world.world_size, world.rank
+    g = torch.Generator().manual_seed(me)
+    x = torch.randint(-(1 << 62), 1 << 62, (5, 7), generator=g)  # negatives: all 64 bits
+    parts = [torch.randint(-(1 << 62), 1 << 62, (5, 7), generator=g) for _ in range(p)]
+    fails = []
+    for name, op in BITWISE.items():
+        ref = x.clone()
+        dist.all_reduce(ref, op)
+        for label, fn, kw in (("ring", C.ring_all_reduce, {}),
+                              ("ring in segments", C.ring_all_reduce, {"segment_bytes": 24}),
+                              ("tree", C.tree_all_reduce, {}), ("naive", C.naive_all_reduce, {})):
+            if not torch.equal(fn(x.clone(), name, **kw), ref):
+                fails.append(f"{label} {name}")
+        red = x.clone()
+        dist.reduce(red, 1, op)
+        if not torch.equal(C.tree_reduce(x.clone(), 1, name), red) and me == 1:
+            fails.append(f"tree_reduce {name}")
+        rs, ref_rs = torch.empty_like(x), torch.empty_like(x)
+        dist.reduce_scatter(ref_rs, [t.clone() for t in parts], op)
+        if not torch.equal(C.ring_reduce_scatter(rs, parts, name), ref_rs):
+            fails.append(f"ring_reduce_scatter {name}")
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_bitwise_ops_match_torch(world_size):
+    assert microddp.spawn(_bitwise, world_size, timeout=60) == [[]] * world_size
