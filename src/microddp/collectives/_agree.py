@@ -61,8 +61,9 @@ def _code(value) -> int:
 
 
 def agree(peers: Peers, where: str, device: torch.device, problem: Exception | None = None,
-          check: bool = True, **fields) -> None:
-    """Raise the same MicroDDPError on every rank unless all ranks passed equal `fields`.
+          check: bool = True, settings: dict | None = None, **fields) -> None:
+    """Raise the same MicroDDPError on every rank unless all ranks passed equal `fields` (the
+    caller's arguments) and `settings` (what the environment chose, e.g. MICRODDP_DUPLEX).
 
     `problem` is this rank's own complaint about its arguments (found by local checks): it is
     shared too, so that the other ranks raise instead of waiting for a rank that gave up. One
@@ -74,7 +75,8 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
         if problem is not None:
             raise problem
         return
-    fields = {"arguments": int(problem is not None), **fields}
+    settings = settings or {}
+    fields = {"arguments": int(problem is not None), **fields, **settings}
     codes = [_code(v) for v in fields.values()]
     # Everything before the first send delays the other ranks too, so this is built and read
     # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
@@ -93,9 +95,8 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
                             "error says why); fix them there")
     differ = [name for name, hi, lo in zip(fields, highs, lows, strict=True) if hi != lo]
     if differ:
-        # The caller's arguments, and settings (upper case: environment variables such as
-        # MICRODDP_DUPLEX) only when they are what differs: otherwise they are noise.
-        shown = [n for n in list(fields)[1:] if not n.isupper() or n in differ]
+        # Every argument, but a setting only when it is what differs: otherwise it is noise.
+        shown = [n for n in list(fields)[1:] if n not in settings or n in differ]
         mine = ", ".join(f"{name}={fields[name]}" for name in shown)
         raise MicroDDPError(
             f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
@@ -114,8 +115,8 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
         return None
     name, problem = try_op(op, tensor, where)
     problem = problem or try_layout(tensor, where)
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name, **settings)
+    agree(peers, where, tensor.device, problem, check, settings,
+          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
     return (peers, name) if peers.size > 1 else None
 
 
