@@ -51,14 +51,14 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     if started is None:
         return tensor
     peers, root, _, parts = started
-    flat = Flat(tensor)
     if peers.me != root:
+        flat = Flat(tensor)
         peers.recv(flat.data, root)
         return flat.done()
     # Packed copies only for parts that are not contiguous already.
     works = [peers.isend(part.contiguous(), dst) for dst, part in enumerate(parts)
              if dst != root]
-    flat.base.copy_(parts[root].detach())  # detached, as in Flat
+    tensor.detach().copy_(parts[root].detach())  # detached, as in Flat
     wait_all(works)
     return tensor
 
