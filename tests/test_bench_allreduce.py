@@ -21,10 +21,11 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("fitted:", out.index("\n") + 1)
     # One gloo row per size, each ratio 1.00 against itself; the ring's row has a prediction.
-    assert len(re.findall(r"^\s+[\d.]+ [KM]iB\s+gloo\s+[\d.]+ms\s+1\.00$", out, re.M)) == 7
-    ring = re.findall(r"^\s+ring\s+([\d.]+)ms\s+([\d.]+)ms\s+[+-]\d+%\s+([\d.]+)\s+"
-                      r"([\d.]+)-([\d.]+)$", out, re.M)
-    assert len(ring) == 7 and all(float(m) > 0 and float(p) > 0 for m, p, *_ in ring)
+    assert len(re.findall(r"^\s+[\d.]+ [KM]iB\s+gloo\s+[\d.]+ms\s+[\d.]+ms\s+1\.00$", out,
+                          re.M)) == 7
+    ring = re.findall(r"^\s+ring\s+([\d.]+)ms\s+([\d.]+)ms\s+([\d.]+)ms\s+([+-]\d+)%\s+"
+                      r"([\d.]+)\s+([\d.]+)-([\d.]+)$", out, re.M)
+    assert len(ring) == 7 and all(float(m) > 0 and float(p) > 0 for m, _, p, *_ in ring)
     assert all(0 < float(lo) <= float(hi) for *_, lo, hi in ring), ring
     doc = json.loads((tmp_path / "allreduce_2ranks.json").read_text())
     cal = doc["calibration"]
@@ -33,11 +34,17 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
     # The printed predictions are the fitted model's, second line included when there is one.
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"],
                       tuple(cal["small"]) if cal["small"] else None)
+    seen = []
     for row in doc["rows"]:
         n = row["bytes"]
         assert row["ring_predicted_s"] == pytest.approx(
             model.predict("ring_all_reduce", n, 2, segments=ring_segments(n, 2)), rel=1e-12)
         assert row["ring_vs_gloo"] == pytest.approx(row["ring_s"] / row["gloo_s"], rel=1e-9)
+        # The model's error is printed against the mean (time adds up; medians do not).
+        mean, pred = row["ring_mean_s"], row["ring_predicted_s"]
+        assert f"{(pred - mean) / mean:+.0%}" == ring[len(seen)][3] + "%"
+        assert row["gloo_mean_s"] > 0
+        seen.append(n)
         lo, hi = row["ring_vs_gloo_interval"]
         assert 0 < lo <= hi
         for a in ("tree", "naive"):

@@ -2,10 +2,17 @@
 round to round (so no contender always follows the same one) but is the same on every rank."""
 
 import random
+import statistics
 
 import pytest
 
-from microddp.bench.timing import compare, interleaved, ratio_interval, ratio_of_medians
+from microddp.bench.timing import (
+    compare,
+    interleaved,
+    ratio_interval,
+    ratio_of_medians,
+    trimmed_mean,
+)
 
 
 def record_order(repeats=40, warmup=2):
@@ -34,6 +41,27 @@ def test_the_order_is_the_same_in_every_process():
 
 def test_ratio_of_medians():
     assert ratio_of_medians([1, 2, 9], [2, 4, 4]) == 0.5
+
+
+def test_trimmed_mean_drops_a_tenth_at_each_end():
+    xs = [10.0] * 8 + [0.0, 1000.0]  # one stall and one impossible zero: both dropped
+    assert trimmed_mean(xs) == 10.0
+    assert trimmed_mean(xs, cut=0.0) == pytest.approx(sum(xs) / 10)
+    assert trimmed_mean([3.0]) == 3.0 and trimmed_mean([1.0, 2.0]) == 1.5  # nothing to drop
+
+
+def test_trimmed_mean_follows_a_two_mode_mixture_where_the_median_jumps():
+    # Calls that take 3 or 6 ms: as the slow share goes from 45% to 55%, the median jumps
+    # from one mode to the other and the mean moves by a tenth of the gap.
+    fast, slow = [3.0] * 55 + [6.0] * 45, [3.0] * 45 + [6.0] * 55
+    assert (statistics.median(fast), statistics.median(slow)) == (3.0, 6.0)
+    assert trimmed_mean(slow) - trimmed_mean(fast) == pytest.approx(0.375)
+
+
+@pytest.mark.parametrize("xs, cut", [([], 0.1), ([1.0], 0.5), ([1.0], -0.1)])
+def test_trimmed_mean_refuses_bad_input(xs, cut):
+    with pytest.raises(ValueError, match="0 <= cut < 0.5"):
+        trimmed_mean(xs, cut)
 
 
 def drifting_times(n, ratio, seed, noise=0.05):

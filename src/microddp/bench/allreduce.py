@@ -2,8 +2,8 @@
 
 Times every algorithm and gloo interleaved in one run and, in the same loop, this host's ring
 step (latency and bandwidth) and add (reduction speed) at each size's chunk; fits the
-alpha-beta-gamma cost model to those, then prints, per size: measured time, the model's
-prediction, and the ratio to gloo (below 1 = faster than gloo).
+alpha-beta-gamma cost model to those, then prints, per size: the median and mean time, the
+model's prediction of the mean, and the ratio of medians to gloo (below 1 = faster than gloo).
 The algorithms run with check=False, like gloo, which does not compare shapes across ranks;
 the row "ring+check" shows what microddp's default metadata check adds.
 """
@@ -31,7 +31,7 @@ from ..collectives.ring import (
 from ..errors import MicroDDPError
 from ..spawn import spawn
 from .allreduce_report import CONTROL, describe, plot, table
-from .timing import interleaved, median
+from .timing import interleaved, trimmed_mean
 
 EPILOG = """\
 examples:
@@ -97,7 +97,7 @@ def repeats_for(nbytes: int, repeats: int, min_repeats: int) -> int:
 
 
 def _calibrate(world, reps: int) -> dict:
-    """Median time of one ring step and of one add, per size n (used when only one size is
+    """Mean time (trimmed) of one ring step and of one add, per size n (used when only one size is
     benchmarked, so the interleaved calibration has too few points to fit a line).
 
     A step is every rank sending n bytes to the next and receiving n from the previous, all
@@ -109,8 +109,8 @@ def _calibrate(world, reps: int) -> dict:
     step, add = [], []
     for n in CALIBRATION_SIZES:
         t = interleaved(_calibration_contenders(peers, n // 4), reps, 2, dist.barrier)
-        step.append(median(t["step"]) / chain)
-        add.append(median(t["add"]))
+        step.append(trimmed_mean(t["step"]) / chain)
+        add.append(trimmed_mean(t["add"]))
     return {**_fit(CALIBRATION_SIZES, step, add), "sizes": CALIBRATION_SIZES,
             "step_s": step, "add_s": add}
 
@@ -186,8 +186,8 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
                             sync=dist.barrier)
         if interleave_cal:
-            step.append(median(times.pop("cal-step")) / chain)
-            add.append(median(times.pop("cal-add")))
+            step.append(trimmed_mean(times.pop("cal-step")) / chain)
+            add.append(trimmed_mean(times.pop("cal-add")))
         rows.append({"bytes": nbytes, "times": times})
     if interleave_cal:
         chunk = [max(4, n // 4 // p * 4) for n in sizes]
@@ -228,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"world_size": p, "duplex": out["duplex"], "calibration": cal,
                    "rows": report["records"]}, f, indent=1)
     plot(report["records"], shown, p, stem + ".png")
+    print("mean = of the middle 80% of calls; the model predicts it, since times add up and "
+          "medians do not\n  (model err = predicted / mean - 1); x gloo time = ratio of medians")
     if args.control:
         print(f"{CONTROL} = gloo's all_reduce timed again: a gap between gloo and an algorithm "
               f"no larger than gloo-2's is within this run's noise")
