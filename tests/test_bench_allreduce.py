@@ -51,6 +51,10 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
             assert row[f"{a}_predicted_s"] == pytest.approx(
                 model.predict(f"{a}_all_reduce", n, 2), rel=1e-12)
         assert {"tree_s", "naive_s", "control_vs_gloo", "ring+check_s"} <= set(row)
+        assert "ring+check_predicted_s" not in row  # the model does not count the check
+    # ring+check's row: median, mean, no prediction, then its ratio and interval.
+    assert len(re.findall(r"^\s+ring\+check\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+\s+[\d.]+-[\d.]+$",
+                          out, re.M)) == 7
     assert (tmp_path / "allreduce_2ranks.png").stat().st_size > 0
 
 

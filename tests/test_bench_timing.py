@@ -47,6 +47,7 @@ def test_trimmed_mean_drops_a_tenth_at_each_end():
     xs = [10.0] * 8 + [0.0, 1000.0]  # one stall and one impossible zero: both dropped
     assert trimmed_mean(xs) == 10.0
     assert trimmed_mean(xs, cut=0.0) == pytest.approx(sum(xs) / 10)
+    assert trimmed_mean([10.0] * 8 + [1000.0]) == 10.0  # 0.9 of a call rounds to one
     assert trimmed_mean([3.0]) == 3.0 and trimmed_mean([1.0, 2.0]) == 1.5  # nothing to drop
 
 

@@ -5,7 +5,8 @@ step (latency and bandwidth) and add (reduction speed) at each size's chunk; fit
 alpha-beta-gamma cost model to those, then prints, per size: the median and mean time, the
 model's prediction of the mean, and the ratio of medians to gloo (below 1 = faster than gloo).
 The algorithms run with check=False, like gloo, which does not compare shapes across ranks;
-the row "ring+check" shows what microddp's default metadata check adds.
+the row "ring+check" shows what microddp's default metadata check adds (the model does not
+count it).
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)  # before the run: a bad --out fails now, not after it
     p = args.world_size
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
-          "contenders interleaved, medians")
+          "contenders interleaved call by call")
     start = time.perf_counter()
     out = spawn(_rank, p, (sizes, algos, args.repeats, args.min_repeats, args.warmup,
                            args.control), timeout=args.timeout, backend="gloo")[0]

@@ -44,7 +44,7 @@ def median(xs: list[float]) -> float:
 
 
 def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
-    """The mean of the middle of `xs`, `cut` of the values dropped at each end.
+    """The mean of the middle of `xs`: `cut` of the values (rounded) dropped at each end.
 
     What a cost model predicts: time adds up, so the model's sum of rounds is an expected
     time, which a mean estimates and a median does not (the median of a sum is not the sum
@@ -57,7 +57,7 @@ def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
         raise ValueError(f"need at least one time and 0 <= cut < 0.5, got {len(xs)} times and "
                          f"cut {cut}")
     s = sorted(xs)
-    k = int(cut * len(s))
+    k = int(cut * len(s) + 0.5)  # to the nearest call: 9 calls still lose their worst one
     return statistics.fmean(s[k:len(s) - k])
 
 
