@@ -6,8 +6,8 @@ import re
 import pytest
 
 from microddp import cli
-from microddp.bench.allreduce import DEFAULT_SIZES, parse_size
-from microddp.bench.allreduce_report import describe
+from microddp.bench.allreduce import DEFAULT_SIZES, calibration_point, parse_size
+from microddp.bench.allreduce_report import describe, table
 from microddp.collectives.cost import CostModel
 from microddp.collectives.ring import ring_segments
 
@@ -34,17 +34,15 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
     # The printed predictions are the fitted model's, second line included when there is one.
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"],
                       tuple(cal["small"]) if cal["small"] else None)
-    seen = []
-    for row in doc["rows"]:
+    for i, row in enumerate(doc["rows"]):
         n = row["bytes"]
         assert row["ring_predicted_s"] == pytest.approx(
             model.predict("ring_all_reduce", n, 2, segments=ring_segments(n, 2)), rel=1e-12)
         assert row["ring_vs_gloo"] == pytest.approx(row["ring_s"] / row["gloo_s"], rel=1e-9)
         # The model's error is printed against the mean (time adds up; medians do not).
         mean, pred = row["ring_mean_s"], row["ring_predicted_s"]
-        assert f"{(pred - mean) / mean:+.0%}" == ring[len(seen)][3] + "%"
+        assert f"{(pred - mean) / mean:+.0%}" == ring[i][3] + "%"
         assert row["gloo_mean_s"] > 0
-        seen.append(n)
         lo, hi = row["ring_vs_gloo_interval"]
         assert 0 < lo <= hi
         for a in ("tree", "naive"):
@@ -56,6 +54,30 @@ def test_bench_allreduce_end_to_end(tmp_path, capsys):
     assert len(re.findall(r"^\s+ring\+check\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+\s+[\d.]+-[\d.]+$",
                           out, re.M)) == 7
     assert (tmp_path / "allreduce_2ranks.png").stat().st_size > 0
+
+
+def test_table_judges_the_model_on_the_mean_and_the_speed_on_medians():
+    # Six fast calls and four slow ones: median 1 ms, trimmed mean (one dropped at each end)
+    # 2.5 ms. The model (two messages of 1.5 ms each) is +20% off the mean, +200% off the median.
+    times = {"ring": [1e-3] * 6 + [5e-3] * 4, "ring+check": [3e-3] * 10, "gloo": [2e-3] * 10}
+    report = table([{"bytes": 4096, "times": times}], ["ring", "ring+check"],
+                   CostModel(1.5e-3, 0.0, 0.0), 2)
+    rec = report["records"][0]
+    assert rec["ring_s"] == 1e-3 and rec["ring_mean_s"] == pytest.approx(2.5e-3)
+    assert rec["ring_predicted_s"] == pytest.approx(3e-3) and rec["ring_vs_gloo"] == 0.5
+    assert "ring+check_predicted_s" not in rec and rec["ring+check_vs_gloo"] == 1.5
+    ring, check = (line.split() for line in report["lines"][2:4])
+    assert ring[:6] == ["ring", "1.000ms", "2.500ms", "3.000ms", "+20%", "0.50"]
+    assert check[:4] == ["ring+check", "3.000ms", "3.000ms", "1.50"]  # no prediction cells
+
+
+def test_calibration_takes_trimmed_means_of_chains_and_adds():
+    # Chains of 6 steps (4 ranks): six fast, three slow, one stalled for a second. The median
+    # (3 ms) ignores the slow group, the plain mean is the stall's; the trimmed mean drops the
+    # stall and one fast chain and weighs the rest: (5 * 3 + 3 * 6) / 8 ms.
+    chains = [3e-3] * 6 + [6e-3] * 3 + [1.0]
+    step, add = calibration_point(chains, [1e-4] * 9 + [9.0], 6)
+    assert step == pytest.approx(4.125e-3 / 6) and add == pytest.approx(1e-4)
 
 
 def test_default_sizes_span_1_kib_to_64_mib():

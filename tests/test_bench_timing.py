@@ -49,11 +49,13 @@ def test_trimmed_mean_drops_a_tenth_at_each_end():
     assert trimmed_mean(xs, cut=0.0) == pytest.approx(sum(xs) / 10)
     assert trimmed_mean([10.0] * 8 + [1000.0]) == 10.0  # 0.9 of a call rounds to one
     assert trimmed_mean([3.0]) == 3.0 and trimmed_mean([1.0, 2.0]) == 1.5  # nothing to drop
+    # A wide cut that would round away every value keeps the middle one or two.
+    assert trimmed_mean([1.0, 2.0], 0.25) == 1.5 and trimmed_mean([1.0, 2.0, 9.0, 4.0], 0.4) == 3.0
 
 
 def test_trimmed_mean_follows_a_two_mode_mixture_where_the_median_jumps():
     # Calls that take 3 or 6 ms: as the slow share goes from 45% to 55%, the median jumps
-    # from one mode to the other and the mean moves by a tenth of the gap.
+    # from one group to the other and the trimmed mean moves by an eighth of the gap.
     fast, slow = [3.0] * 55 + [6.0] * 45, [3.0] * 45 + [6.0] * 55
     assert (statistics.median(fast), statistics.median(slow)) == (3.0, 6.0)
     assert trimmed_mean(slow) - trimmed_mean(fast) == pytest.approx(0.375)

@@ -98,8 +98,8 @@ def repeats_for(nbytes: int, repeats: int, min_repeats: int) -> int:
 
 
 def _calibrate(world, reps: int) -> dict:
-    """Mean time (trimmed) of one ring step and of one add, per size n (used when only one size is
-    benchmarked, so the interleaved calibration has too few points to fit a line).
+    """Time of one ring step and of one add (`calibration_point`), per size n (used when only
+    one size is benchmarked, so the interleaved calibration has too few points to fit a line).
 
     A step is every rank sending n bytes to the next and receiving n from the previous, all
     at once (the ring's own contention), timed as the ring takes them: a chain of 2(p-1)
@@ -110,10 +110,18 @@ def _calibrate(world, reps: int) -> dict:
     step, add = [], []
     for n in CALIBRATION_SIZES:
         t = interleaved(_calibration_contenders(peers, n // 4), reps, 2, dist.barrier)
-        step.append(trimmed_mean(t["step"]) / chain)
-        add.append(trimmed_mean(t["add"]))
+        one_step, one_add = calibration_point(t["step"], t["add"], chain)
+        step.append(one_step)
+        add.append(one_add)
     return {**_fit(CALIBRATION_SIZES, step, add), "sizes": CALIBRATION_SIZES,
             "step_s": step, "add_s": add}
+
+
+def calibration_point(chain_times: list[float], add_times: list[float],
+                      chain: int) -> tuple[float, float]:
+    """(seconds per ring step, seconds per add) from timed chains of `chain` steps and timed
+    adds: trimmed means, as the model predicts mean times (chapter 4 says why not medians)."""
+    return trimmed_mean(chain_times) / chain, trimmed_mean(add_times)
 
 
 def _fit(sizes: list[int], step: list[float], add: list[float]) -> dict:
@@ -187,8 +195,10 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
                             sync=dist.barrier)
         if interleave_cal:
-            step.append(trimmed_mean(times.pop("cal-step")) / chain)
-            add.append(trimmed_mean(times.pop("cal-add")))
+            one_step, one_add = calibration_point(times.pop("cal-step"), times.pop("cal-add"),
+                                                  chain)
+            step.append(one_step)
+            add.append(one_add)
         rows.append({"bytes": nbytes, "times": times})
     if interleave_cal:
         chunk = [max(4, n // 4 // p * 4) for n in sizes]
@@ -229,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"world_size": p, "duplex": out["duplex"], "calibration": cal,
                    "rows": report["records"]}, f, indent=1)
     plot(report["records"], shown, p, stem + ".png")
-    print("mean = of the middle 80% of calls; the model predicts it, since times add up and "
-          "medians do not\n  (model err = predicted / mean - 1); x gloo time = ratio of medians")
+    print("mean = after dropping a tenth of the calls at each end; the model predicts it, since "
+          "times add up\n  and medians do not (model err = predicted / mean - 1); x gloo time = "
+          "ratio of medians")
     if args.control:
         print(f"{CONTROL} = gloo's all_reduce timed again: a gap between gloo and an algorithm "
               f"no larger than gloo-2's is within this run's noise")

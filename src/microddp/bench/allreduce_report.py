@@ -82,15 +82,17 @@ def plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
 
     sizes = [r["bytes"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(sizes, [r["gloo_s"] * 1e3 for r in records], "k-o", label="gloo all_reduce")
+    # Means, the model's own measure (the table gives medians too).
+    ax.plot(sizes, [r["gloo_mean_s"] * 1e3 for r in records], "k-o", label="gloo all_reduce")
     for a, color in zip(algos, ("tab:blue", "tab:purple", "tab:orange", "tab:green"),
                         strict=False):
-        ax.plot(sizes, [r[f"{a}_s"] * 1e3 for r in records], "-o", color=color,
-                label=f"{a} (median)")
+        ax.plot(sizes, [r[f"{a}_mean_s"] * 1e3 for r in records], "-o", color=color,
+                label=f"{a} (measured)")
         if a in MODELLED:
             ax.plot(sizes, [r[f"{a}_predicted_s"] * 1e3 for r in records], "--", color=color,
-                    alpha=0.6, label=f"{a} (model of the mean)")
-    ax.set(xscale="log", yscale="log", xlabel="tensor size (bytes)", ylabel="time per call (ms)",
+                    alpha=0.6, label=f"{a} (model)")
+    ax.set(xscale="log", yscale="log", xlabel="tensor size (bytes)",
+           ylabel="mean time per call (ms, a tenth trimmed at each end)",
            title=f"all-reduce on {p} ranks: from send/recv vs gloo")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

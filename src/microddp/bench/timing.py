@@ -44,20 +44,18 @@ def median(xs: list[float]) -> float:
 
 
 def trimmed_mean(xs: list[float], cut: float = 0.1) -> float:
-    """The mean of the middle of `xs`: `cut` of the values (rounded) dropped at each end.
+    """The mean of `xs` after dropping `cut` of the values (to the nearest one) at each end.
 
-    What a cost model predicts: time adds up, so the model's sum of rounds is an expected
-    time, which a mean estimates and a median does not (the median of a sum is not the sum
-    of medians). Trimmed, so that one call stalled by another job cannot move it far.
-    The median is the wrong yardstick when calls take one of two times: on 4 ranks and 2
-    cores, a 1 MiB all-reduce's lower five deciles were 2.6-4.0 ms and its upper four
-    4.7-7.8 ms, and the median jumps between the two as that share moves (chapter 4).
+    What to hold a cost model to: its rounds add up to a mean time, and a trimmed mean stays
+    close to the mean while one stalled call cannot move it far. A median jumps when calls
+    take one of two times, as small all-reduces on 4 ranks do here (chapter 4).
     """
     if not xs or not 0 <= cut < 0.5:
         raise ValueError(f"need at least one time and 0 <= cut < 0.5, got {len(xs)} times and "
                          f"cut {cut}")
     s = sorted(xs)
-    k = int(cut * len(s) + 0.5)  # to the nearest call: 9 calls still lose their worst one
+    # To the nearest call (9 calls still lose their worst one), but always keep one.
+    k = min(int(cut * len(s) + 0.5), (len(s) - 1) // 2)
     return statistics.fmean(s[k:len(s) - k])
 
 

@@ -4,8 +4,9 @@ alpha is the fixed cost of one message (latency), beta the cost of moving one by
 bandwidth), gamma the cost of reducing one byte (an add). Every algorithm is a number of
 rounds, each a message of some size: counting them is the whole model, and it says which
 algorithm to use for which size before anything is measured. Rounds add up, so a
-prediction is a mean time per call: compare it with a mean, not a median (`microddp bench
-allreduce` does both, and says why in chapter 4).
+prediction is a mean time per call: where calls take one of two times, hold it to a mean,
+not a median (`microddp bench allreduce` prints both and judges the model on the mean;
+chapter 4 says why).
 """
 
 from __future__ import annotations
