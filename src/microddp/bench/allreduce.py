@@ -107,14 +107,11 @@ def _calibrate(world, reps: int) -> dict:
     """
     peers = duplex(Peers())  # the ring's own connections (collective: every rank is here)
     chain = 2 * (peers.size - 1)
-    step, add = [], []
+    points = []
     for n in CALIBRATION_SIZES:
         t = interleaved(_calibration_contenders(peers, n // 4), reps, 2, dist.barrier)
-        one_step, one_add = calibration_point(t["step"], t["add"], chain)
-        step.append(one_step)
-        add.append(one_add)
-    return {**_fit(CALIBRATION_SIZES, step, add), "sizes": CALIBRATION_SIZES,
-            "step_s": step, "add_s": add}
+        points.append(calibration_point(t["step"], t["add"], chain))
+    return _fit(CALIBRATION_SIZES, points)
 
 
 def calibration_point(chain_times: list[float], add_times: list[float],
@@ -124,12 +121,15 @@ def calibration_point(chain_times: list[float], add_times: list[float],
     return trimmed_mean(chain_times) / chain, trimmed_mean(add_times)
 
 
-def _fit(sizes: list[int], step: list[float], add: list[float]) -> dict:
-    """The model's parameters from per-size step and add times: a line (or two, when this
-    host's link is faster per byte below some size) for the step, a slope for the add."""
+def _fit(sizes: list[int], points: list[tuple[float, float]]) -> dict:
+    """The model's parameters from a `calibration_point` per size: a line (or two, when this
+    host's link is faster per byte below some size) for the step, a slope for the add; with
+    the sizes and times they were fitted to."""
+    step, add = [s for s, _ in points], [a for _, a in points]
     (alpha, beta), small = fit_lines(sizes, step)
     _, gamma = fit_line(sizes, add, nonnegative=True)
-    return {"alpha": alpha, "beta": beta, "gamma": gamma, "small": small and list(small)}
+    return {"alpha": alpha, "beta": beta, "gamma": gamma, "small": small and list(small),
+            "sizes": sizes, "step_s": step, "add_s": add}
 
 
 def _calibration_contenders(peers: Peers, width: int) -> dict:
@@ -180,7 +180,7 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
     # the measurement together instead of turning into model error.
     interleave_cal = len(sizes) >= 2
     cal = None if interleave_cal else _calibrate(world, max(min_repeats, repeats // 2))
-    rows, step, add = [], [], []
+    rows, points = [], []
     for nbytes in sizes:
         t = torch.zeros(nbytes // 4)  # zeros stay zeros under sum: every call does equal work
         contenders = {name: (lambda f=ALGOS[name], t=t: f(t, check=False)) for name in algos}
@@ -195,14 +195,11 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
                             sync=dist.barrier)
         if interleave_cal:
-            one_step, one_add = calibration_point(times.pop("cal-step"), times.pop("cal-add"),
-                                                  chain)
-            step.append(one_step)
-            add.append(one_add)
+            points.append(calibration_point(times.pop("cal-step"), times.pop("cal-add"), chain))
         rows.append({"bytes": nbytes, "times": times})
     if interleave_cal:
         chunk = [max(4, n // 4 // p * 4) for n in sizes]
-        cal = {**_fit(chunk, step, add), "sizes": chunk, "step_s": step, "add_s": add}
+        cal = _fit(chunk, points)
     return ({"calibration": cal, "rows": rows, "duplex": peers.back is not None}
             if world.rank == 0 else None)
 
