@@ -110,3 +110,17 @@ def test_missing_master_port_says_how_to_launch(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(mdp.MicroDDPError, match="MASTER_PORT is not set"):
         mdp.init()
+
+
+def test_a_group_formed_by_torch_is_adopted(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not world.get_world().distributed  # no group yet: a world of one
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                            world_size=1)
+    w = world.get_world()  # the world of one assumed before is stale now
+    assert (w.rank, w.world_size, w.local_rank, w.backend, w.device.type) == (0, 1, 0, "gloo",
+                                                                               "cpu")
+    assert mdp.init() is w  # init() joins the same group, it does not form a second
+    world._world = None
+    with pytest.raises(mdp.MicroDDPError, match="already joined uses 'gloo'"):
+        mdp.init(backend="mpi")

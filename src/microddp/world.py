@@ -217,6 +217,9 @@ def init(
     global _world
     if _world is not None:
         return _world
+    if dist.is_available() and dist.is_initialized():  # the script formed the group itself
+        _world = _adopt(backend)
+        return _world
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -241,8 +244,33 @@ def init(
 
 
 def get_world() -> World:
-    """The World from `init`; a world of one process if `init` was never called."""
+    """The World from `init`; if `init` was never called, the process group the script formed
+    itself with `torch.distributed.init_process_group`, else a world of one process."""
+    global _world
+    if _world is not None and not _world.distributed and dist.is_available() \
+            and dist.is_initialized():
+        _world = None  # a world of one, assumed before the script formed its group: stale
     return _world if _world is not None else init()
+
+
+def _adopt(backend: str | None) -> World:
+    """The World of a default process group that something other than `init` formed (a script
+    written for torch's DDP: torchrun, or mp.spawn with init_process_group)."""
+    have = str(dist.get_backend())  # e.g. "gloo", or "cpu:gloo,cuda:nccl" when torch chose
+    if "nccl" in have and torch.cuda.is_available():
+        have = "nccl"
+    elif "gloo" in have:
+        have = "gloo"
+    if backend is not None and backend.lower() != have:
+        raise MicroDDPError(f"init(backend={backend!r}), but the process group this process "
+                            f"already joined uses {have!r}; drop the argument, or form the "
+                            "group with that backend")
+    rank = dist.get_rank()
+    local_rank = _env_int("LOCAL_RANK", None)
+    if have == "nccl" and local_rank is None:
+        local_rank = torch.cuda.current_device()  # the GPU the script chose with set_device
+    local_rank = rank if local_rank is None else local_rank
+    return World(rank, dist.get_world_size(), local_rank, choose_device(have, local_rank), have)
 
 
 def is_initialized() -> bool:
