@@ -69,7 +69,7 @@ def retired_lifetime(world):
         ddp.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
     # the gradients autograd made in that backward were replaced by views of the bucket ...
-    replaced = [weakref.ref(g) for g in ddp.reducer.retired if g is not None]
+    replaced = [weakref.ref(g) for g in ddp.reducer.lender.retired if g is not None]
     alive_in_forward = []
     ddp.module.register_forward_pre_hook(
         lambda *_: alive_in_forward.append(sum(r() is not None for r in replaced)))

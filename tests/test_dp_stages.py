@@ -119,7 +119,26 @@ def test_manual_two_replicas_match_the_monolith():
     assert all(torch.equal(p, q) for p, q in zip(params(replicas[0]), params(replicas[1]), strict=True))
 
 
+def batchnorm_buffers(world):
+    """Running statistics after three train-mode forwards on rank-dependent data."""
+    out = {}
+    for engine in ("naive", "overlap", "torch"):
+        torch.manual_seed(0)
+        ddp = wrap(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), engine)
+        for step in range(3):
+            ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(step)) * (1 + world.rank))
+        out[engine] = ddp.module[1].running_var.clone()
+    return out
+
+
+def test_stage_engines_sync_buffers_from_rank_0_before_each_forward_as_torch():
+    for out in mdp.spawn(batchnorm_buffers, 2, timeout=60):
+        assert torch.allclose(out["naive"], out["torch"]) and torch.equal(out["naive"], out["overlap"])
+
+
 def test_wrap_rejects_unknown_engines_and_arguments():
+    with pytest.raises(MicroDDPError, match="'hooks' does not implement static_graph=True"):
+        wrap(mdp.FullMLP(4, 1), "hooks", static_graph=True)
     with pytest.raises(MicroDDPError, match="unknown engine 'ring'"):
         wrap(mdp.FullMLP(4, 1), "ring")
     with pytest.raises(MicroDDPError, match="does not take colour"):

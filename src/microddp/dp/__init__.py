@@ -11,11 +11,13 @@ from torch import nn
 from ..errors import MicroDDPError
 
 ENGINES = ("naive", "hooks", "buckets", "overlap", "microddp", "torch")
-# Constructor arguments of torch's DistributedDataParallel that the ladder stages accept; only
-# bucket_cap_mb changes what they do.
+# Constructor arguments of torch's DistributedDataParallel that the ladder stages accept:
+# bucket_cap_mb and broadcast_buffers do what torch's do; the others only at torch's default
+# (the stages implement neither unused parameters nor static graphs nor bucket views).
 _STAGE_KWARGS = {"bucket_cap_mb", "device_ids", "output_device", "broadcast_buffers",
                  "process_group", "find_unused_parameters", "gradient_as_bucket_view",
                  "static_graph"}
+_STAGE_DEFAULT_ONLY = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph")
 
 
 def wrap(module: nn.Module, engine: str = "overlap", **ddp_kwargs) -> nn.Module:
@@ -40,9 +42,14 @@ def wrap(module: nn.Module, engine: str = "overlap", **ddp_kwargs) -> nn.Module:
     if ddp_kwargs.get("process_group") is not None:
         raise MicroDDPError(f"engine {engine!r} runs on the default group only; "
                             "use engine='microddp' for a process_group")
+    for name in _STAGE_DEFAULT_ONLY:
+        if ddp_kwargs.get(name):
+            raise MicroDDPError(f"engine {engine!r} does not implement {name}=True; "
+                                "use engine='microddp' (or 'torch') for it")
     from .engines import StageDDP
 
-    return StageDDP(module, engine, ddp_kwargs.get("bucket_cap_mb"))
+    return StageDDP(module, engine, ddp_kwargs.get("bucket_cap_mb"),
+                    ddp_kwargs.get("broadcast_buffers", True) is not False)
 
 
 def _torch_ddp(module: nn.Module, **kwargs) -> nn.Module:

@@ -75,6 +75,17 @@ def bucket_view(flat: torch.Tensor, p: torch.Tensor, offset: int) -> torch.Tenso
     return flat.as_strided(*view_layout(p, offset))
 
 
+def present_grads(bucket: Bucket) -> list[torch.Tensor] | None:
+    """The `.grad` of every parameter in `bucket`, or None if any of them has none."""
+    grads = [p.grad for p in bucket.params]
+    return None if any(g is None for g in grads) else grads
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors live in the same storage (a view of a bucket and the bucket, say)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 # --8<-- [start:bucket]
 class Bucket:
     """A flat gradient buffer for `params`, with a view per parameter and a count of what is missing."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..comms import get_world
+from ..errors import MicroDDPError
 from .buckets import Bucket, bucket_view
 
 Future = torch.futures.Future
@@ -53,6 +54,17 @@ class GradBucket:
 
     def lengths(self) -> list[int]:
         return list(self._bucket.lengths)
+
+
+def check_future(hook: CommHook, fut) -> Future:
+    """`fut`, what `hook` returned, if it is a Future (torch's contract for comm hooks)."""
+    if not isinstance(fut, torch._C.Future):  # the base of torch.futures.Future and .then()'s
+        name = getattr(hook, "__name__", repr(hook))
+        raise MicroDDPError(
+            f"comm hook {name} returned {type(fut).__name__}, not a torch.futures.Future; return "
+            "e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future() or, for a "
+            "result already computed, a Future with set_result(tensor)")
+    return fut
 
 
 def done(value) -> Future:

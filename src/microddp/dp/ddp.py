@@ -11,6 +11,7 @@ Same constructor names, defaults and results as PyTorch's, bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,17 +31,30 @@ class DistributedDataParallel(nn.Module):
     """Replicate `module` on every rank and average its gradients during backward."""
 
     def __init__(self, module: nn.Module, device_ids: list | None = None, output_device=None,
-                 dim: int = 0, broadcast_buffers: bool = True, init_sync: bool = True,
+                 dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
                  process_group=None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False) -> None:
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 forward_sync_buffers: bool | None = None, **torch_only) -> None:
         super().__init__()
+        _refuse(torch_only)
         if not isinstance(module, nn.Module):
-            raise MicroDDPError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+            raise MicroDDPError(f"DistributedDataParallel wraps an nn.Module, got "
+                                f"{type(module).__name__}")
+        _refuse_sparse(module)
         self.module = module
         self.device_ids = _device_ids(module, device_ids)
         self.output_device, self.dim = output_device, dim
-        self.broadcast_buffers = bool(broadcast_buffers)
+        # torch 2.13's rule: forward_sync_buffers (buffers from rank 0 before each forward)
+        # replaces broadcast_buffers, which also decided whether buffers are copied at start.
+        if forward_sync_buffers is not None:
+            if broadcast_buffers is not None:
+                warnings.warn("both broadcast_buffers and forward_sync_buffers were given; "
+                              "broadcast_buffers is ignored (as in torch)", stacklevel=2)
+            self.forward_sync_buffers, init_buffers = bool(forward_sync_buffers), True
+        else:
+            self.forward_sync_buffers = init_buffers = (
+                True if broadcast_buffers is None else bool(broadcast_buffers))
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
@@ -53,15 +67,28 @@ class DistributedDataParallel(nn.Module):
             raise MicroDDPError("the module has no parameter that requires a gradient, so there "
                                 "is nothing to average; wrap a trainable module")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise MicroDDPError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+            raise MicroDDPError(f"bucket_cap_mb must be a positive number of MiB, got "
+                                f"{bucket_cap_mb!r}")
         cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MiB)
         first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
-        verify_same_model(module, process_group)
-        if init_sync:
-            sync_module_states(module, self._src(), process_group, buffers=self.broadcast_buffers)
+        if init_sync:  # as in torch, init_sync=False means no collective here at all
+            # Buffers are compared only where they will be overwritten with rank 0's: with
+            # broadcast_buffers=False they may be rank-local, of any shape.
+            buffers = init_buffers or self.forward_sync_buffers
+            verify_same_model(module, process_group, buffers=buffers)
+            sync_module_states(module, self._src(), process_group, buffers=init_buffers)
         with torch.enable_grad():
             self.reducer = Reducer(params, names, process_group, cap, first,
                                    find_unused_parameters, gradient_as_bucket_view, static_graph)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name for `forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     def _src(self, group_rank: int = 0) -> int:
         return global_rank(self.process_group, group_rank)
@@ -79,19 +106,21 @@ class DistributedDataParallel(nn.Module):
         if torch.is_grad_enabled():
             self.reducer.rebuild_buckets()
         if self._will_sync_buffers():
-            broadcast_coalesced(list(self.module.buffers()), src, self.process_group)
+            broadcast_coalesced(list(self.module.buffers()), src, self.process_group,
+                                keep_versions=True)
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             self.reducer.prepare_for_backward(list(output_tensors(output)))
-        else:
-            self.reducer.skip_backward()
+        # A forward that does not sync (no_sync, no_grad) leaves the reducer as it was, as in
+        # torch: an earlier syncing forward's backward still averages its gradients.
         return output
 
     def _will_sync_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers
+        return (self.require_forward_param_sync and self.forward_sync_buffers
+                and self._has_buffers)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -125,6 +154,33 @@ class DistributedDataParallel(nn.Module):
         if self.reducer.comm_hook is not None:
             raise MicroDDPError("register_comm_hook can be called only once per model")
         self.reducer.comm_hook, self.reducer.comm_state = hook, state
+
+
+# Options of torch 2.13's DistributedDataParallel that microddp does not implement.
+_TORCH_ONLY = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
+               "device_mesh", "skip_all_reduce_unused_params", "bucket_cap_mb_list",
+               "batched_grad_copy")
+
+
+def _refuse(kwargs: dict) -> None:
+    """A clear error for options torch has and we do not, or that neither has (a typo)."""
+    for name, value in kwargs.items():
+        if name not in _TORCH_ONLY:
+            raise MicroDDPError(f"DistributedDataParallel got an unexpected argument {name!r}; "
+                                "its arguments are torch's: see help(microddp.DDP)")
+        if value not in (None, False):
+            raise MicroDDPError(f"DistributedDataParallel: {name} is an option of torch's DDP "
+                                "that microddp does not implement; drop it, or use "
+                                "torch.nn.parallel.DistributedDataParallel")
+
+
+def _refuse_sparse(module: nn.Module) -> None:
+    """Sparse gradients (an Embedding with sparse=True) do not fit a flat dense bucket."""
+    for name, mod in module.named_modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
+            raise MicroDDPError(f"module '{name or type(mod).__name__}' has sparse=True, whose "
+                                "sparse gradients microddp's dense buckets cannot average; build "
+                                "it with sparse=False, or use torch's DDP for this model")
 
 
 def _reducer_params(module: nn.Module) -> tuple[list[str], list[nn.Parameter]]:

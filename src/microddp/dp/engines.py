@@ -14,7 +14,7 @@ from torch import nn
 
 from .buckets import DEFAULT_BUCKET_CAP_MB
 from .stages import BucketHooks, GradHooks, OverlapHooks, average_gradients
-from .sync import sync_module_states
+from .sync import broadcast_coalesced, sync_module_states
 
 
 class AverageAfterBackward:
@@ -47,16 +47,21 @@ STAGES = {"naive": AverageAfterBackward, "hooks": GradHooks, "buckets": BucketHo
 class StageDDP(nn.Module):
     """A model wrapped by one ladder stage: replicas start equal; backward leaves averaged grads."""
 
-    def __init__(self, module: nn.Module, stage: str, bucket_cap_mb: float | None = None) -> None:
+    def __init__(self, module: nn.Module, stage: str, bucket_cap_mb: float | None = None,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.module = module
         self.stage = stage
-        sync_module_states(module)
+        sync_module_states(module, buffers=broadcast_buffers)
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
         kwargs = {"bucket_cap_mb": cap} if stage in ("buckets", "overlap") else {}
         self.reducer = STAGES[stage](module.parameters(), **kwargs)
+        # As torch's DDP: rank 0's buffers (BatchNorm statistics) before each forward.
+        self.buffers = list(module.buffers()) if broadcast_buffers else []
 
     def forward(self, *args, **kwargs):
+        if self.buffers:
+            broadcast_coalesced(self.buffers, keep_versions=True)
         return self.module(*args, **kwargs)
 
     @contextmanager

@@ -77,7 +77,8 @@ class Join:
             shadowed += 1
             reducer.rebuild_buckets()
             if ddp._will_sync_buffers():
-                broadcast_coalesced(list(ddp.module.buffers()), ddp._src(top), ddp.process_group)
+                broadcast_coalesced(list(ddp.module.buffers()), ddp._src(top), ddp.process_group,
+                                    keep_versions=True)
             ddp.require_forward_param_sync = n_sync > 0
             if n_sync:
                 shadow_backward(reducer)
@@ -86,7 +87,7 @@ class Join:
         last = torch.tensor([self.rank if shadowed == 0 else -1], device=ddp.device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ddp.process_group)
         sync_module_states(ddp.module, ddp._src(int(last.item())), ddp.process_group,
-                           buffers=ddp.broadcast_buffers)
+                           buffers=ddp.forward_sync_buffers)
         return False
 
 
@@ -101,10 +102,12 @@ def shadow_backward(reducer: Reducer) -> None:
         else:
             futures.append(reducer.comm_hook(reducer.comm_state,
                                              GradBucket(bucket, len(reducer.buckets))))
-    if reducer.find_unused:
+    if reducer.all_reduces_used():
         used = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
         futures.append(Summing(used, reducer.group))
     for fut in futures:
         fut.wait()
+    if reducer.learning():  # the others learnt their graph in this backward; this rank, which
+        reducer.expected = [0] * len(reducer.params)  # trains no more, just stops asking
     if reducer.will_rebuild and not reducer.rebuild_due:  # the others will rebuild: so must we
         reducer.arrival, reducer.rebuild_due = list(range(len(reducer.params))), True

@@ -4,6 +4,7 @@ parameters and buffers to everyone (a replica that starts different stays differ
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ from ..errors import MicroDDPError
 from .buckets import MiB, plan_buckets
 
 BROADCAST_BUCKET_BYTES = 250 * MiB  # PyTorch's broadcast_bucket_size
+# torch >= 2.2; without it a copy bumps the version counter, as before.
+_preserve_version = getattr(torch.autograd, "_unsafe_preserve_version_counter", nullcontext)
 
 
 def distributed(group=None) -> bool:
@@ -28,8 +31,13 @@ def global_rank(group, group_rank: int) -> int:
 
 @torch.no_grad()
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, group=None,
-                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Overwrite `tensors` with rank `src`'s copies, a few large messages instead of many small."""
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES,
+                        keep_versions: bool = False) -> None:
+    """Overwrite `tensors` with rank `src`'s copies, a few large messages instead of many small.
+
+    `keep_versions`, for the buffers each forward syncs: as in torch, the copy leaves their
+    autograd version counters alone, so a buffer an earlier forward saved for its backward
+    (eval-mode BatchNorm) does not make that backward fail."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors or not distributed(group):
         return
@@ -38,22 +46,34 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, group=Non
         flat = _flatten_dense_tensors([t.detach() for t in chunk])
         dist.broadcast(flat, src, group)
         for t, new in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
-            t.copy_(new)
+            with _preserve_version(t) if keep_versions else nullcontext():
+                t.copy_(new)
 
 
-def describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """Name, shape and dtype of every parameter and buffer: what all replicas must agree on."""
-    items = [("parameter", n, t) for n, t in module.named_parameters()]
-    items += [("buffer", n, t) for n, t in module.named_buffers()]
-    return [(f"{kind} '{n}'", tuple(t.shape), str(t.dtype).replace("torch.", ""))
-            for kind, n, t in items]
+def describe(module: nn.Module, buffers: bool = True) -> list[tuple]:
+    """Name, shape, dtype and strides of every parameter (and buffer, without strides): what
+    all replicas must agree on.
+
+    Strides, as torch checks them: a gradient lands in its bucket in its parameter's memory
+    order, so one rank's channels_last weight against another's row-major one would add
+    mismatched elements. Buffers are copied element by element: their order does not matter.
+    """
+    def entry(kind: str, name: str, t: torch.Tensor, strides: bool) -> tuple:
+        return (f"{kind} '{name}'", tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                tuple(t.stride()) if strides else None)
+
+    items = [entry("parameter", n, t, True) for n, t in module.named_parameters()]
+    if buffers:
+        items += [entry("buffer", n, t, False) for n, t in module.named_buffers()]
+    return items
 
 
-def verify_same_model(module: nn.Module, group=None) -> None:
-    """Raise MicroDDPError on every rank (not a hang on some) if the replicas' layouts differ."""
+def verify_same_model(module: nn.Module, group=None, buffers: bool = True) -> None:
+    """Raise MicroDDPError on every rank (not a hang on some) if the replicas' layouts differ.
+    `buffers`: compare the buffers too (they will be overwritten with rank 0's)."""
     if not distributed(group):
         return
-    mine = describe(module)
+    mine = describe(module, buffers)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     problem = first_difference(everyone)
@@ -64,23 +84,28 @@ def verify_same_model(module: nn.Module, group=None) -> None:
 
 
 def first_difference(everyone: list[list[tuple]]) -> str | None:
-    """Describe the first parameter or buffer whose name, shape or dtype is not the same everywhere."""
-    tables = [{name: (shape, dtype) for name, shape, dtype in desc} for desc in everyone]
-    names = list(dict.fromkeys(name for desc in everyone for name, _, _ in desc))
+    """Describe the first parameter or buffer whose name, shape, dtype or strides are not the
+    same everywhere (strides are named only when shape and dtype agree)."""
+    tables = [{name: rest for name, *rest in desc} for desc in everyone]
+    names = list(dict.fromkeys(name for desc in everyone for name, *_ in desc))
     for name in names:
-        seen: dict[str, list[int]] = {}
-        for rank, table in enumerate(tables):
-            if name in table:
-                shape, dtype = table[name]
-                what = f"shape {tuple(shape)} {dtype}"
-            else:
-                what = "no such entry"
-            seen.setdefault(what, []).append(rank)
-        if len(seen) > 1:
-            parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {w}"
-                              for w, r in seen.items())
-            return f"{name} is not the same everywhere ({parts})"
-    orders = {tuple(name for name, _, _ in desc) for desc in everyone}
+        for aspect in ("shape", "strides"):
+            seen: dict[str, list[int]] = {}
+            for rank, table in enumerate(tables):
+                if name not in table:
+                    what = "no such entry"
+                elif aspect == "shape":
+                    what = f"shape {table[name][0]} {table[name][1]}"
+                else:
+                    what = f"strides {table[name][2]}"
+                seen.setdefault(what, []).append(rank)
+            if len(seen) > 1:
+                parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {w}"
+                                  for w, r in seen.items())
+                hint = (" (a memory format such as channels_last on some ranks only?)"
+                        if aspect == "strides" else "")
+                return f"{name} is not the same everywhere ({parts}){hint}"
+    orders = {tuple(name for name, *_ in desc) for desc in everyone}
     if len(orders) > 1:
         return "parameters and buffers are registered in a different order on different ranks"
     return None
