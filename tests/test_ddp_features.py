@@ -41,12 +41,14 @@ def checkpoint(world, path):
     fresh = mdp.FullMLP(8, 2)
     fresh.load_state_dict(torch.load(path))
     same = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), ddp.module.parameters(), strict=True))
-    return list(ddp.module.state_dict()), same
+    return list(ddp.module.state_dict()), list(ddp.state_dict()), same
 
 
-def test_state_dict_has_no_module_prefix_and_loads_on_every_rank(tmp_path):
-    for keys, same in mdp.spawn(checkpoint, 2, args=(str(tmp_path / "model.pt"),), timeout=60):
-        assert keys[0] == "net.0.weight" and same
+def test_state_dicts_have_torchs_keys_and_load_on_every_rank(tmp_path):
+    for inner, outer, same in mdp.spawn(checkpoint, 2, args=(str(tmp_path / "model.pt"),),
+                                        timeout=60):
+        assert inner[0] == "net.0.weight" and same  # the module's own: what to save
+        assert outer == [f"module.{k}" for k in inner]  # the wrapper's, as torch's DDP
 
 
 def buckets_after_rebuild(world):
@@ -75,8 +77,12 @@ def hooks(world):
     seen = []
 
     def spy(state, bucket):
-        seen.append((bucket.index(), bucket.is_last(), len(bucket.parameters()),
-                     bucket.buffer().numel(), sum(g.numel() for g in bucket.gradients())))
+        flat = bucket.buffer()
+        grads = bucket.gradients()
+        at = [flat.data_ptr() + o * flat.element_size() for o in bucket.offsets()]
+        seen.append((bucket.index(), bucket.is_last(), len(bucket.parameters()), flat.numel(),
+                     [g.shape for g in grads] == [p.shape for p in bucket.parameters()]
+                     and [g.data_ptr() for g in grads] == at))
         return allreduce(state, bucket)
 
     torch.manual_seed(0)
@@ -109,7 +115,7 @@ def test_comm_hooks_see_torchs_gradbucket_api_and_bf16_rounds_as_promised():
         assert [s[0] for s in seen] == list(range(n_buckets)) and n_buckets > 1
         assert [s[1] for s in seen] == [False] * (n_buckets - 1) + [True]
         assert sum(s[3] for s in seen) == 3 * (8 * 8 + 8) + 8 * 2 + 2
-        assert all(s[3] == s[4] for s in seen)
+        assert all(s[4] for s in seen)  # gradients(): views of buffer(), shaped as parameters
         assert bf16_ok
 
 
