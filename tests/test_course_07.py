@@ -33,11 +33,11 @@ def test_scaling_laws_by_hand():
     weak, strong = rows[:5], rows[5:]
     assert [r[0] for r in weak] == [1, 2, 8, 64, 512] and [r[1] for r in strong] == [
         512, 256, 64, 8, 1]
-    flops, beta, alpha = 125e12, 25e9, 20e-6
+    flops, alpha, beta = 125e12, 20e-6, 1 / 25e9  # beta: seconds per byte
     compute = 6 * 110e6 * 512 * 16 / flops
     assert weak[0][2] == pytest.approx(1e3 * compute, abs=0.005)
     k = math.ceil(440e6 / (25 * 2**20))  # 17 buckets of fp32 gradients
-    assert weak[1][4] == pytest.approx(1e3 * k * 2 * (alpha + 440e6 / k / 2 / beta), abs=0.005)
+    assert weak[1][4] == pytest.approx(1e3 * k * 2 * (alpha + 440e6 / k / 2 * beta), abs=0.005)
     assert weak[1][3] == pytest.approx(1e3 * 3 * 440e6 / 1.5e12, abs=0.005)  # 3 passes, HBM
     shared = [(int(n), float(one), host, float(step), limit) for n, one, host, step, limit
               in re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+|-)\s+([\d.]+)  (one rank|host CPU)$",
