@@ -310,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
           f"FLOP/sample; {kind} {args.batch:g}")
     print(f"assumed hardware: {hw.note}: {hw.flops:.3g} FLOP/s, bandwidth {hw.bandwidth:.3g} B/s "
           f"(1/beta), latency {1e6 * hw.latency:.0f} us per message (alpha); {args.algorithm} "
-          f"all-reduce, buckets of {args.bucket_mb:g} MB, {'no ' if args.no_overlap else ''}overlap")
+          f"all-reduce, buckets of {args.bucket_mb:g} MB, "
+          f"{'no ' if args.no_overlap else ''}overlap")
     print("times in ms per step; exp. = exposed communication without / with overlap")
     print(table(rows))
     print(verdict(rows))
