@@ -160,3 +160,39 @@ def test_world_of_one_needs_no_process_group():
 def test_bad_arguments_raise_clear_errors(call, message):
     with pytest.raises(mdp.MicroDDPError, match=message):
         call()
+
+
+def _poll_handles(world):
+    """Chapter 2's claim: on gloo a point-to-point handle is not completed before wait(), even
+    once the data is there; an async collective's handle completes by itself."""
+    import time
+
+    other = 1 - world.rank
+    inbox = torch.zeros(4)
+    recv = comms.irecv(inbox, src=other)
+    send = comms.isend(torch.full((4,), float(world.rank + 1)), dst=other)
+    deadline = time.monotonic() + 1.0
+    while inbox[0].item() == 0 and time.monotonic() < deadline:
+        pass  # wait until the bytes have landed, without calling wait()
+    arrived = inbox.tolist()
+    polled = (recv.is_completed(), send.is_completed())
+    recv.wait()
+    send.wait()
+    waited = (recv.is_completed(), send.is_completed())
+    t = torch.ones(3)
+    handle = comms.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 30
+    while not handle.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    collective = handle.is_completed()
+    handle.wait()
+    return arrived, polled, waited, collective, t.tolist()
+
+
+def test_is_completed_as_chapter_2_describes():
+    for rank, (arrived, polled, waited, collective, t) in enumerate(
+            mdp.spawn(_poll_handles, 2, timeout=90)):
+        assert arrived == [float(2 - rank)] * 4  # the data is there ...
+        assert polled == (False, False)  # ... yet the p2p handles say not done until wait()
+        assert waited == (True, True)
+        assert collective is True and t == [2.0, 2.0, 2.0]

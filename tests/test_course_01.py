@@ -1,5 +1,6 @@
 """Chapter 1's scripts, `microddp hello` and `microddp doctor` run and print the right numbers."""
 
+import os
 import re
 import subprocess
 import sys
@@ -7,8 +8,9 @@ import sys
 TIMEOUT = 120
 
 
-def run(*cmd):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+def run(*cmd, **env):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, **env})
 
 
 def test_verify_setup_reports_backends_and_a_live_all_reduce():
@@ -20,8 +22,14 @@ def test_verify_setup_reports_backends_and_a_live_all_reduce():
 
 
 def test_hello_distributed_with_eight_processes():
-    out = run(sys.executable, "course/01_first_program/hello_distributed.py", "--world-size", "8")
+    # Unbuffered, as under many launchers: each line must still arrive whole, never two ranks'
+    # text on one line (print() would write text and newline separately)
+    out = run(sys.executable, "course/01_first_program/hello_distributed.py", "--world-size", "8",
+              PYTHONUNBUFFERED="1")
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 8 * 4
+    assert all(re.fullmatch(r"\[rank \d\] [^\[]+", line) for line in lines), out.stdout
     for rank in range(8):
         parity = "even" if rank % 2 == 0 else "odd"
         assert f"[rank {rank}] hello! rank {rank} of world size 8" in out.stdout
@@ -33,6 +41,7 @@ def test_hello_distributed_with_eight_processes():
 def test_microddp_hello_shows_the_launcher_environment():
     out = run(sys.executable, "-m", "microddp", "hello", "-n", "3")
     assert out.returncode == 0, out.stderr
+    assert len([line for line in out.stdout.splitlines() if line.startswith("[rank")]) == 3 * 4
     port = re.search(r"MASTER_PORT=(\d+)", out.stdout).group(1)
     for rank in range(3):
         assert (f"[rank {rank}] environment: RANK={rank} WORLD_SIZE=3 LOCAL_RANK={rank} "

@@ -132,10 +132,10 @@ def test_verdict_names_the_limit():
 
 def test_fit_alpha_beta_recovers_a_ring():
     sizes = [1e3, 1e5, 1e6, 4e6]
-    alpha, beta, n = 3e-5, 2e9, 4
-    times = [2 * (n - 1) * (alpha + s / n / beta) for s in sizes]
+    alpha, bandwidth, n = 3e-5, 2e9, 4  # beta = 1 / bandwidth seconds per byte
+    times = [2 * (n - 1) * (alpha + s / n / bandwidth) for s in sizes]
     a, b = fit_alpha_beta(sizes, times, n)
-    assert a == pytest.approx(alpha) and b == pytest.approx(beta)
+    assert a == pytest.approx(alpha) and b == pytest.approx(bandwidth)
 
 
 def test_cli_table_and_errors(capsys, tmp_path):
@@ -158,6 +158,37 @@ def test_cli_table_and_errors(capsys, tmp_path):
     assert cli.main(["predict", "--hardware", "calibrated", "--calibration",
                      str(tmp_path / "c.json"), "--world", "2"]) == 0
     assert cli.main(["predict", "--list"]) == 0 and "a100-nvlink" in capsys.readouterr().out
+
+
+def test_cli_says_what_a_sample_is(capsys):
+    """--params alone makes a sample one token; --tokens gives it a sequence's FLOPs."""
+    args = ["predict", "--hardware", "h100-ib", "--world", "1", "8", "64", "512", "4096",
+            "--algorithm", "tree"]
+    assert cli.main([*args, "--params", "1.5e9"]) == 0
+    out = capsys.readouterr().out
+    assert "custom, a sample is ONE token (give --tokens for sequences), 1.5e+09 parameters, " \
+           "9e+09 FLOP/sample" in out
+    assert cli.main([*args, "--params", "1.5e9", "--tokens", "1024"]) == 0
+    tokens = capsys.readouterr().out
+    assert "custom, 1024 tokens per sample, 1.5e+09 parameters, 9.22e+12 FLOP/sample" in tokens
+    assert "bandwidth 5e+10 B/s (1/beta), latency 20 us per message (alpha)" in tokens
+    assert cli.main([*args, "--model", "gpt2-xl"]) == 0  # the same model, from its preset
+    preset = capsys.readouterr().out
+    table = [line for line in tokens.splitlines() if line.strip()[:1].isdigit()]
+    assert table == [line for line in preset.splitlines() if line.strip()[:1].isdigit()]
+    # what chapter 7 says of this example: 99% at 8 ranks, the tree keeps 42% at 4096
+    assert table[1].split()[0] == "8" and table[1].endswith(" 99%")
+    assert table[-1].split()[0] == "4096" and table[-1].endswith(" 42%")
+    assert float(table[-1].split()[2]) == pytest.approx(737.280)  # 0.74 s of compute
+    assert "stops paying at 4096 ranks" in tokens
+    assert cli.main([*args, "--params", "1.5e9", "--flops-per-sample", "9.216e12"]) == 0
+    assert "FLOPs per sample as given, 1.5e+09 parameters, 9.22e+12" in capsys.readouterr().out
+    for bad, msg in ((["--model", "gpt2", "--tokens", "8"], "describe a --params model"),
+                     (["--params", "1e9", "--tokens", "8", "--flops-per-sample", "1"],
+                      "not both"),
+                     (["--params", "1e9", "--tokens", "0"], "--tokens must be positive")):
+        assert cli.main([*args, *bad]) == 2
+        assert msg in capsys.readouterr().err
 
 
 def test_scaling_bench_arithmetic_and_verdicts():

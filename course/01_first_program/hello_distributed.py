@@ -10,6 +10,7 @@ joins the same process group (the "conference call") and they add up their ranks
 import argparse
 import os
 import socket
+import sys
 
 import torch
 import torch.multiprocessing as mp
@@ -23,7 +24,13 @@ def worker(rank: int, world_size: int, port: int) -> None:
     """Runs in every process; mp.spawn passes `rank` (0 .. world_size-1) first."""
     world = mdp.init(backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
                      rank=rank, world_size=world_size)
-    say = lambda msg: print(f"[rank {rank}] {msg}", flush=True)  # noqa: E731
+
+    def say(msg: str) -> None:
+        # One write per line: print() writes the text and the newline separately, and with
+        # unbuffered output another rank's line can land between the two.
+        sys.stdout.write(f"[rank {rank}] {msg}\n")
+        sys.stdout.flush()
+
     say(f"hello! rank {world.rank} of world size {world.world_size}, "
         f"local rank {world.local_rank}, backend {world.backend}")
     # Exercise 2: ranks can take different paths through the same program.

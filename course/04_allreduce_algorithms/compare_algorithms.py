@@ -83,7 +83,7 @@ def part2() -> None:
             print(f"  {p:>7} " + "".join(f"{t[name] * 1e3:>10.3f}ms" for name in ALGORITHMS)
                   + f"   {min(t, key=t.get)}")
     print("  small tensors: latency (alpha) dominates and the tree's log2(p) rounds win;")
-    print("  large tensors: bandwidth (beta) dominates and the ring's constant volume wins.")
+    print("  large tensors: the cost per byte (beta) dominates; the ring's constant volume wins.")
 
 
 SEGMENTED_BYTES = 32 << 20  # a tensor large enough to be cut on any world size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 EPILOG = """\
 example:
@@ -27,6 +28,13 @@ def run(args: argparse.Namespace) -> int:
                                      module=True, script="microddp.hello", script_args=[]))
 
 
+def say(line: str) -> None:
+    """Print a whole line in one write: under torchrun the ranks share one stdout, and print()
+    writes the text and the newline separately, so unbuffered lines could interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def worker() -> int:
     """What each rank does; runs under `microddp run`, torchrun, or alone."""
     import torch
@@ -34,16 +42,16 @@ def worker() -> int:
     from . import comms
 
     world = comms.init()
-    print(f"hello from rank {world.rank} of {world.world_size} "
-          f"(local rank {world.local_rank}, backend {world.backend or 'none'}, "
-          f"device {world.device})")
-    print("environment: " + " ".join(f"{k}={os.environ.get(k, 'not set')}" for k in ENV_VARS))
+    say(f"hello from rank {world.rank} of {world.world_size} "
+        f"(local rank {world.local_rank}, backend {world.backend or 'none'}, "
+        f"device {world.device})")
+    say("environment: " + " ".join(f"{k}={os.environ.get(k, 'not set')}" for k in ENV_VARS))
     parity = "even" if world.rank % 2 == 0 else "odd"
-    print(f"rank {world.rank}: I handle {parity} data!")
+    say(f"rank {world.rank}: I handle {parity} data!")
     total = torch.tensor([world.rank], dtype=torch.int64, device=world.device)
     comms.all_reduce(total, "sum")
     expected = world.world_size * (world.world_size - 1) // 2
-    print(f"all_reduce(sum of ranks) = {int(total.item())} (expected {expected})")
+    say(f"all_reduce(sum of ranks) = {int(total.item())} (expected {expected})")
     comms.shutdown()
     return 0 if int(total.item()) == expected else 1
 

@@ -1,10 +1,14 @@
 """Predict DDP step time, communication and scaling efficiency, from one GPU to thousands.
 
-An alpha-beta model: sending n bytes over a link costs alpha + n / beta. Compute is
-6 x parameters x samples FLOPs per step (2 forward, 4 backward), at the device's sustained rate;
-DDP adds three passes over the gradients in memory (into the buckets, average, back out).
-Buckets of gradients are all-reduced one after another on one link, each as soon as backward has
-produced it; whatever is still running when backward ends is exposed and lengthens the step.
+An alpha-beta model: sending n bytes over a link costs alpha + n x beta, with alpha the latency
+of a message and beta = 1 / bandwidth the seconds per byte (chapter 4's notation). Compute is
+the training FLOPs per sample times the samples per step (--batch), at the device's sustained
+rate; a transformer costs about 6 x parameters FLOPs per token (2 forward, 4 backward). A preset
+says how many tokens its sample holds; with --params alone a sample is ONE token, so give
+--tokens (the sequence length) or --flops-per-sample for a language model. DDP adds three
+passes over the gradients in memory (into the buckets, average, back out). Buckets of
+gradients are all-reduced one after another on one link, each as soon as backward has produced
+it; whatever is still running when backward ends is exposed and lengthens the step.
 
 CPU ranks add a second limit. Their collectives are CPU work too (gloo copies every byte through
 the kernel), and ranks beyond the host's cores time-share them: then a step takes at least all
@@ -27,10 +31,12 @@ from .errors import MicroDDPError
 EPILOG = """\
 examples:
   microddp predict --model bert-large --hardware a100-ib --batch 32
-  microddp predict --params 1.5e9 --hardware h100-ib --world 8 64 512 4096
+  microddp predict --params 1.5e9 --tokens 2048 --hardware h100-ib --world 8 64 512 4096
   microddp predict --model resnet50 --hardware 10gbe --algorithm tree --no-overlap
   microddp predict --calibrate                 # measure this host, then predict FullMLP on it
   microddp predict --calibrate --verify 2 4    # ... and compare with measured step times
+a sample is one input of --batch: a preset's tokens per sample are in its note (--list); with
+--params, one token unless --tokens or --flops-per-sample says otherwise.
 presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
 --latency; list them with --list.
 """
@@ -196,16 +202,21 @@ def table(rows: list[dict]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), help="a model preset")
-    p.add_argument("--params", type=float, help="parameter count (instead of --model)")
-    p.add_argument("--flops-per-sample", type=float, help="training FLOPs per sample "
-                   "(default 6 x params)")
+    p.add_argument("--params", type=float, help="parameter count (instead of --model); a sample "
+                   "is then one token (6 x params FLOPs) unless --tokens or --flops-per-sample "
+                   "says otherwise")
+    p.add_argument("--tokens", type=float, help="with --params: tokens per sample (sequence "
+                   "length), so a sample costs 6 x params x tokens FLOPs")
+    p.add_argument("--flops-per-sample", type=float, help="with --params: training FLOPs per "
+                   "sample (default 6 x params x tokens)")
     p.add_argument("--dim", type=int, default=512, help="FullMLP width when no model is given")
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth when no model is given")
     p.add_argument("--hardware", default="a100-ib", help="hardware preset (see --list) or "
                    "'calibrated' for the figures saved by --calibrate")
     p.add_argument("--flops", type=float, help="sustained FLOP/s per device (overrides preset)")
-    p.add_argument("--bandwidth", type=float, help="link bytes/s per device (overrides preset)")
-    p.add_argument("--latency", type=float, help="seconds per message (overrides preset)")
+    p.add_argument("--bandwidth", type=float, help="link bytes/s per device, 1/beta (overrides "
+                   "preset)")
+    p.add_argument("--latency", type=float, help="seconds per message, alpha (overrides preset)")
     p.add_argument("--memory", type=float, help="memory bytes/s (overrides preset)")
     p.add_argument("--batch", type=float, default=32, help="samples per rank (weak scaling) "
                    "or global batch with --strong (default 32)")
@@ -218,7 +229,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true", help="all-reduce after backward only")
     p.add_argument("--local-ranks", type=int, default=1, help="ranks sharing one host's compute")
     p.add_argument("--calibrate", action="store_true", help="measure this host's compute rate, "
-                   "alpha and beta first (saved to --calibration)")
+                   "latency and bandwidth first (saved to --calibration)")
     p.add_argument("--verify", type=int, nargs="*", help="with --calibrate: measure real step "
                    "times at these local world sizes and compare")
     p.add_argument("--calibration", default=str(Path.home() / ".cache/microddp/calibration.json"))
@@ -247,10 +258,26 @@ def _hardware(args: argparse.Namespace) -> Hardware:
 
 
 def _model(args: argparse.Namespace) -> Model:
-    if args.params is not None:
+    if args.params is None:
+        if args.tokens is not None or args.flops_per_sample is not None:
+            raise MicroDDPError("--tokens and --flops-per-sample describe a --params model; a "
+                                "preset or FullMLP already knows its FLOPs per sample")
+    else:
         if not args.params > 0:
             raise MicroDDPError(f"--params must be positive, got {args.params:g}")
-        return Model(args.params, args.flops_per_sample or 6 * args.params, "custom")
+        if args.tokens is not None and args.flops_per_sample is not None:
+            raise MicroDDPError("give --tokens or --flops-per-sample, not both")
+        for name in ("tokens", "flops_per_sample"):
+            v = getattr(args, name)
+            if v is not None and not v > 0:
+                raise MicroDDPError(f"--{name.replace('_', '-')} must be positive, got {v:g}")
+        if args.flops_per_sample is not None:
+            return Model(args.params, args.flops_per_sample, "custom, FLOPs per sample as given")
+        # Without --tokens a sample is one token: say so, since it is easy to forget
+        tokens = args.tokens or 1.0
+        note = (f"custom, {tokens:g} tokens per sample" if args.tokens is not None else
+                "custom, a sample is ONE token (give --tokens for sequences)")
+        return Model(args.params, 6 * args.params * tokens, note)
     if args.model:
         return MODELS[args.model]
     return fullmlp(args.dim, args.depth)
@@ -281,9 +308,10 @@ def run(args: argparse.Namespace) -> int:
     kind = "strong scaling, global batch" if args.strong else "weak scaling, batch per rank"
     print(f"model: {model.note}, {model.params:.3g} parameters, {model.flops_per_sample:.3g} "
           f"FLOP/sample; {kind} {args.batch:g}")
-    print(f"assumed hardware: {hw.note}: {hw.flops:.3g} FLOP/s, {hw.bandwidth:.3g} B/s, "
-          f"{1e6 * hw.latency:.0f} us per message; {args.algorithm} all-reduce, buckets of "
-          f"{args.bucket_mb:g} MB, {'no ' if args.no_overlap else ''}overlap")
+    print(f"assumed hardware: {hw.note}: {hw.flops:.3g} FLOP/s, bandwidth {hw.bandwidth:.3g} B/s "
+          f"(1/beta), latency {1e6 * hw.latency:.0f} us per message (alpha); {args.algorithm} "
+          f"all-reduce, buckets of {args.bucket_mb:g} MB, "
+          f"{'no ' if args.no_overlap else ''}overlap")
     print("times in ms per step; exp. = exposed communication without / with overlap")
     print(table(rows))
     print(verdict(rows))

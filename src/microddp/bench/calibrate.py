@@ -141,25 +141,26 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     worlds = args.verify or []
     print(f"calibrating on FullMLP({dim}, depth {depth}), batch {batch}, {os.cpu_count()} cores, "
           f"{rounds} rounds ...")
-    got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "beta", "busy")}
+    got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "bandwidth",
+                                                   "busy")}
     steps: dict[int, list[float]] = {n: [] for n in worlds}
     for _ in range(rounds):
         flops, memory = host_rates(dim, depth, batch)
         got["flops"].append(flops)
         got["memory"].append(memory)
-        alpha, beta, busy = alpha_beta(2)
+        alpha, bandwidth, busy = alpha_beta(2)
         got["alpha"].append(alpha)
-        got["beta"].append(beta)
+        got["bandwidth"].append(bandwidth)
         got["busy"].append(busy)
         for n in worlds:
             steps[n].append(measured_step(n, "overlap", dim, depth, batch, args.bucket_mb))
     med = {k: statistics.median(v) for k, v in got.items()}
-    hw = Hardware(med["flops"], med["beta"], med["alpha"],
+    hw = Hardware(med["flops"], med["bandwidth"], med["alpha"],
                   "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
                   memory=med["memory"], comm_cpu=med["busy"])
     save_calibration(hw, args.calibration)
     print(f"compute {hw.flops:.3g} FLOP/s, memory {hw.memory:.3g} B/s, latency (alpha) "
-          f"{1e6 * hw.latency:.1f} us, bandwidth (beta) {hw.bandwidth:.3g} B/s, all-reduce keeps "
+          f"{1e6 * hw.latency:.1f} us, bandwidth (1/beta) {hw.bandwidth:.3g} B/s, all-reduce keeps "
           f"{100 * hw.comm_cpu:.0f}% of a core busy; saved to {args.calibration} "
           "(--hardware calibrated)")
     if not worlds:
