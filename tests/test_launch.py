@@ -1,5 +1,6 @@
 """`microddp run`: environment, prefixed output, failure propagation, restarts, no orphans."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -52,11 +53,37 @@ SLEEPER = """
 """
 
 
-def _assert_all_gone(tmp_path: Path) -> None:
-    for pidfile in tmp_path.glob("pid*"):
-        pid = int(pidfile.read_text())
-        alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        assert not alive, f"worker {pidfile.name} (pid {pid}) outlived the launcher"
+def _alive(pid: int) -> bool:
+    """Running, as /proc sees it (a zombie has finished: only its exit status is left)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _pids(tmp_path: Path, pattern: str = "pid*") -> dict[str, int]:
+    return {p.name: int(p.read_text()) for p in tmp_path.glob(pattern) if p.read_text()}
+
+
+def _wait_for_files(tmp_path: Path, pattern: str, n: int) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while len(_pids(tmp_path, pattern)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_pids(tmp_path, pattern)) == n, sorted(p.name for p in tmp_path.iterdir())
+
+
+def _assert_all_gone(tmp_path: Path, pattern: str = "pid*", within: float = 10) -> None:
+    """Every process named by a pid file has ended (within a few seconds), else kill it, so that
+    a failing test leaves nothing behind, and fail."""
+    pids = _pids(tmp_path, pattern)
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = {name: pid for name, pid in pids.items() if _alive(pid)}
+    for pid in survivors.values():
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == {}, f"outlived the launcher: {survivors}"
 
 
 @pytest.mark.parametrize(
@@ -95,6 +122,29 @@ def test_killing_the_launcher_kills_its_workers(tmp_path):
         assert gone == [], "workers survived a SIGKILLed launcher"
     finally:
         launcher.kill()
+
+
+HELPERS = """
+    import os, subprocess, sys, time
+    rank = int(os.environ["RANK"])
+    helper = subprocess.Popen(["sleep", "314"])  # a worker's own child, in its process group
+    open(os.path.join(sys.argv[1], f"helper{rank}"), "w").write(str(helper.pid))
+    open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+    print("ready", flush=True)
+    if rank == 1 and sys.argv[2] == "crash":
+        time.sleep(0.5)
+        sys.exit(3)
+    time.sleep(600)
+"""
+
+
+def test_a_crashed_ranks_own_children_are_stopped_too(tmp_path):
+    script = write(tmp_path, "job.py", HELPERS)
+    out = microddp("run", "-n", "2", script, str(tmp_path), "crash")
+    assert out.returncode == 3, out.stderr
+    assert len(_pids(tmp_path, "helper*")) == 2
+    _assert_all_gone(tmp_path, "pid*")
+    _assert_all_gone(tmp_path, "helper*")
 
 
 def test_max_restarts_starts_the_group_again(tmp_path):

@@ -8,6 +8,7 @@ lines, and exits non-zero. `--max-restarts K` starts the whole group again after
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -52,7 +53,8 @@ class _Worker:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            errors="replace", bufsize=1, start_new_session=True, preexec_fn=die_with_parent,
+            errors="replace", bufsize=1, start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
         self.reader = threading.Thread(target=self._pump, args=(out_lock,), daemon=True)
         self.reader.start()

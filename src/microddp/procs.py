@@ -60,35 +60,59 @@ def worker_env(base: dict, rank: int, world_size: int, store: AgentStore,
     return env
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans, even on kill -9)."""
+def _load_libc():
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own cleanup still applies
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None  # not Linux with glibc: the launcher's own cleanup still applies
+
+
+# Loaded here, once, not in the child: between fork and exec a child of a threaded launcher may
+# only do what needs no lock another thread could have held at the fork, and dlopen takes one.
+_LIBC = _load_libc()
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans, even on kill -9).
+
+    `parent` is the pid the parent had before starting this process: if it has already died,
+    the request came too late to fire, so exit now.
+    """
+    if _LIBC is None or not hasattr(_LIBC, "prctl"):
+        return
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def kill_all(workers: list[tuple[int, Callable[[], bool]]], grace: float = 3.0,
              groups: bool = True) -> None:
-    """SIGTERM each live worker (and its process group), then SIGKILL what is left after `grace`.
+    """SIGTERM each worker (and its process group), then SIGKILL what is left after `grace`.
 
     `workers` pairs each pid with a liveness check that also reaps it (Popen.poll,
-    Process.is_alive), so the caller still learns each worker's exit code.
+    Process.is_alive), so the caller still learns each worker's exit code. With `groups`, every
+    worker's group is signalled even when the worker itself has exited: a crashed worker's own
+    children (data loaders, helpers) are still in its group and must not outlive the job.
     """
-    def send(pid: int, sig: int) -> None:
+    def send(pid: int, sig: int) -> bool:
         try:
             os.killpg(pid, sig) if groups else os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
-            pass
+            return False
+        return True
 
-    alive = [(pid, check) for pid, check in workers if check()]
+    def running(pid: int, check: Callable[[], bool]) -> bool:
+        alive = check()  # first, so that an exited worker is reaped
+        return alive or (groups and send(pid, 0))  # signal 0: does the group still exist?
+
+    alive = [(pid, check) for pid, check in workers if running(pid, check)]
     for pid, _ in alive:
         send(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
-        alive = [(pid, check) for pid, check in alive if check()]
+        alive = [(pid, check) for pid, check in alive if running(pid, check)]
     for pid, _ in alive:
         send(pid, signal.SIGKILL)
 
