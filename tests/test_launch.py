@@ -147,6 +147,52 @@ def test_a_crashed_ranks_own_children_are_stopped_too(tmp_path):
     _assert_all_gone(tmp_path, "helper*")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_a_signalled_launcher_stops_workers_and_their_children(tmp_path, sig):
+    script = write(tmp_path, "job.py", HELPERS)
+    launcher = subprocess.Popen([sys.executable, "-m", "microddp", "run", "-n", "2", script,
+                                 str(tmp_path), "stay"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_files(tmp_path, "pid*", 2)
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=DEADLINE)
+        assert launcher.returncode == 128 + sig, err
+        assert "Traceback" not in err
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _assert_all_gone(tmp_path, "pid*")
+        _assert_all_gone(tmp_path, "helper*")
+
+
+def test_a_closed_output_pipe_stops_the_job_quietly(tmp_path):
+    """`microddp run ... | head -2`: once the reader is gone, stop like a shell pipeline does."""
+    script = write(tmp_path, "chatty.py", """
+        import os, sys
+        open(os.path.join(sys.argv[1], "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        for i in range(200_000):
+            print(i)
+    """)
+    errors = tmp_path / "stderr.txt"
+    with errors.open("w") as err:
+        launcher = subprocess.Popen([sys.executable, "-m", "microddp", "run", "-n", "2", script,
+                                     str(tmp_path)], stdout=subprocess.PIPE, stderr=err,
+                                    text=True)
+    try:
+        first = [launcher.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("[rank ") for line in first), first
+        launcher.stdout.close()  # as `head -2` does after two lines
+        assert launcher.wait(timeout=DEADLINE) == 141, errors.read_text()
+        assert errors.read_text() == ""
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _assert_all_gone(tmp_path, "pid*")
+
+
 def test_max_restarts_starts_the_group_again(tmp_path):
     script = write(tmp_path, "flaky.py", """
         import os, sys

@@ -8,6 +8,7 @@ lines, and exits non-zero. `--max-restarts K` starts the whole group again after
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import signal
@@ -23,6 +24,10 @@ from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_
 
 MAX_WORKERS = 1024
 TAIL_LINES = 40
+PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+# What torchrun's agent handles; SIGINT too, as KeyboardInterrupt. SIGKILL cannot be caught:
+# then only the workers themselves die (PR_SET_PDEATHSIG), not their own children.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 EPILOG = """\
 examples:
@@ -47,8 +52,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
+class _Output:
+    """This process's stdout, shared by the workers' reader threads, until its reader goes away.
+
+    A closed pipe (`microddp run ... | head`) or a vanished terminal makes printing fail; the
+    readers then keep draining the workers' pipes (a worker blocked on a full pipe would never
+    exit) and the launcher stops the job, as a shell pipeline would.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            if self.closed.is_set():
+                return
+            try:
+                print(text, flush=True)
+            except OSError:  # EPIPE from a closed pipe, EIO from a closed terminal
+                _discard_stdout()
+                self.closed.set()
+
+
+def _discard_stdout() -> None:
+    """Point fd 1 at /dev/null, so flushing what is left in sys.stdout cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 class _Worker:
-    def __init__(self, rank: int, cmd: list[str], env: dict, out_lock: threading.Lock):
+    def __init__(self, rank: int, cmd: list[str], env: dict, out: _Output):
         self.rank = rank
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.proc = subprocess.Popen(
@@ -56,15 +94,14 @@ class _Worker:
             errors="replace", bufsize=1, start_new_session=True,
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
-        self.reader = threading.Thread(target=self._pump, args=(out_lock,), daemon=True)
+        self.reader = threading.Thread(target=self._pump, args=(out,), daemon=True)
         self.reader.start()
 
-    def _pump(self, lock: threading.Lock) -> None:
+    def _pump(self, out: _Output) -> None:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
-            self.tail.append(line)
-            with lock:
-                print(f"[rank {self.rank}] {line}", flush=True)
+            self.tail.append(line)  # kept even when nobody reads: the failure report needs it
+            out.line(f"[rank {self.rank}] {line}")
 
 
 def _command(args: argparse.Namespace) -> list[str]:
@@ -76,14 +113,14 @@ def _command(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-u", str(path), *args.script_args]
 
 
-def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int) -> int:
+def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
+              out: _Output) -> int:
     """One attempt: start all workers, wait; on the first failure stop the rest."""
     agent = AgentStore.start(port)
-    lock = threading.Lock()
-    workers = [_Worker(r, cmd, worker_env(os.environ, r, n, agent, restart, max_restarts), lock)
+    workers = [_Worker(r, cmd, worker_env(os.environ, r, n, agent, restart, max_restarts), out)
                for r in range(n)]
     try:
-        while True:
+        while not out.closed.is_set():
             codes = [w.proc.poll() for w in workers]
             failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
             if failed:
@@ -95,6 +132,7 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.05)
+        return PIPE_CLOSED
     finally:
         kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in workers], grace=1)
         for w in workers:
@@ -111,6 +149,28 @@ def _report(first: _Worker, workers: list[_Worker]) -> None:
         print(f"  [rank {first.rank}] {line}", file=sys.stderr)
 
 
+def _on_signal(signum: int, _frame) -> None:
+    """Unwind through the `finally` that stops the workers and their process groups."""
+    for sig in (*STOP_SIGNALS, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # one stop is enough: let the cleanup finish
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _signals_stop_the_job():
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; its caller owns the signals then
+        return
+    before = {sig: signal.signal(sig, _on_signal) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     """Launch the workers, restarting up to --max-restarts times; return the exit code."""
     n = args.nproc
@@ -119,12 +179,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         raise MicroDDPError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     cmd = _command(args)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop workers
-    for attempt in range(args.max_restarts + 1):
-        code = _run_once(cmd, n, args.master_port, attempt, args.max_restarts)
-        if code == 0:
-            return 0
-        if attempt < args.max_restarts:
-            print(f"microddp run: restarting all {n} workers "
-                  f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
+    out = _Output()
+    with _signals_stop_the_job():
+        for attempt in range(args.max_restarts + 1):
+            code = _run_once(cmd, n, args.master_port, attempt, args.max_restarts, out)
+            if out.closed.is_set():
+                return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
+            if code == 0:
+                return 0
+            if attempt < args.max_restarts:
+                print(f"microddp run: restarting all {n} workers "
+                      f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
     return code
