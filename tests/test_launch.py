@@ -214,6 +214,11 @@ def test_max_restarts_starts_the_group_again(tmp_path):
         (["run", "-n", "2", "no/such/script.py"], "does not exist"),
         (["run", "-n", "0", "x.py"], "--nproc must be between 1"),
         (["hello", "-n", "0"], "--nproc must be between 1"),
+        (["run", "--master-port", "99999", "x.py"], "--master-port must be between 0 and 65535"),
+        (["run", "--master-port", "-5", "x.py"], "--master-port must be between 0 and 65535"),
+        (["run", "-m", "no_such_mod"], "no module named 'no_such_mod'"),
+        (["run", "-m", "no_such_pkg.sub"], "no module named 'no_such_pkg.sub'"),
+        (["run", "-m", "microddp.collectives"], "'microddp.collectives' is a package"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, says):
@@ -222,6 +227,21 @@ def test_bad_input_is_one_line_and_exit_2(args, says):
     assert says in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert "Traceback" not in out.stderr
+
+
+def test_agent_store_refuses_a_port_out_of_range():
+    from microddp.errors import MicroDDPError
+    from microddp.procs import AgentStore
+
+    with pytest.raises(MicroDDPError, match="port must be between 0 and 65535, got 70000"):
+        AgentStore.start(70000)
+
+
+def test_missing_script_names_only_the_script():
+    out = microddp("run", "-n", "2")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == \
+        "microddp run: error: the following arguments are required: script"
 
 
 def test_taken_master_port_is_one_line_and_exit_2(tmp_path):

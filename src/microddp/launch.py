@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_
 
 MAX_WORKERS = 1024
 TAIL_LINES = 40
+MAX_PORT = 65535
 PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 # What torchrun's agent handles; SIGINT too, as KeyboardInterrupt. SIGKILL cannot be caught:
 # then only the workers themselves die (PR_SET_PDEATHSIG), not their own children.
@@ -49,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", dest="module", action="store_true",
                    help="treat SCRIPT as a module name, as `python -m` does")
     p.add_argument("script", help="the Python script (or module, with -m) each worker runs")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest = p.add_argument("script_args", nargs=argparse.REMAINDER,
+                          help="arguments for the script")
+    rest.required = False  # argparse would list it as missing beside the script
 
 
 class _Output:
@@ -104,8 +108,30 @@ class _Worker:
             out.line(f"[rank {self.rank}] {line}")
 
 
+def _check_module(name: str) -> None:
+    """Fail before starting any worker if `python -m name` would not find it (searched as the
+    workers will search: the working folder first)."""
+    saved = sys.path[:]
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+        runnable = spec is None or spec.submodule_search_locations is None or \
+            importlib.util.find_spec(f"{name}.__main__") is not None
+    except (ImportError, ValueError):  # a parent package is missing, or the name is malformed
+        spec = None
+    finally:
+        sys.path[:] = saved
+    if spec is None:
+        raise MicroDDPError(f"no module named {name!r} (for -m); check the name, the working "
+                            "folder, and that its package is installed")
+    if not runnable:
+        raise MicroDDPError(f"{name!r} is a package without __main__.py, so -m cannot run it; "
+                            "name a module inside it")
+
+
 def _command(args: argparse.Namespace) -> list[str]:
     if args.module:
+        _check_module(args.script)
         return [sys.executable, "-u", "-m", args.script, *args.script_args]
     path = Path(args.script)
     if not path.is_file():
@@ -178,6 +204,9 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError(f"--nproc must be between 1 and {MAX_WORKERS}, got {n}")
     if args.max_restarts < 0:
         raise MicroDDPError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if not 0 <= args.master_port <= MAX_PORT:
+        raise MicroDDPError(f"--master-port must be between 0 and {MAX_PORT} (0: a free one), "
+                            f"got {args.master_port}")
     cmd = _command(args)
     out = _Output()
     with _signals_stop_the_job():

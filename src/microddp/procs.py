@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .errors import MicroDDPError
 from .world import _as_timedelta, _bind
 
 LOOPBACK = "127.0.0.1"
@@ -35,6 +36,9 @@ class AgentStore:
     @classmethod
     def start(cls, port: int = 0, addr: str = LOOPBACK,
               timeout: float | timedelta | None = None) -> AgentStore:
+        if not 0 <= port <= 65535:
+            raise MicroDDPError(f"port must be between 0 and 65535, got {port}; 0 picks a free "
+                                "one")
         sock = _bind(addr, port)
         port = sock.getsockname()[1]
         store = dist.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,
