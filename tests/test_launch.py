@@ -244,6 +244,21 @@ def test_missing_script_names_only_the_script():
         "microddp run: error: the following arguments are required: script"
 
 
+def test_a_usage_error_is_not_restarted(tmp_path):
+    """Exit code 2 is a user's mistake (microddp's and argparse's code): a restart repeats it."""
+    script = write(tmp_path, "usage.py", """
+        import os, sys
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        open(os.path.join(sys.argv[1], f"attempt{attempt}-{os.environ['RANK']}"), "w").close()
+        sys.exit(2 if os.environ["RANK"] == "1" else 0)
+    """)
+    out = microddp("run", "-n", "2", "--max-restarts", "2", script, str(tmp_path))
+    assert out.returncode == 2
+    assert "restarting all" not in out.stderr
+    assert "not restarting: exit code 2 is a usage error" in out.stderr
+    assert sorted(p.name for p in tmp_path.glob("attempt*")) == ["attempt0-0", "attempt0-1"]
+
+
 def test_taken_master_port_is_one_line_and_exit_2(tmp_path):
     import socket
 

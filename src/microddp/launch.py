@@ -26,6 +26,7 @@ from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_
 MAX_WORKERS = 1024
 TAIL_LINES = 40
 MAX_PORT = 65535
+USAGE_ERROR = 2  # a worker's exit code for a mistake in its input: restarting cannot help
 PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 # What torchrun's agent handles; SIGINT too, as KeyboardInterrupt. SIGKILL cannot be caught:
 # then only the workers themselves die (PR_SET_PDEATHSIG), not their own children.
@@ -216,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
                 return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
             if code == 0:
                 return 0
+            if code == USAGE_ERROR and attempt < args.max_restarts:
+                print("microddp run: not restarting: exit code 2 is a usage error (microddp's "
+                      "and argparse's code for a mistake in the input), which a restart would "
+                      "only repeat", file=sys.stderr)
+                return code
             if attempt < args.max_restarts:
                 print(f"microddp run: restarting all {n} workers "
                       f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
