@@ -42,6 +42,34 @@ def test_workers_get_torchrun_environment_and_prefixed_output(tmp_path):
     assert lines == [f"[rank {r}] {r} {r} 3 127.0.0.1 3 ['--flag', 'x']" for r in range(3)]
 
 
+def test_torchrun_variables_and_one_run_id_per_job(tmp_path):
+    from microddp.procs import AgentStore, worker_env
+
+    agent = AgentStore(store=None, addr="127.0.0.1", port=1234)
+    env = worker_env({}, 1, 4, agent, 0, 0, run_id="job-a")
+    assert {k: env[k] for k in ("GROUP_WORLD_SIZE", "ROLE_NAME", "GROUP_RANK", "ROLE_RANK",
+                                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_RUN_ID")} == {
+        "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "GROUP_RANK": "0", "ROLE_RANK": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_RUN_ID": "job-a"}
+    mine = worker_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}, 0, 1, agent, run_id="x")
+    assert mine["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # the user's choice wins, as in torchrun
+
+    script = write(tmp_path, "runid.py", """
+        import os, sys
+        restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        print("run", os.environ["TORCHELASTIC_RUN_ID"], "restart", restart)
+        if restart == "0" and os.environ["RANK"] == "1":
+            sys.exit(5)
+    """)
+    ids = []
+    for _ in range(2):
+        out = microddp("run", "-n", "2", "--max-restarts", "1", script)
+        assert out.returncode == 0, out.stderr
+        ids.append({line.split()[3] for line in out.stdout.splitlines() if " run " in line})
+    assert len(ids[0]) == 1 and len(ids[1]) == 1  # the same id in every rank and every restart
+    assert ids[0] != ids[1]  # and another one for the next job
+
+
 SLEEPER = """
     import os, sys, time
     rank = int(os.environ["RANK"])

@@ -21,7 +21,7 @@ from collections import deque
 from pathlib import Path
 
 from .errors import MicroDDPError
-from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_env
+from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 MAX_WORKERS = 1024
 TAIL_LINES = 40
@@ -141,11 +141,12 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
-              out: _Output) -> int:
+              run_id: str, out: _Output) -> int:
     """One attempt: start all workers, wait; on the first failure stop the rest."""
     agent = AgentStore.start(port)
-    workers = [_Worker(r, cmd, worker_env(os.environ, r, n, agent, restart, max_restarts), out)
-               for r in range(n)]
+    envs = [worker_env(os.environ, r, n, agent, restart, max_restarts, run_id=run_id)
+            for r in range(n)]
+    workers = [_Worker(r, cmd, env, out) for r, env in enumerate(envs)]
     try:
         while not out.closed.is_set():
             codes = [w.proc.poll() for w in workers]
@@ -209,10 +210,11 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError(f"--master-port must be between 0 and {MAX_PORT} (0: a free one), "
                             f"got {args.master_port}")
     cmd = _command(args)
-    out = _Output()
+    out, run_id = _Output(), new_run_id()
     with _signals_stop_the_job():
         for attempt in range(args.max_restarts + 1):
-            code = _run_once(cmd, n, args.master_port, attempt, args.max_restarts, out)
+            code = _run_once(cmd, n, args.master_port, attempt, args.max_restarts, run_id,
+                             out)
             if out.closed.is_set():
                 return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
             if code == 0:

@@ -8,6 +8,7 @@ import ctypes
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,18 +48,28 @@ class AgentStore:
         return cls(store, addr, port)
 
 
+def new_run_id() -> str:
+    """A job's TORCHELASTIC_RUN_ID: unique, as torchrun --standalone makes it (a uuid4)."""
+    return str(uuid.uuid4())
+
+
 def worker_env(base: dict, rank: int, world_size: int, store: AgentStore,
-               restart: int = 0, max_restarts: int = 0) -> dict:
-    """The variables torchrun sets for a worker on a single host."""
+               restart: int = 0, max_restarts: int = 0, *, run_id: str) -> dict:
+    """The variables torchrun (LocalElasticAgent) sets for a worker on a single host.
+
+    `run_id` names the job: the same for every worker and every restart of it.
+    """
     env = dict(base)
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
-        ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR=store.addr, MASTER_PORT=str(store.port),
+        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+        ROLE_NAME="default", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=store.addr, MASTER_PORT=str(store.port),
         TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(restart),
-        TORCHELASTIC_MAX_RESTARTS=str(max_restarts), TORCHELASTIC_RUN_ID="microddp",
+        TORCHELASTIC_MAX_RESTARTS=str(max_restarts), TORCHELASTIC_RUN_ID=run_id,
         PYTHONUNBUFFERED="1",
     )
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default, if not set
     # Like torchrun: N busy workers on a few cores must not each start a full thread pool.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     return env

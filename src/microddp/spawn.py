@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .errors import MicroDDPError
-from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_env
+from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 
 class _Stdio:
@@ -106,7 +106,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
             "put the call under `if __name__ == \"__main__\":`, so that it runs only in the "
             "process you started")
     agent = AgentStore.start(timeout=timeout)
-    envs = [worker_env(os.environ, rank, world_size, agent) for rank in range(world_size)]
+    run_id = new_run_id()
+    envs = [worker_env(os.environ, rank, world_size, agent, run_id=run_id)
+            for rank in range(world_size)]
     ctx = _context(start_method)
     results = ctx.Queue()
     procs = []
