@@ -1,6 +1,8 @@
 """Checkpoints: atomic writes, keep-last-K, safe loading, fallback past a corrupt file, RNG."""
 
+import os
 import random
+import stat
 
 import numpy as np
 import pytest
@@ -97,6 +99,16 @@ def test_the_file_just_written_is_never_pruned(tmp_path):
                                        "ckpt-00000020.pt.unreadable",
                                        "ckpt-00000030.pt.unreadable"]
     assert checkpoint.list_checkpoints(tmp_path) == [path]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoints_get_the_permissions_the_umask_allows(tmp_path, umask):
+    before = os.umask(umask)
+    try:
+        path = checkpoint.save(_state(1), tmp_path, 1)
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
 
 
 def _draws() -> tuple:

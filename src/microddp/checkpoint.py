@@ -3,7 +3,8 @@
 A checkpoint is written to a temporary file, flushed to disk and renamed over its final name,
 so a crash mid-write never leaves a half file under a checkpoint's name. Loading uses
 `weights_only=True` (no arbitrary code from a file) and skips an unreadable newest file in
-favour of the one before, with a warning naming it.
+favour of the one before, with a warning naming it. Files are created with the permissions
+the umask allows, as any other file the job writes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    try:  # Linux shows it; reading it does not change it under other threads' feet
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
     """Write `state` as the checkpoint of `step` atomically, then keep only the newest `keep`.
 
@@ -65,6 +78,7 @@ def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
     final = path_for(folder, step)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600 whatever the umask
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
