@@ -1,8 +1,11 @@
 """Start N local workers of a script, as torchrun does: `microddp run -n N script.py [args]`.
 
 Starts N workers with the environment torchrun gives them, prefixes every output line with
-`[rank k]`, and if one worker fails stops the rest at once, repeats the failing rank's last
-lines, and exits non-zero. `--max-restarts K` starts the whole group again after a failure.
+`[rank k]`, and if one worker fails stops the rest at once (each with its process group),
+repeats the failing rank's last lines, and exits non-zero. `--max-restarts K` starts the whole
+group again after a failure, unless a worker exited with 2 (a usage error: a restart would
+repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job (exit 128 + signal); so does a
+closed output pipe, quietly (exit 141, as `| head` expects).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hos
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--nproc", type=int, default=2, help="number of workers (default 2)")
     p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart all workers up to K times after a failure (default 0)")
+                   help="restart all workers up to K times after a failure, except exit code 2 "
+                        "(default 0)")
     p.add_argument("--master-port", type=int, default=0,
                    help="rendezvous port on 127.0.0.1 (default: a free one)")
     p.add_argument("-m", dest="module", action="store_true",
