@@ -221,6 +221,16 @@ def test_a_closed_output_pipe_stops_the_job_quietly(tmp_path):
         _assert_all_gone(tmp_path, "pid*")
 
 
+def test_a_worker_whose_parent_is_already_gone_exits():
+    """PR_SET_PDEATHSIG set after the parent died never fires: die_with_parent checks."""
+    code = ("import os\nfrom microddp.procs import die_with_parent\n"
+            "die_with_parent(os.getppid())\nprint('watched')\n"
+            "die_with_parent(os.getppid() + 1)\nprint('orphan lives on')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=DEADLINE)
+    assert (out.returncode, out.stdout) == (1, "watched\n"), out.stderr
+
+
 def test_max_restarts_starts_the_group_again(tmp_path):
     script = write(tmp_path, "flaky.py", """
         import os, sys
