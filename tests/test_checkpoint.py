@@ -1,6 +1,8 @@
 """Checkpoints: atomic writes, keep-last-K, safe loading, fallback past a corrupt file, RNG."""
 
+import os
 import random
+import stat
 
 import numpy as np
 import pytest
@@ -70,12 +72,43 @@ def test_loading_refuses_arbitrary_objects(tmp_path):
     state = _state(1)
     state["extra"] = NotAllowed()
     torch.save(state, tmp_path / "ckpt-00000001.pt")
-    with pytest.raises(MicroDDPError, match="unreadable"):
+    with pytest.raises(MicroDDPError) as refused:
         checkpoint.load(tmp_path / "ckpt-00000001.pt")
+    # Our reason, not torch's advice to load with weights_only=False (which would run it).
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path / 'ckpt-00000001.pt'} is unreadable (it holds a Python object "
+        "(test_checkpoint.NotAllowed) that a safe load will not create; microddp saves only "
+        "tensors and plain data, so the file is not its own or was altered)")
     torch.save({"step": 1}, tmp_path / "ckpt-00000002.pt")
     with pytest.raises(MicroDDPError, match="incomplete.*model"):
         checkpoint.load(tmp_path / "ckpt-00000002.pt")
-    assert checkpoint.load_latest(tmp_path, warn=lambda m: None) is None
+    said: list[str] = []
+    assert checkpoint.load_latest(tmp_path, warn=said.append) is None
+    assert said[0].endswith("; falling back to the previous checkpoint")
+    assert "falling back" not in said[1] and "scratch" not in said[1]  # the caller decides
+
+
+def test_the_file_just_written_is_never_pruned(tmp_path):
+    """Newer-numbered leftovers (of an old run, unreadable) must not cost the new checkpoint."""
+    for step in (10, 20, 30):
+        (tmp_path / f"ckpt-{step:08d}.pt").write_bytes(b"\x00" * 99)
+    path = checkpoint.save(_state(5), tmp_path, 5, keep=3)
+    assert checkpoint.load(path)["step"] == 5
+    moved = checkpoint.set_aside(checkpoint.list_checkpoints(tmp_path)[1:])
+    assert [p.name for p in moved] == ["ckpt-00000010.pt.unreadable",
+                                       "ckpt-00000020.pt.unreadable",
+                                       "ckpt-00000030.pt.unreadable"]
+    assert checkpoint.list_checkpoints(tmp_path) == [path]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoints_get_the_permissions_the_umask_allows(tmp_path, umask):
+    before = os.umask(umask)
+    try:
+        path = checkpoint.save(_state(1), tmp_path, 1)
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
 
 
 def _draws() -> tuple:

@@ -31,9 +31,9 @@ def test_hello_distributed_with_eight_processes():
     assert len(lines) == 8 * 4
     assert all(re.fullmatch(r"\[rank \d\] [^\[]+", line) for line in lines), out.stdout
     for rank in range(8):
-        parity = "even" if rank % 2 == 0 else "odd"
         assert f"[rank {rank}] hello! rank {rank} of world size 8" in out.stdout
-        assert f"[rank {rank}] I handle {parity} data!" in out.stdout
+        assert f"[rank {rank}] I handle samples {rank}, {rank + 8}, {rank + 16}, ... (1 in 8)" \
+            in out.stdout
         assert f"[rank {rank}] sum of all ranks = 28 (expected 28)" in out.stdout
         assert f"[rank {rank}] env: RANK=not set" in out.stdout
 
@@ -47,7 +47,9 @@ def test_microddp_hello_shows_the_launcher_environment():
         assert (f"[rank {rank}] environment: RANK={rank} WORLD_SIZE=3 LOCAL_RANK={rank} "
                 f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}") in out.stdout
         assert f"[rank {rank}] all_reduce(sum of ranks) = 3 (expected 3)" in out.stdout
-    assert "[rank 1] rank 1: I handle odd data!" in out.stdout
+    for rank in range(3):  # three disjoint shares, not two ranks with "even" data
+        assert (f"[rank {rank}] rank {rank}: I handle samples {rank}, {rank + 3}, {rank + 6}, "
+                "... (1 in 3)") in out.stdout
 
 
 def test_doctor_passes_on_this_machine():

@@ -1,6 +1,7 @@
 """microddp.spawn: results by rank, a failing rank's traceback, the deadline, no survivors."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -80,3 +81,57 @@ def test_spawn_at_a_scripts_top_level_says_to_guard_it(tmp_path):
     assert run.returncode != 0
     assert 'put the call under `if __name__ == "__main__":`' in run.stderr
     assert "any error it printed is above" in run.stderr
+
+
+CALLER = """
+import os, sys, time
+import microddp as mdp
+
+
+def nap(rank, folder):
+    open(os.path.join(folder, f"rank{rank}"), "w").write(str(os.getpid()))
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    method = None if sys.argv[2] == "default" else sys.argv[2]
+    mdp.spawn(nap, 2, args=(sys.argv[1],), join=False, timeout=600, start_method=method)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("method", [None, "spawn", "fork"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_die_with_a_killed_caller(tmp_path, sig, method):
+    """No rank outlives its caller, even one killed with SIGKILL; nor does the forkserver."""
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), method or "default"])
+    family: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ranks = [int(p.read_text()) for p in tmp_path.glob("rank*") if p.read_text()]
+        assert len(ranks) == 2
+        family = [p.pid for p in psutil.Process(caller.pid).children(recursive=True)]
+        assert set(ranks) <= set(family)
+        caller.send_signal(sig)
+        assert caller.wait(timeout=30) == -sig
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in family) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in family if _running(p)] == [], "outlived a killed caller"
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+        for pid in family:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -13,6 +13,19 @@ import torch
 
 from microddp import checkpoint
 from microddp.cli import main
+from microddp.train import resume
+from microddp.train.config import TrainConfig
+
+
+def _save_run(out, step=1, **settings):
+    """A checkpoint of a run with `settings`, as the job writes it (contents beside the point)."""
+    state = {k: 0 for k in checkpoint.REQUIRED} | {"format": checkpoint.FORMAT, "step": step}
+    state["config"] = TrainConfig(out=str(out), **settings).resume_settings()
+    return checkpoint.save(state, out / "checkpoints", step)
+
+
+def _break(path):
+    path.write_bytes(b"\x00" * 999)
 
 
 def _bad_inputs(tmp_path):
@@ -21,7 +34,13 @@ def _bad_inputs(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     used = tmp_path / "used"
-    checkpoint.save({"step": 1}, used / "checkpoints", 1)
+    _save_run(used)
+    broken = tmp_path / "broken"
+    for step in (1, 2):
+        _break(_save_run(broken, step))
+    unreadable = "holds 2 checkpoint(s), none of them readable (the newest, ckpt-00000002.pt, is " \
+                 "unreadable (damaged, cut short, or not a PyTorch file)); move them away or " \
+                 "choose a new --out"
     cases = [
         (["--dataset", "mnist"], "unknown dataset 'mnist'"),
         (["--engine", "fast"], "unknown engine 'fast'"),
@@ -39,6 +58,10 @@ def _bad_inputs(tmp_path):
         (["--resume", "--out", str(tmp_path / "nope")], "does not exist"),
         (["--resume", "--out", str(empty)], "no checkpoint in"),
         (["--out", str(used)], "already holds checkpoints of an earlier run"),
+        (["--resume", "--out", str(used), "--hidden", "64"],
+         "checkpoint ckpt-00000001.pt was made with --hidden 128 (now 64)"),
+        (["--out", str(broken)], unreadable),
+        (["--resume", "--out", str(broken)], unreadable),
     ]
     if not torch.cuda.is_available():
         cases.append((["--amp", "fp16"], "--amp fp16 needs a CUDA GPU"))
@@ -65,6 +88,31 @@ def test_a_restartable_worker_needs_a_fixed_run_folder(capsys, monkeypatch):
     err = capsys.readouterr().err.splitlines()
     assert err == ["microddp train: error: with --max-restarts, pass --out DIR: restarted "
                    "workers find the checkpoints to resume from there"]
+
+
+def test_a_restart_whose_checkpoints_all_broke_starts_over_without_them(tmp_path):
+    """The broken files are set aside, so the new run's lower steps are its newest files and
+    pruning never deletes what the new run just wrote."""
+    cfg = TrainConfig(out=str(tmp_path))
+    for step in (10, 20, 30):
+        _break(_save_run(tmp_path, step))
+    said: list[str] = []
+    assert resume.decide(cfg, restarted=True, warn=said.append) == (None, None)
+    assert said == [f"none of the 3 checkpoint(s) in {tmp_path / 'checkpoints'} is readable; "
+                    "renamed them to *.unreadable and starting this restart from scratch"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "ckpt-00000010.pt.unreadable", "ckpt-00000020.pt.unreadable",
+        "ckpt-00000030.pt.unreadable"]
+    for step in (5, 6, 7, 8):
+        _save_run(tmp_path, step)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")] == [
+        "ckpt-00000006.pt", "ckpt-00000007.pt", "ckpt-00000008.pt"]
+    # A restart that can resume does so, and says which newer file it skipped.
+    _break(tmp_path / "checkpoints" / "ckpt-00000008.pt")
+    said.clear()
+    path, error = resume.decide(cfg, restarted=True, warn=said.append)
+    assert error is None and path.endswith("ckpt-00000007.pt")
+    assert len(said) == 1 and "ckpt-00000008.pt is unreadable" in said[0]
 
 
 def _params(path):

@@ -33,8 +33,9 @@ def worker(rank: int, world_size: int, port: int) -> None:
 
     say(f"hello! rank {world.rank} of world size {world.world_size}, "
         f"local rank {world.local_rank}, backend {world.backend}")
-    # Exercise 2: ranks can take different paths through the same program.
-    say("I handle even data!" if rank % 2 == 0 else "I handle odd data!")
+    # Exercise 2: the same program, a different slice of the data on every rank.
+    say(f"I handle samples {rank}, {rank + world_size}, {rank + 2 * world_size}, ... "
+        f"(1 in {world_size})")
     # Exercise 3: mp.spawn sets none of these; torchrun and `microddp run` set them all.
     say("env: " + " ".join(f"{k}={os.environ.get(k, 'not set')}" for k in ENV_VARS))
     # Proof that they talk: everyone contributes its rank, everyone receives the sum.

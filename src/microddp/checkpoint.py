@@ -3,7 +3,8 @@
 A checkpoint is written to a temporary file, flushed to disk and renamed over its final name,
 so a crash mid-write never leaves a half file under a checkpoint's name. Loading uses
 `weights_only=True` (no arbitrary code from a file) and skips an unreadable newest file in
-favour of the one before, with a warning naming it.
+favour of the one before, with a warning naming it. Files are created with the permissions
+the umask allows, as any other file the job writes.
 """
 
 from __future__ import annotations
@@ -53,8 +54,23 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    try:  # Linux shows it; reading it does not change it under other threads' feet
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
-    """Write `state` as the checkpoint of `step` atomically, then keep only the newest `keep`."""
+    """Write `state` as the checkpoint of `step` atomically, then keep only the newest `keep`.
+
+    The file just written is never pruned, even if older runs left files with higher steps.
+    """
     if keep < 1:
         raise MicroDDPError(f"keep must be at least 1 checkpoint, got {keep}")
     folder = Path(folder)
@@ -62,6 +78,7 @@ def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
     final = path_for(folder, step)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600 whatever the umask
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -72,20 +89,39 @@ def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
         raise
     _fsync_dir(folder)  # make the rename itself durable
     for old in list_checkpoints(folder)[:-keep]:
-        old.unlink(missing_ok=True)
+        if old != final:
+            old.unlink(missing_ok=True)
     # One writer, one file at a time: any other temporary file is debris of a killed writer.
     for debris in folder.glob(".ckpt-*.tmp"):
         debris.unlink(missing_ok=True)
     return final
 
 
+def _why_unreadable(e: Exception) -> str:
+    """The reason in our words: torch's own messages advise weights_only=False, which would run
+    whatever code the file holds, the very thing the safe load is there to prevent."""
+    text = str(e).strip()
+    if "Unsupported global" in text:
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        what = f" ({found.group(1)})" if found else ""
+        return (f"it holds a Python object{what} that a safe load will not create; microddp "
+                "saves only tensors and plain data, so the file is not its own or was altered")
+    if isinstance(e, EOFError) or not text:
+        return "empty or cut short"
+    first = text.splitlines()[0].split(". ")[0].rstrip(".")
+    detail = "" if "weights_only" in text.lower() or "weights only" in text.lower() else \
+        f": {first}"
+    return f"damaged, cut short, or not a PyTorch file{detail}"
+
+
 def load(path: str | Path, map_location: torch.device | str = "cpu") -> dict:
     """Read one checkpoint safely; MicroDDPError if it is unreadable or incomplete."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # e.g. about pickle protocols: the error says enough
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, unsupported type: all mean "corrupt"
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MicroDDPError(f"checkpoint {path} is unreadable ({reason})") from None
+        raise MicroDDPError(f"checkpoint {path} is unreadable ({_why_unreadable(e)})") from None
     missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
     if missing:
         raise MicroDDPError(f"checkpoint {path} is incomplete (missing {', '.join(missing)})")
@@ -104,17 +140,29 @@ def load_latest(folder: str | Path, map_location: torch.device | str = "cpu",
     """The newest readable checkpoint in `folder` (and its path), or None if there is none.
 
     An unreadable newer file is reported through `warn` and skipped, so a crash that damaged
-    the last checkpoint costs only the steps since the one before.
+    the last checkpoint costs only the steps since the one before. What to do when none is
+    readable is the caller's decision.
     """
     candidates = list_checkpoints(folder)
-    for path in reversed(candidates):
+    for older, path in reversed(list(enumerate(candidates))):
         try:
             return load(path, map_location), path
         except MicroDDPError as e:
-            warn(f"{e}; falling back to the previous checkpoint")
-    if candidates:
-        warn(f"no readable checkpoint in {folder}; starting from scratch")
+            warn(f"{e}; falling back to the previous checkpoint" if older else str(e))
     return None
+
+
+def set_aside(paths: list[Path]) -> list[Path]:
+    """Rename unreadable checkpoints to NAME.unreadable (kept for a look, no longer listed), so
+    that a run starting afresh neither resumes from them nor counts them among its newest."""
+    moved = []
+    for path in paths:
+        target, i = path.with_name(path.name + ".unreadable"), 1
+        while target.exists():
+            target, i = path.with_name(f"{path.name}.unreadable.{i}"), i + 1
+        path.rename(target)
+        moved.append(target)
+    return moved
 
 
 def rng_state() -> dict:

@@ -10,7 +10,7 @@ EPILOG = """\
 example:
   microddp hello -n 4
 prints, from each rank: its rank, world size, local rank, the launcher's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which half of the data it would
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which share of the data it would
 handle, and the sum of all ranks computed with one all_reduce.
 """
 
@@ -35,6 +35,12 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+def share(rank: int, world_size: int) -> str:
+    """Which samples this rank would train on: every world_size-th, starting at its rank."""
+    first = ", ".join(str(rank + k * world_size) for k in range(3))
+    return f"I handle samples {first}, ... (1 in {world_size})"
+
+
 def worker() -> int:
     """What each rank does; runs under `microddp run`, torchrun, or alone."""
     import torch
@@ -46,8 +52,7 @@ def worker() -> int:
         f"(local rank {world.local_rank}, backend {world.backend or 'none'}, "
         f"device {world.device})")
     say("environment: " + " ".join(f"{k}={os.environ.get(k, 'not set')}" for k in ENV_VARS))
-    parity = "even" if world.rank % 2 == 0 else "odd"
-    say(f"rank {world.rank}: I handle {parity} data!")
+    say(f"rank {world.rank}: {share(world.rank, world.world_size)}")
     total = torch.tensor([world.rank], dtype=torch.int64, device=world.device)
     comms.all_reduce(total, "sum")
     expected = world.world_size * (world.world_size - 1) // 2

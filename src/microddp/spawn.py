@@ -7,11 +7,14 @@ stops the others at once and reports its own traceback.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 
 from .errors import MicroDDPError
-from .procs import AgentStore, describe_exit, die_with_parent, kill_all, worker_env
+from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 
 class _Stdio:
@@ -37,6 +40,67 @@ class _Stdio:
         return tuple(fd.detach() if hasattr(fd, "detach") else fd for fd in (out, err))
 
 
+class _Lifeline:
+    """A pipe whose write end only the caller holds; a rank reads the other end.
+
+    The kernel closes the write end when the caller exits in any way, even by SIGKILL, and the
+    rank's read returns EOF. PR_SET_PDEATHSIG cannot tell: it watches the OS parent, which for
+    a forkserver rank is the server, and the server lives on while ranks hold its own pipe.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()  # neither is inherited by exec'd programs
+
+    def __reduce__(self):
+        return (_Lifeline._received, (reduction.DupFd(self.read_fd),))
+
+    @staticmethod
+    def _received(fd) -> int:
+        return fd.detach() if hasattr(fd, "detach") else fd
+
+
+def _die_with_caller(lifeline: int | _Lifeline) -> None:
+    """Exit as soon as the caller of spawn() is gone (a daemon thread waiting for EOF)."""
+    if isinstance(lifeline, _Lifeline):  # started by fork: both ends were inherited
+        os.close(lifeline.write_fd)
+        lifeline = lifeline.read_fd
+
+    def watch() -> None:
+        while os.read(lifeline, 1):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="microddp-lifeline", daemon=True).start()
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while spawn() ran: unwind through its cleanup first."""
+
+
+def _on_sigterm(_signum, _frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: let the cleanup finish
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_stops_ranks():
+    """With SIGTERM's default action the caller would die without stopping its ranks; stop them,
+    then die of SIGTERM all the same. A handler the program set itself is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise SystemExit(128 + signal.SIGTERM) from None  # only if another thread got the signal
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _redirect(fds: tuple[int, int] | _Stdio) -> None:
     if isinstance(fds, _Stdio):
         return  # started by fork: the descriptors were inherited, nothing was pickled
@@ -47,8 +111,10 @@ def _redirect(fds: tuple[int, int] | _Stdio) -> None:
 
 
 def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, results,
-            backend: str | None, timeout: float, join: bool, stdio: tuple[int, int]) -> None:
+            backend: str | None, timeout: float, join: bool, stdio: tuple[int, int],
+            lifeline: int) -> None:
     _redirect(stdio)
+    _die_with_caller(lifeline)
     die_with_parent()
     os.environ.clear()
     os.environ.update(env)
@@ -105,23 +171,36 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
             f"microddp.spawn() ran while a rank was importing {sys.argv[0] or 'your script'}: "
             "put the call under `if __name__ == \"__main__\":`, so that it runs only in the "
             "process you started")
+    with _sigterm_stops_ranks():
+        return _run(fn, world_size, args, timeout, backend, _context(start_method), join)
+
+
+def _run(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str | None,
+         ctx, join: bool) -> list[Any]:
     agent = AgentStore.start(timeout=timeout)
-    envs = [worker_env(os.environ, rank, world_size, agent) for rank in range(world_size)]
-    ctx = _context(start_method)
+    run_id = new_run_id()
+    envs = [worker_env(os.environ, rank, world_size, agent, run_id=run_id)
+            for rank in range(world_size)]
     results = ctx.Queue()
+    lifeline = _Lifeline()
     procs = []
     try:
         for rank, env in enumerate(envs):
             p = ctx.Process(target=_worker, daemon=True,
                             args=(rank, world_size, env, fn, args, results, backend, timeout, join,
-                                  _Stdio()))
+                                  _Stdio(), lifeline))
             p.start()
             procs.append(p)
+        os.close(lifeline.read_fd)  # every rank has its own copy now
+        lifeline.read_fd = -1
         return _collect(procs, results, world_size, timeout)
     finally:
         kill_all([(p.pid, p.is_alive) for p in procs if p.pid], grace=1.0, groups=False)
         for p in procs:
             p.join(timeout=5)
+        for fd in (lifeline.read_fd, lifeline.write_fd):
+            if fd >= 0:
+                os.close(fd)
         del agent
 
 

@@ -79,17 +79,13 @@ def default_out() -> str:
 
 
 def _check_checkpoints(cfg: TrainConfig) -> None:
-    """Fail before starting any rank if --resume has nothing to resume, or a new run would
-    mix its checkpoints with an old run's."""
-    from ..checkpoint import list_checkpoints
+    """Fail before starting any rank if --resume has nothing (readable) to resume, the settings
+    differ from the checkpoint's, or a new run would mix its checkpoints with an old run's."""
+    from .resume import decide
 
-    found = list_checkpoints(cfg.ckpt_dir)
-    if cfg.resume and not found:
-        raise MicroDDPError(f"--resume: no checkpoint in {cfg.ckpt_dir}; check the folder, "
-                            "or drop --resume to start a new run")
-    if not cfg.resume and found:
-        raise MicroDDPError(f"{cfg.ckpt_dir} already holds checkpoints of an earlier run; pass "
-                            "--resume to continue it, or choose a new --out / --checkpoint-dir")
+    _, error = decide(cfg)
+    if error:
+        raise MicroDDPError(error)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,21 +28,52 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _decide(cfg: TrainConfig, folder: Path, world: World) -> tuple[str | None, str | None]:
-    """(path to resume from or None, error or None): rank 0's view of the folder."""
-    restarted = restart_count() > 0
+def _ignore(message: str) -> None:
+    pass
+
+
+def _newest_readable(paths: list[Path]) -> tuple[tuple[dict, Path] | None, list[MicroDDPError]]:
+    """(state, path) of the newest loadable checkpoint or None; why each newer one was not."""
+    skipped = []
+    for path in reversed(paths):
+        try:
+            return (checkpoint.load(path, "cpu"), path), skipped
+        except MicroDDPError as e:
+            skipped.append(e)
+    return None, skipped
+
+
+def decide(cfg: TrainConfig, restarted: bool = False,
+           warn=_ignore) -> tuple[str | None, str | None]:
+    """(checkpoint to resume from or None, error or None) for a run with `cfg`.
+
+    The launcher asks first, before starting any rank, so a mistake costs one line; then
+    rank 0 of the job asks again (the job may run under torchrun, or be a restart).
+    """
+    folder = cfg.ckpt_dir
     existing = checkpoint.list_checkpoints(folder)
-    if not (cfg.resume or restarted):
-        if existing:
-            return None, (f"{folder} already holds checkpoints of an earlier run; pass --resume "
-                          "to continue it, or choose a new --out / --checkpoint-dir")
-        return None, None
-    found = checkpoint.load_latest(folder, "cpu", warn=_warn)
-    if found is None:
+    if not existing:
         if cfg.resume and not restarted:
             return None, (f"--resume: no checkpoint in {folder}; check the folder, or drop "
                           "--resume to start a new run")
         return None, None  # restarted before the first checkpoint: start again from scratch
+    found, skipped = _newest_readable(existing)
+    if found is None:
+        if cfg.resume or not restarted:
+            newest = str(skipped[0]).replace(f"checkpoint {existing[-1]} ", "")
+            return None, (f"{folder} holds {len(existing)} checkpoint(s), none of them "
+                          f"readable (the newest, {existing[-1].name}, {newest}); move them "
+                          "away or choose a new --out / --checkpoint-dir")
+        # A restart of this very run, whose files all broke: start over, without them.
+        moved = checkpoint.set_aside(existing)
+        warn(f"none of the {len(moved)} checkpoint(s) in {folder} is readable; renamed them "
+             "to *.unreadable and starting this restart from scratch")
+        return None, None
+    if not (cfg.resume or restarted):
+        return None, (f"{folder} already holds checkpoints of an earlier run; pass --resume "
+                      "to continue it, or choose a new --out / --checkpoint-dir")
+    for problem in skipped:
+        warn(f"{problem}; resuming from the older {found[1].name} instead")
     state, path = found
     theirs, ours = state.get("config", {}), cfg.resume_settings()
     changed = [k for k in ours if k in theirs and theirs[k] != ours[k]]
@@ -55,8 +86,7 @@ def _decide(cfg: TrainConfig, folder: Path, world: World) -> tuple[str | None, s
 
 def find(cfg: TrainConfig, world: World) -> dict | None:
     """The checkpoint this run continues from (loaded onto this rank's device), or None."""
-    folder = cfg.ckpt_dir
-    decision = _decide(cfg, folder, world) if world.rank == 0 else (None, None)
+    decision = decide(cfg, restart_count() > 0, _warn) if world.rank == 0 else (None, None)
     path, error = checkpoint.broadcast_choice(decision, world)
     if error:
         raise MicroDDPError(error)
