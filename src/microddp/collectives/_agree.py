@@ -9,6 +9,7 @@ same clear error on every rank instead of a hang or a silently wrong result.
 from __future__ import annotations
 
 import array
+import operator
 import zlib
 from collections.abc import Callable
 
@@ -42,25 +43,69 @@ def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
         return
     if r < 2 * rem:
         peers.recv(scratch, r - 1, 1)
-        combine(buf, scratch)
+        _ordered(combine, buf, scratch, mine_first=False)  # the even rank's operand first
     vr = r // 2 if r < 2 * rem else r - rem
     mask, tag = 1, 3
     while mask < pof2:
         vpeer = vr ^ mask
         peer = 2 * vpeer + 1 if vpeer < rem else vpeer + rem
         wait_all(peers.exchange(buf, peer, scratch, peer, tag))
-        combine(buf, scratch)  # same operands on both sides; + and min/max commute exactly
+        _ordered(combine, buf, scratch, mine_first=vr < vpeer)
         mask, tag = mask << 1, tag + 1
     if r < 2 * rem:
         peers.send(buf, r - 1, 2)
 
 
+def _ordered(combine: Callable[[torch.Tensor, torch.Tensor], object], buf: torch.Tensor,
+             other: torch.Tensor, mine_first: bool) -> None:
+    """buf = combine(lower rank's operand, higher rank's), so both sides of an exchange get
+    the same bits: min and max of 0.0 and -0.0 depend on the order of their arguments."""
+    if mine_first:
+        combine(buf, other)
+    else:
+        combine(other, buf)
+        buf.copy_(other)
+
+
+# Every agreement exchanges this many numbers, whatever the collective: ranks that called
+# different ones (a ring here, a tree there) then still exchange equal messages, and learn
+# that they disagree, instead of gloo aborting the process on mismatched sizes.
+SLOTS = 10
+
+
 def _code(value) -> int:
     """A stable integer for a shape, a dtype or a name (Python's hash() differs per process)."""
-    return value if isinstance(value, int) else zlib.crc32(repr(value).encode())
+    try:
+        return operator.index(value)  # an int, or a numpy integer: the same number
+    except TypeError:
+        return zlib.crc32(repr(value).encode())
 
 
-def agree(peers: Peers, where: str, device: torch.device, problem: Exception | None = None,
+def try_tensor(tensor, where: str, name: str = "tensor") -> MicroDDPError | None:
+    """The error to share if `tensor` is not a tensor at all, else None."""
+    try:
+        check_tensor(tensor, where, name)
+    except MicroDDPError as e:
+        return e
+    return None
+
+
+def describe_tensor(tensor) -> dict:
+    """What every rank must pass alike: shape, dtype and kind of device (placeholders for a
+    non-tensor, whose rank reports its problem instead)."""
+    if not isinstance(tensor, torch.Tensor):
+        return {"shape": None, "dtype": None, "device": None}
+    return {"shape": tuple(tensor.shape), "dtype": tensor.dtype, "device": tensor.device.type}
+
+
+def home(tensor, peers: Peers) -> torch.device:
+    """Where the agreement's numbers live: the tensor's device, or the group's if it is none."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.device
+    return torch.device("cuda", torch.cuda.current_device()) if peers.nccl else torch.device("cpu")
+
+
+def agree(peers: Peers, where: str, place: torch.device, problem: Exception | None = None,
           check: bool = True, settings: dict | None = None, **fields) -> None:
     """Raise the same MicroDDPError on every rank unless all ranks passed equal `fields` (the
     caller's arguments) and `settings` (what the environment chose, e.g. MICRODDP_DUPLEX).
@@ -76,17 +121,19 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
             raise problem
         return
     settings = settings or {}
-    fields = {"arguments": int(problem is not None), **fields, **settings}
+    fields = {"arguments": int(problem is not None), "call": where, **fields, **settings}
     codes = [_code(v) for v in fields.values()]
+    codes += [0] * (SLOTS - len(codes))  # fixed length: see SLOTS
     # Everything before the first send delays the other ranks too, so this is built and read
     # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
     # list, slicing and negating tensors cost 25 us more per call, measured).
     buf = torch.frombuffer(array.array("q", codes + [-c for c in codes]), dtype=torch.int64)
-    if device.type != "cpu":
-        buf = buf.to(device)
+    if place.type != "cpu":  # where the group's backend can send it
+        buf = buf.to(place)
     butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
-    k = len(codes)
+    k = len(fields)
     out = buf.tolist()
+    out = out[:k] + out[SLOTS:SLOTS + k]
     highs, lows = out[:k], [-v for v in out[k:]]
     if problem is not None:
         raise problem
@@ -94,9 +141,14 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
         raise MicroDDPError(f"{where}: another rank of the group rejected its arguments (its "
                             "error says why); fix them there")
     differ = [name for name, hi, lo in zip(fields, highs, lows, strict=True) if hi != lo]
+    if "call" in differ:
+        raise MicroDDPError(
+            f"{where}: the ranks of the group called different collectives at this point (this "
+            f"rank, group rank {peers.me}, called {where}); every rank of the group must call "
+            "the same collectives, in the same order")
     if differ:
         # Every argument, but a setting only when it is what differs: otherwise it is noise.
-        shown = [n for n in list(fields)[1:] if n not in settings or n in differ]
+        shown = [n for n in list(fields)[2:] if n not in settings or n in differ]
         mine = ", ".join(f"{name}={fields[name]}" for name in shown)
         raise MicroDDPError(
             f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
@@ -105,18 +157,23 @@ def agree(peers: Peers, where: str, device: torch.device, problem: Exception | N
 
 
 def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
-                     where: str, **settings) -> tuple[Peers, str] | None:
+                     where: str, problem: MicroDDPError | None = None,
+                     **settings) -> tuple[Peers, str] | None:
     """What every all-reduce does before moving data: validate the tensor and op, and agree
     across ranks on shape, dtype, op and any `settings` the algorithm needs the same on every
-    rank. Returns (peers, op name), or None off the group."""
-    check_tensor(tensor, where)
+    rank. `problem`: the caller's own complaint about its other arguments, shared like the
+    rest. Returns (peers, op name), or None off the group."""
     peers = Peers(group)
     if not peers.member:
+        check_tensor(tensor, where)
         return None
-    name, problem = try_op(op, tensor, where)
-    problem = problem or try_layout(tensor, where)
-    agree(peers, where, tensor.device, problem, check, settings,
-          shape=tuple(tensor.shape), dtype=tensor.dtype, op=name)
+    problem = problem or try_tensor(tensor, where)
+    name = str(op)
+    if problem is None:
+        name, problem = try_op(op, tensor, where)
+        problem = problem or try_layout(tensor, where)
+    agree(peers, where, home(tensor, peers), problem, check, settings, **describe_tensor(tensor),
+          op=name)
     return (peers, name) if peers.size > 1 else None
 
 
@@ -132,20 +189,24 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
     Returns (peers, group rank of the root, op name or None, the root's list or []), or None
     off the group.
     """
-    check_tensor(tensor, where)
     peers = Peers(group)
     if not peers.member:
+        check_tensor(tensor, where)
         return None
-    name, problem = try_op(op, tensor, where) if op is not None else (None, None)
+    problem = try_tensor(tensor, where)
+    name = None
     root, root_problem = try_root(peers, root_rank, root_name)
-    written = result_in == "tensor" or (result_in == "root" and peers.me == root)
-    problem = problem or root_problem or try_layout(tensor, where, written=written)
+    if problem is None:
+        name, problem = try_op(op, tensor, where) if op is not None else (None, None)
+        written = result_in == "tensor" or (result_in == "root" and peers.me == root)
+        problem = problem or root_problem or try_layout(tensor, where, written=written)
     items: list = []
     if parts_name is not None and problem is None and peers.me == root:
         items, problem = try_list(parts, tensor, peers.size, where, parts_name,
                                   written=result_in == "list")
-    fields = {"shape": tuple(tensor.shape), "dtype": tensor.dtype}
+    fields = describe_tensor(tensor)
     if op is not None:
-        fields["op"] = name
-    agree(peers, where, tensor.device, problem, check, **fields, **{root_name: root_rank})
+        fields["op"] = name if name is not None else str(op)
+    agree(peers, where, home(tensor, peers), problem, check, **fields,
+          **{root_name: root_rank})
     return peers, root, name, items

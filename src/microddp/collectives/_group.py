@@ -75,20 +75,35 @@ def try_layout(tensor: torch.Tensor, where: str, name: str = "tensor",
     """The error to share when `tensor` cannot be used as it is laid out in memory, else None.
 
     Sparse tensors are refused: these algorithms move dense memory. Where a result is
-    `written` into the tensor in place, an expand()ed one (a dimension of stride 0) is refused
-    too: it keeps one memory location for many elements, so it cannot hold a different value
-    in each. torch refuses that write, but only at the end, after the data has moved.
+    `written` into the tensor in place, one whose elements share memory (an expand()ed view,
+    or an overlapping as_strided one) is refused too: it cannot hold a different value in
+    each. torch refuses an expanded one only at the end, after the data has moved, and writes
+    an overlapping one silently wrong.
     """
     if tensor.layout != torch.strided:
         return MicroDDPError(f"{where}: {name} is a {tensor.layout} tensor; these collectives "
                              f"work on dense tensors: pass {name}.to_dense()")
-    if written and tensor.numel() > 1 and any(stride == 0 and n > 1 for n, stride in
-                                  zip(tensor.shape, tensor.stride(), strict=True)):
+    if written and _overlapping(tensor):
         return MicroDDPError(
             f"{where}: {name} {tuple(tensor.shape)} has elements that share memory (an expand()ed "
-            f"view, strides {tuple(tensor.stride())}), so it cannot hold a result in place; "
-            f"pass a tensor of its own, e.g. {name}.clone()")
+            f"or as_strided view, strides {tuple(tensor.stride())}), so it cannot hold a result "
+            f"in place; pass a tensor of its own, e.g. {name}.clone()")
     return None
+
+
+def _overlapping(tensor: torch.Tensor) -> bool:
+    """Whether two elements may share memory: taken from the smallest stride up, each
+    dimension must step past everything the smaller ones span. (A few exotic layouts that do
+    not overlap fail this test too; they get the error and a clone() fixes them.)"""
+    if tensor.numel() <= 1:
+        return False  # nothing to share memory with
+    reach = 0  # the furthest offset the smaller dimensions reach
+    for stride, size in sorted((st, n) for n, st in zip(tensor.shape, tensor.stride(),
+                                                        strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 class Traffic:

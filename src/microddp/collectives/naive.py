@@ -58,8 +58,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     # Packed copies only for parts that are not contiguous already.
     works = [peers.isend(part.contiguous(), dst) for dst, part in enumerate(parts)
              if dst != root]
+    wait_all(works)  # first: `tensor` may be another rank's part, still being sent
     tensor.detach().copy_(parts[root].detach())  # detached, as in Flat
-    wait_all(works)
     return tensor
 
 
@@ -78,8 +78,9 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         peers.send(tensor.contiguous(), root)
         return None
     flats = [Flat(out) for out in outs]
-    works = [peers.irecv(f.data, i) for i, f in enumerate(flats) if i != root]
+    # The root's own part first: `tensor` may also be where another rank's part lands.
     flats[root].data.copy_(tensor.detach().reshape(-1))
+    works = [peers.irecv(f.data, i) for i, f in enumerate(flats) if i != root]
     wait_all(works)
     for f in flats:
         f.done()

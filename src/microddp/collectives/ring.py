@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from ..errors import MicroDDPError
-from ._agree import agree, begin_all_reduce
+from ._agree import agree, begin_all_reduce, describe_tensor, home, try_tensor
 from ._duplex import duplex, duplex_enabled
 from ._group import (
     COMBINE,
@@ -210,18 +210,20 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     the loop kept from its last such call (_memo.py).
     """
     where = "ring_all_reduce"
-    if segment_bytes is not None and segment_bytes < 1:
-        raise MicroDDPError(f"segment_bytes must be positive, got {segment_bytes}")
+    bad_segment = (MicroDDPError(f"{where}: segment_bytes must be positive, got {segment_bytes}")
+                   if segment_bytes is not None and segment_bytes < 1 else None)
     if not check and segment_bytes is None:
         loop = recall(tensor, op, group)  # this very call before: nothing to check or set up
         if loop is not None:
             loop(duplex(Peers(group)))
             written(tensor)
             return tensor
-    # MICRODDP_DUPLEX is agreed on too: ranks that disagree would wait for each other on
-    # different connections until the timeout.
-    started = begin_all_reduce(tensor, op, group, check, where,
-                               MICRODDP_DUPLEX=int(duplex_enabled()))
+    # MICRODDP_DUPLEX and segment_bytes are agreed on too: ranks that disagree would wait for
+    # each other on different connections until the timeout, or send messages of different
+    # sizes (which gloo answers by aborting the process).
+    started = begin_all_reduce(tensor, op, group, check, where, bad_segment,
+                               MICRODDP_DUPLEX=int(duplex_enabled()),
+                               segment_bytes=segment_bytes or 0)
     if started is None:
         return tensor
     peers, name = started
@@ -255,15 +257,16 @@ def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op
                         group=None, *, check: bool = True) -> torch.Tensor:
     """Group rank i ends with op over ranks of input_list[i] in `output` (inputs untouched)."""
     where = "ring_reduce_scatter"
-    check_tensor(output, where, "output")
     peers = Peers(group)
     if not peers.member:
+        check_tensor(output, where, "output")
         return output
-    name, problem = try_op(op, output, where)
-    inputs, problem2 = try_list(input_list, output, peers.size, where, "input_list")
-    problem = problem or try_layout(output, where, "output")
-    agree(peers, where, output.device, problem or problem2, check,
-          shape=tuple(output.shape), dtype=output.dtype, op=name)
+    problem, name, inputs = try_tensor(output, where, "output"), str(op), []
+    if problem is None:
+        name, problem = try_op(op, output, where)
+        inputs, problem2 = try_list(input_list, output, peers.size, where, "input_list")
+        problem = problem or try_layout(output, where, "output") or problem2
+    agree(peers, where, home(output, peers), problem, check, **describe_tensor(output), op=name)
     # One packed working copy: the ring reduces in place, the caller's inputs stay as they were.
     data = torch.cat([t.detach().reshape(-1) for t in inputs])
     n = output.numel()
@@ -280,14 +283,16 @@ def ring_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group
                     check: bool = True) -> list[torch.Tensor]:
     """tensor_list[i] becomes group rank i's `tensor`, on every rank; returns tensor_list."""
     where = "ring_all_gather"
-    check_tensor(tensor, where)
     peers = Peers(group)
     if not peers.member:
+        check_tensor(tensor, where)
         return tensor_list
-    outs, problem = try_list(tensor_list, tensor, peers.size, where, "tensor_list", written=True)
-    problem = problem or try_layout(tensor, where, written=False)
-    agree(peers, where, tensor.device, problem, check,
-          shape=tuple(tensor.shape), dtype=tensor.dtype)
+    problem, outs = try_tensor(tensor, where), []
+    if problem is None:
+        outs, problem = try_list(tensor_list, tensor, peers.size, where, "tensor_list",
+                                 written=True)
+        problem = problem or try_layout(tensor, where, written=False)
+    agree(peers, where, home(tensor, peers), problem, check, **describe_tensor(tensor))
     n = tensor.numel()
     data = torch.empty(n * peers.size, dtype=tensor.dtype, device=tensor.device)
     data[peers.me * n:(peers.me + 1) * n].copy_(tensor.detach().reshape(-1))
