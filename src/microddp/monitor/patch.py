@@ -5,6 +5,8 @@ wrappers see every call without a change to the callers. On gloo a blocking call
 monitor's timeout, so a stall ends in a MicroDDPError carrying the hang report instead of a wait
 of the process group's full timeout. NCCL calls are left as they are (waiting on the CPU would
 serialise the GPU); the watchdog thread reports their stalls.
+
+A call on a rank outside its group is neither logged nor compared: torch and microddp skip it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def _detail(arguments: dict) -> str:
             v = str(getattr(v, "name", v)).lower().removeprefix("redoptype.")
         parts.append(v if k == "op" else f"{k}={v}")
     return " ".join(map(str, parts))
+
+
+def _outside(group: Any) -> bool:
+    """This rank is not in `group`: torch (and microddp) skip the call, nobody waits for it."""
+    return group is not None and group is not dist.GroupMember.WORLD and dist.get_rank(group) < 0
 
 
 def _backend(group: Any) -> str:
@@ -108,6 +115,8 @@ def _wrap(name: str, fn: Callable) -> Callable:
         a = dict(defaults)  # inspect's bind() costs ~20 us; this ~1 us
         a.update(zip(names, args, strict=False))
         a.update(kwargs)
+        if _outside(a.get("group")):
+            return fn(*args, **kwargs)
         shape = next((describe_tensor(a[k]) for k in _TENSOR_ARGS if k in a), "")
         entry = mon.log.begin(group_name(a.get("group")), name, shape, _detail(a),
                               where(sys._getframe(1), user=True))
