@@ -56,5 +56,24 @@ def test_doctor_passes_on_this_machine():
     out = run(sys.executable, "-m", "microddp", "doctor")
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"ok\s+live all_reduce\s+2 ranks agree on 3", out.stdout)
+    assert re.search(r"ok\s+live ring_all_reduce\s+2 ranks get all 1001 expected sums "
+                     r"\(microddp's ring, over send/recv\)", out.stdout)
     assert "backends  nccl:" in out.stdout and "gloo:yes" in out.stdout
     assert "microddp can run here" in out.stdout
+
+
+def test_doctor_names_what_is_wrong_with_the_ring():
+    import microddp as mdp
+    from microddp import doctor
+
+    world = mdp.init()  # a world of one: the expected sum is the tensor itself
+    assert doctor.ring_problem(world) is None
+
+    def off_by_one(x):
+        x[7] += 1
+
+    def broken(x):
+        raise RuntimeError("Connection closed by peer\nmore detail")
+
+    assert doctor.ring_problem(world, off_by_one) == "element 7 is 8, expected 7"
+    assert doctor.ring_problem(world, broken) == "RuntimeError: Connection closed by peer"

@@ -20,8 +20,17 @@ def test_checksum_sees_one_bit_and_a_swap():
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([2.0, 1.0])
     assert checksum(a)[0] == checksum(b)[0] and checksum(a)[1] != checksum(b)[1]
     for t in (torch.ones(3, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bool),
-              torch.arange(5, dtype=torch.int64)):
+              torch.arange(5, dtype=torch.int64), torch.ones(2, dtype=torch.complex128),
+              torch.ones(2, dtype=torch.complex64)):
         assert checksum(t).dtype == torch.int64
+
+
+def test_checksum_of_a_complex_tensor_sees_its_imaginary_part():
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex128)
+    w = z.clone()
+    w.imag[1] = -4.000000000000001
+    assert torch.equal(checksum(z), checksum(torch.view_as_real(z)))
+    assert not torch.equal(checksum(z), checksum(w))
 
 
 def _first_difference(module):
@@ -72,3 +81,26 @@ def test_no_check_in_a_world_of_one():
     monitor.check_replicas(FullMLP(4, 1))  # nothing to compare with: returns quietly
     with pytest.raises(mdp.MicroDDPError, match="at least 1 step"):
         monitor.DriftCheck(FullMLP(4, 1), every=-3)
+
+
+def _complex_buffer(world):
+    m = torch.nn.Linear(2, 2)
+    torch.nn.init.zeros_(m.weight)
+    m.register_buffer("phase", torch.zeros(2, dtype=torch.complex128))
+    out = []
+    for drifted in (False, True):
+        if drifted and world.rank == 1:
+            m.phase.imag[0] = 1e-300  # only the imaginary part of one element differs
+        try:
+            monitor.check_replicas(m)
+            out.append("ok")
+        except mdp.MicroDDPError as e:
+            out.append(str(e))
+    return out
+
+
+def test_complex_buffers_are_compared_bit_for_bit():
+    for same, drifted in mdp.spawn(_complex_buffer, 2, timeout=60):
+        assert same == "ok"
+        assert drifted.startswith("replica drift: parameter 'buffer phase' differs between "
+                                  "rank 0 and rank(s) 1")

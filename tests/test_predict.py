@@ -216,3 +216,15 @@ def test_scaling_bench_arithmetic_and_verdicts():
     assert len(text) == 3 and len(scaling.table(rows).splitlines()) == 7
     with pytest.raises(predict.MicroDDPError, match="1-rank baseline"):
         scaling.add_speedup([row("weak", 2, 64, 1, 1, 0)])
+    small = scaling.verdicts(rows, grad_mb=2208 / 2**20, cores=8)
+    assert "(150.0 ms for 2.2 KB of gradients)" in small[0]
+
+
+def test_scaling_bench_names_sizes_for_people():
+    from microddp.bench import scaling
+
+    assert [scaling.size_text(n) for n in (100, 2208, 8 * 2**20, 3 * 2**30)] == [
+        "100 B", "2.2 KB", "8.0 MB", "3.0 GB"]
+    # FullMLP(16, 2): two 16x16 layers and a 16->2 head, with biases, in float32
+    assert scaling.gradient_bytes(16, 2) == (2 * 272 + 34) * 4
+    assert scaling.size_text(scaling.gradient_bytes(16, 2)) == "2.3 KB"

@@ -103,6 +103,26 @@ def test_finish_in_one_process_writes_files(tmp_path):
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _traced_run(run_dir, world, steps):
+    trace.start()
+    for _ in range(steps):
+        with trace.span("forward"):
+            pass
+        trace.next_step()
+    return trace_report.finish(run_dir, world)
+
+
+def test_a_second_trace_replaces_the_first_ones_rows_and_keeps_the_rest(tmp_path):
+    world = mdp.init()
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"kind": "epoch", "step": 9, "loss": 0.5}) + "\n")
+    _traced_run(tmp_path, world, 3)
+    _traced_run(tmp_path, world, 2)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("epoch", 9), ("trace_step", 0),
+                                                      ("trace_step", 1)]
+
+
 def test_errors_are_explained(tmp_path):
     with pytest.raises(mdp.MicroDDPError, match="never started"):
         trace_report.finish(tmp_path, mdp.init())

@@ -4,6 +4,11 @@ Why wrap at all: one spelling for reduce ops (`"sum"`, `"avg"`, ...), `avg` on e
 (gloo has no native average on older torch), a world of one process that works without a
 process group, and clear errors instead of backend-specific ones. Ranks (`src`, `dst`) are
 global ranks, as in torch.distributed.
+
+Otherwise they do what torch.distributed does: on a rank outside `group` a call is skipped
+(torch warns, tensors are left alone, the result is None even with async_op=True, recv
+returns -1), and tensors that require grad are written in place without bumping autograd's
+version counter (microddp.collectives, by contrast, bump it).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import MicroDDPError
+from .handle import Handle
 from .world import World, get_world, init, is_initialized, shutdown
 
 __all__ = [
@@ -36,25 +42,6 @@ REDUCE_OPS = {
 }
 _BITWISE = ("band", "bor", "bxor")
 Op = str  # one of REDUCE_OPS; a dist.ReduceOp is accepted too
-
-
-class Handle:
-    """An async operation: `wait()` blocks until it is done and applies any finishing step."""
-
-    def __init__(self, work=None, finish: Callable[[], None] | None = None):
-        self._work, self._finish, self._done = work, finish, False
-
-    def wait(self) -> bool:
-        if not self._done:
-            if self._work is not None:
-                self._work.wait()
-            if self._finish is not None:
-                self._finish()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or self._work is None or self._work.is_completed()
 
 
 def _op_name(op: Op | dist.ReduceOp) -> str:
@@ -90,11 +77,17 @@ def _distributed() -> bool:
     return get_world().distributed
 
 
-def _done(async_op: bool, finish: Callable[[], None] | None = None) -> Handle | None:
+def _outside(group) -> bool:
+    """This rank is not in `group`: torch skips the call here, and so do the wrappers."""
+    return group is not None and _distributed() and dist.get_rank(group) < 0
+
+
+def _done(async_op: bool, finish: Callable[[], None] | None = None,
+          result: list | None = None) -> Handle | None:
     """A single-process operation: already finished."""
     if finish is not None:
         finish()
-    return Handle() if async_op else None
+    return Handle(result=result) if async_op else None
 
 
 def _result(work, async_op: bool, finish: Callable[[], None] | None = None) -> Handle | None:
@@ -105,15 +98,22 @@ def _result(work, async_op: bool, finish: Callable[[], None] | None = None) -> H
     return None
 
 
+def _divide(tensor: torch.Tensor, n: int) -> Callable[[], None]:
+    # `.data`: a Parameter may be averaged in place, as torch's collectives write it (no
+    # "leaf Variable" error), and autograd's version counter is left alone, as torch leaves it.
+    return lambda: tensor.data.div_(n)
+
+
 def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
                async_op: bool = False) -> Handle | None:
     """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
     name = _op_name(op)
     _check_op_dtype(name, tensor)
     if not _distributed():
-        return _done(async_op)
-    n = group_size(group)
-    finish = (lambda: tensor.div_(n)) if name == "avg" else None
+        return _done(async_op, result=[tensor])
+    if _outside(group):
+        return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
+    finish = _divide(tensor, group_size(group)) if name == "avg" else None
     return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
                    async_op, finish)
 
@@ -127,16 +127,20 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
               async_op: bool = False) -> Handle | None:
     """Every rank ends with rank `src`'s tensor, in place."""
     if not _distributed():
-        return _done(async_op)
+        return _done(async_op, result=[tensor])
+    if _outside(group):
+        return dist.broadcast(tensor, src, group, async_op)
     return _result(dist.broadcast(tensor, src, group, async_op=True), async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
                async_op: bool = False) -> Handle | None:
     """tensor_list[i] becomes rank i's tensor, on every rank."""
+    if _outside(group):
+        return dist.all_gather(tensor_list, tensor, group, async_op)
     _check_list(tensor_list, group, "tensor_list")
     if not _distributed():
-        return _done(async_op, lambda: tensor_list[0].copy_(tensor))
+        return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
     return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
 
 
@@ -145,11 +149,12 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
     """Rank i ends with op over ranks of input_list[i]."""
     name = _op_name(op)
     _check_op_dtype(name, output)
+    if _outside(group):
+        return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
     _check_list(input_list, group, "input_list")
     if not _distributed():
-        return _done(async_op, lambda: output.copy_(input_list[0]))
-    n = group_size(group)
-    finish = (lambda: output.div_(n)) if name == "avg" else None
+        return _done(async_op, lambda: output.copy_(input_list[0]), [output])
+    finish = _divide(output, group_size(group)) if name == "avg" else None
     work = dist.reduce_scatter(output, list(input_list), REDUCE_OPS[name], group, async_op=True)
     return _result(work, async_op, finish)
 
@@ -160,10 +165,11 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: Op = "sum", group=None,
     name = _op_name(op)
     _check_op_dtype(name, tensor)
     if not _distributed():
-        return _done(async_op)
-    n = group_size(group)
+        return _done(async_op, result=[tensor])
+    if _outside(group):
+        return dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op)
     is_dst = dist.get_rank() == dst
-    finish = (lambda: tensor.div_(n)) if name == "avg" and is_dst else None
+    finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
     return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
                    async_op, finish)
 
@@ -174,7 +180,9 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
     if not _distributed():
         if scatter_list is None:
             raise MicroDDPError("scatter on the source rank needs a scatter_list")
-        return _done(async_op, lambda: tensor.copy_(scatter_list[0]))
+        return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
+    if _outside(group):
+        return dist.scatter(tensor, None, src, group, async_op)
     is_src = dist.get_rank() == src
     if is_src:
         _check_list(scatter_list, group, "scatter_list")
@@ -189,7 +197,9 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
     if not _distributed():
         if gather_list is None:
             raise MicroDDPError("gather on the destination rank needs a gather_list")
-        return _done(async_op, lambda: gather_list[0].copy_(tensor))
+        return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
+    if _outside(group):
+        return dist.gather(tensor, None, dst, group, async_op)
     is_dst = dist.get_rank() == dst
     if is_dst:
         _check_list(gather_list, group, "gather_list")
@@ -201,6 +211,8 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
     """Block until every rank of the group has arrived."""
     if not _distributed():
         return _done(async_op)
+    if _outside(group):
+        return dist.barrier(group, async_op)
     return _result(dist.barrier(group, async_op=True), async_op)
 
 
@@ -216,11 +228,15 @@ def _peer(peer: int, what: str) -> None:
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     """Blocking send to rank `dst` (returns once the data may be reused)."""
     _peer(dst, "send")
+    if _outside(group):  # torch's isend skips it; its send would fail looking up `dst`
+        dist.isend(tensor, dst, group, tag)
+        return
     dist.send(tensor, dst, group, tag)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
-    """Blocking receive into `tensor`; returns the sender's rank (any rank if src is None)."""
+    """Blocking receive into `tensor`; returns the sender's rank (any rank if src is None),
+    or -1 on a rank outside `group`, as torch does."""
     if src is not None:
         _peer(src, "recv")
     elif not _distributed():
@@ -228,17 +244,20 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0)
     return dist.recv(tensor, src, group, tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Handle:
-    """Start a send; `wait()` on the handle before reusing `tensor`."""
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Handle | None:
+    """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`)."""
     _peer(dst, "isend")
-    return Handle(dist.isend(tensor, dst, group, tag))
+    work = dist.isend(tensor, dst, group, tag)
+    return Handle(work, result=[tensor]) if work is not None else None
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> Handle:
-    """Start a receive; `tensor` holds the data once `wait()` returns."""
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None,
+          tag: int = 0) -> Handle | None:
+    """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`)."""
     if src is not None:
         _peer(src, "irecv")
-    return Handle(dist.irecv(tensor, src, group, tag))
+    work = dist.irecv(tensor, src, group, tag)
+    return Handle(work, result=[tensor]) if work is not None else None
 
 
 def new_group(ranks: Sequence[int] | None = None, backend: str | None = None,

@@ -1,8 +1,9 @@
 """Trace a few DDP steps on N ranks (or read a trace.json): where does the time go?
 
 Writes trace.json (open it in https://ui.perfetto.dev or chrome://tracing: one track per rank
-for compute, one for communication), timeline.png, and prints per-step compute, communication,
-exposed communication and overlap.
+for compute, one for communication), timeline.png and per-step rows in metrics.jsonl (each run
+replaces the last one's), and prints per-step compute, communication, exposed communication
+and overlap.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=10, help="steps to trace (default 10)")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="bucket size (default 1)")
-    p.add_argument("--out", default="runs/trace", help="directory for trace.json, timeline.png")
+    p.add_argument("--out", default="runs/trace", help="directory for trace.json, timeline.png "
+                   "and metrics.jsonl (each run replaces the last one's)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
     p.add_argument("--overhead", action="store_true", help="measure what tracing and the "
                    "collective monitor cost per step instead (--steps interleaved steps each)")

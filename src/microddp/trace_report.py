@@ -217,9 +217,26 @@ def in_ms(row: dict) -> dict:
     return out
 
 
+def _is_trace_row(line: str) -> bool:
+    try:
+        return json.loads(line).get("kind") == "trace_step"
+    except (ValueError, AttributeError):  # not ours to judge: keep it
+        return False
+
+
+def _replace_trace_rows(path: Path, rows: list[dict]) -> None:
+    """This run's trace_step rows replace an earlier run's, as trace.json is replaced: rows of
+    two runs never mix. Other rows (a training job's steps and epochs) stay, in order."""
+    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+            if line.strip() and not _is_trace_row(line)]
+    new = [json.dumps({"kind": "trace_step", **in_ms(row)}) for row in rows]
+    path.write_text("".join(line + "\n" for line in kept + new))
+
+
 def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
           metrics: bool = True) -> dict:
-    """Write trace.json and timeline.png (and per-step rows in metrics.jsonl); return the summary.
+    """Write trace.json and timeline.png (and this run's per-step rows in metrics.jsonl, in
+    place of an earlier trace's); return the summary.
 
     The summary is flat: medians in ms, overlap_pct, the number of steps and the paths.
     """
@@ -229,16 +246,15 @@ def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
     plot_timeline(by_rank, out / "timeline.png")
     rows = per_step(by_rank)
     if metrics:
-        with (out / "metrics.jsonl").open("a") as f:
-            for row in rows:
-                f.write(json.dumps({"kind": "trace_step", **in_ms(row)}) + "\n")
+        _replace_trace_rows(out / "metrics.jsonl", rows)
     return {**in_ms(summarize(rows)), "trace_json": str(out / "trace.json"),
             "timeline_png": str(out / "timeline.png")}
 
 
 def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
     """End this rank's recording; rank 0 writes trace.json, timeline.png and per-step rows
-    (kind "trace_step") in metrics.jsonl; every rank gets back the same summary.
+    (kind "trace_step", replacing an earlier trace's) in metrics.jsonl; every rank gets back
+    the same summary.
 
     Every rank must call it (it gathers the spans).
     """

@@ -120,6 +120,19 @@ def add_speedup(rows: list[dict]) -> None:
                 r["efficiency"] = r["speedup"] / r["ranks"]
 
 
+def size_text(nbytes: float) -> str:
+    """Bytes for people: '2.2 KB', '16.1 MB' (a small model's gradients are not '0.0 MB')."""
+    units, k = ("B", "KB", "MB", "GB"), 0
+    while nbytes >= 1024 and k < len(units) - 1:
+        nbytes, k = nbytes / 1024, k + 1
+    return f"{nbytes:.0f} B" if k == 0 else f"{nbytes:.1f} {units[k]}"
+
+
+def gradient_bytes(dim: int, depth: int) -> int:
+    """What one step all-reduces: FullMLP's float32 gradients."""
+    return sum(p.numel() for p in FullMLP(dim, depth).parameters()) * 4
+
+
 def verdicts(rows: list[dict], grad_mb: float, cores: int) -> list[str]:
     """Plain words about where data parallelism pays on this host, and why not where it does not."""
     out = []
@@ -130,9 +143,9 @@ def verdicts(rows: list[dict], grad_mb: float, cores: int) -> list[str]:
         b = base[r["mode"]]
         expected = b["compute_ms"] * r["batch_per_rank"] / b["batch_per_rank"]
         if r["exposed_comm_ms"] > r["compute_ms"]:
-            why = (f"exposed communication ({r['exposed_comm_ms']:.1f} ms for {grad_mb:.1f} MB "
-                   f"of gradients) outweighs compute ({r['compute_ms']:.1f} ms): the model is "
-                   "too small for the link")
+            why = (f"exposed communication ({r['exposed_comm_ms']:.1f} ms for "
+                   f"{size_text(grad_mb * 2**20)} of gradients) outweighs compute "
+                   f"({r['compute_ms']:.1f} ms): the model is too small for the link")
         elif r["compute_ms"] > 1.3 * expected:
             why = (f"compute per rank took {r['compute_ms']:.1f} ms where one process needed "
                    f"{expected:.1f} ms for the same samples: the ranks compete for this host's "
@@ -218,8 +231,8 @@ def run(args: argparse.Namespace) -> int:
     if "strong" in args.modes and args.batch < max(args.ranks):
         raise MicroDDPError(f"strong scaling splits --batch {args.batch} over up to "
                             f"{max(args.ranks)} ranks: make it at least that large")
-    grad_mb = sum(p.numel() for p in FullMLP(args.dim, args.depth).parameters()) * 4 / 2**20
-    print(f"FullMLP({args.dim}, depth {args.depth}): {grad_mb:.1f} MB of gradients; "
+    grad_bytes = gradient_bytes(args.dim, args.depth)
+    print(f"FullMLP({args.dim}, depth {args.depth}): {size_text(grad_bytes)} of gradients; "
           f"{args.repeats} interleaved steps per engine in {args.rounds} rounds; "
           f"{args.threads} thread(s) per rank on {os.cpu_count()} cores")
     before = os.environ.get("OMP_NUM_THREADS")
@@ -234,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
             os.environ["OMP_NUM_THREADS"] = before
     add_speedup(rows)
     print(table(rows))
-    for line in verdicts(rows, grad_mb, os.cpu_count() or 1):
+    for line in verdicts(rows, grad_bytes / 2**20, os.cpu_count() or 1):
         print(line)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,9 @@
     monitor.enable(timeout=60, debug=True)   # also compare every collective across ranks first
     monitor.check_replicas(model)       # the first parameter that differs between ranks
 
+Logged: torch.distributed's collectives (so mdp.comms, DDP and user calls) and microddp's
+own (microddp.collectives.ring_all_reduce, ...: called through the module, see patch.py).
+
 PyTorch's own tools for the same questions are TORCH_DISTRIBUTED_DEBUG=DETAIL (collective
 fingerprints) and, on NCCL, the flight recorder; this package gives the same answers on any
 backend, in one report a person can read.

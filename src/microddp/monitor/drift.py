@@ -23,6 +23,8 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
+    elif flat.is_complex():  # complex128 is 16 bytes, wider than any integer: compare halves
+        flat = torch.view_as_real(flat).reshape(-1)
     bits = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
     weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
     return torch.stack([bits.sum(), (bits * weights).sum()])

@@ -5,11 +5,21 @@ wrappers see every call without a change to the callers. On gloo a blocking call
 monitor's timeout, so a stall ends in a MicroDDPError carrying the hang report instead of a wait
 of the process group's full timeout. NCCL calls are left as they are (waiting on the CPU would
 serialise the GPU); the watchdog thread reports their stalls.
+
+microddp.collectives' public functions (ring_all_reduce, ...) are wrapped the same way, as
+attributes of the package and of the module defining each: they talk through send/recv, which
+the torch wrappers do not see. Their waits are on the process group's timeout, so the watchdog
+reports a stall in one (and, with abort, ends the rank). A name imported before enable() (`from
+microddp.collectives import ring_all_reduce`) keeps the unwrapped function: call them through
+the module (`C.ring_all_reduce`) to have them logged.
+
+A call on a rank outside its group is neither logged nor compared: torch and microddp skip it.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import sys
 import time
@@ -34,7 +44,7 @@ _TENSOR_ARGS = ("tensor", "output_tensor", "output", "tensor_list", "object_list
                 "scatter_object_output_list")
 _DETAIL_ARGS = ("op", "src", "dst", "group_src", "group_dst")
 
-_originals: dict[str, Callable] = {}
+_originals: dict[tuple[Any, str], Callable] = {}  # (module, name) -> the function it held
 _active: Monitor | None = None
 
 
@@ -54,6 +64,11 @@ def _detail(arguments: dict) -> str:
             v = str(getattr(v, "name", v)).lower().removeprefix("redoptype.")
         parts.append(v if k == "op" else f"{k}={v}")
     return " ".join(map(str, parts))
+
+
+def _outside(group: Any) -> bool:
+    """This rank is not in `group`: torch (and microddp) skip the call, nobody waits for it."""
+    return group is not None and group is not dist.GroupMember.WORLD and dist.get_rank(group) < 0
 
 
 def _backend(group: Any) -> str:
@@ -108,6 +123,8 @@ def _wrap(name: str, fn: Callable) -> Callable:
         a = dict(defaults)  # inspect's bind() costs ~20 us; this ~1 us
         a.update(zip(names, args, strict=False))
         a.update(kwargs)
+        if _outside(a.get("group")):
+            return fn(*args, **kwargs)
         shape = next((describe_tensor(a[k]) for k in _TENSOR_ARGS if k in a), "")
         entry = mon.log.begin(group_name(a.get("group")), name, shape, _detail(a),
                               where(sys._getframe(1), user=True))
@@ -139,24 +156,40 @@ def _wrap(name: str, fn: Callable) -> Callable:
     return wrapper
 
 
+def _ours() -> list[tuple[Any, str, str]]:
+    """(module, attribute, name in the log) for microddp.collectives' public functions, in the
+    package and in the module that defines each."""
+    package = importlib.import_module("microddp.collectives")
+    out = []
+    for attr in package.__all__:
+        fn = getattr(package, attr)
+        if not inspect.isfunction(fn) or "group" not in inspect.signature(fn).parameters:
+            continue  # traffic(), Traffic: not collectives
+        # scatter and gather share torch's names: say whose they are
+        name = f"collectives.{attr}" if attr in COLLECTIVES else attr
+        out += [(package, attr, name), (sys.modules[fn.__module__], attr, name)]
+    return out
+
+
 def install(mon: Monitor) -> None:
-    """Route torch.distributed's collectives through the logging wrappers."""
+    """Route torch.distributed's and microddp.collectives' collectives through the wrappers."""
     global _active
     _active = mon
-    for name in COLLECTIVES:
-        fn = getattr(dist, name, None)
-        if fn is None or name in _originals:
+    targets = [(dist, name, name) for name in COLLECTIVES] + _ours()
+    for module, attr, name in targets:
+        fn = getattr(module, attr, None)
+        if fn is None or (module, attr) in _originals:
             continue
-        _originals[name] = fn
-        setattr(dist, name, _wrap(name, fn))
+        _originals[module, attr] = fn
+        setattr(module, attr, _wrap(name, fn))
 
 
 def uninstall() -> Monitor | None:
-    """Put torch.distributed's own functions back."""
+    """Put the original functions back."""
     global _active
     mon, _active = _active, None
-    for name, fn in _originals.items():
-        setattr(dist, name, fn)
+    for (module, attr), fn in _originals.items():
+        setattr(module, attr, fn)
     _originals.clear()
     return mon
 
