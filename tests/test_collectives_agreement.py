@@ -9,18 +9,9 @@ import pytest
 import torch
 
 import microddp
-from microddp import MicroDDPError
 from microddp import collectives as C
 from microddp.collectives._agree import _code
-
-
-def _message(fn) -> str:
-    try:
-        fn()
-    except MicroDDPError as e:
-        return str(e)
-    return "no error"
-
+from test_collectives_errors import _message
 
 PAIRS = {  # what rank 0 calls, what the others call
     "ring vs tree": (lambda t: C.ring_all_reduce(t), lambda t: C.tree_all_reduce(t)),
