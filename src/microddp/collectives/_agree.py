@@ -16,15 +16,8 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MicroDDPError
-from ._group import (
-    Peers,
-    check_tensor,
-    try_layout,
-    try_list,
-    try_op,
-    try_root,
-    wait_all,
-)
+from ._checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
+from ._group import Peers, wait_all
 
 
 def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
@@ -79,15 +72,6 @@ def _code(value) -> int:
         return operator.index(value)  # an int, or a numpy integer: the same number
     except TypeError:
         return zlib.crc32(repr(value).encode())
-
-
-def try_tensor(tensor, where: str, name: str = "tensor") -> MicroDDPError | None:
-    """The error to share if `tensor` is not a tensor at all, else None."""
-    try:
-        check_tensor(tensor, where, name)
-    except MicroDDPError as e:
-        return e
-    return None
 
 
 def describe_tensor(tensor) -> dict:

@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._agree import begin_all_reduce, begin_rooted
-from ._group import (
-    COMBINE,
-    Flat,
-    scratch,
-    wait_all,
-)
+from ._group import COMBINE, Flat, scratch, wait_all
 
 
 def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,

@@ -13,21 +13,10 @@ from functools import partial
 import torch
 
 from ..errors import MicroDDPError
-from ._agree import agree, begin_all_reduce, describe_tensor, home, try_tensor
+from ._agree import agree, begin_all_reduce, describe_tensor, home
+from ._checks import check_tensor, try_layout, try_list, try_op, try_tensor
 from ._duplex import duplex, duplex_enabled
-from ._group import (
-    COMBINE,
-    Flat,
-    Peers,
-    bounds,
-    check_tensor,
-    scratch,
-    try_layout,
-    try_list,
-    try_op,
-    wait_all,
-    written,
-)
+from ._group import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
 from ._memo import recall, remember
 from ._pair import pair_all_reduce_
 from ._pipeline import pipelined_ring_all_reduce_

@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._agree import begin_all_reduce, begin_rooted, butterfly_
-from ._group import (
-    COMBINE,
-    Flat,
-    scratch,
-    wait_all,
-)
+from ._group import COMBINE, Flat, scratch, wait_all
 
 
 def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None, *,
