@@ -22,7 +22,7 @@ COMMANDS = {
     "train": ("microddp.train", "train a model data-parallel on real data (the main job)"),
     "bench": ("microddp.bench.cli", "benchmarks against PyTorch: allreduce, ddp, scaling"),
     "trace": ("microddp.trace_cli", "record and summarise a timeline of DDP steps"),
-    "predict": ("microddp.predict", "predict step time and scaling with a cost model"),
+    "predict": ("microddp.predict_cli", "predict step time and scaling with a cost model"),
 }
 
 
