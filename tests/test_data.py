@@ -152,3 +152,6 @@ def test_distributed_evaluation_equals_single_process(world_size):
     single = _eval_worker(microddp.init(), n_test)
     assert (single["correct"], single["count"], single["accuracy"]) == (correct, n_test,
                                                                         correct / n_test)
+    # The loss too is the single process's exactly, not up to rounding: per-sample losses are
+    # added in float64, so cutting the split into other shards and batches changes nothing.
+    assert [r["loss"] for r in results] == [single["loss"]] * world_size

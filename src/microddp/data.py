@@ -191,7 +191,9 @@ def evaluate(module: nn.Module, split: Split, world: World | None = None,
     """Loss and accuracy over the whole split, each sample counted exactly once.
 
     Every rank scores its own contiguous shard (no padding, no duplicates) and one all_reduce
-    adds up (loss sum, correct, count), so the result equals a single process scoring it all.
+    adds up (loss sum, correct, count), so the result equals a single process scoring it all,
+    bit for bit: each sample's loss is added in float64, where sums of float32 losses are
+    exact, so how the split is cut into shards and batches does not change the total.
     """
     from . import comms
 
@@ -205,7 +207,10 @@ def evaluate(module: nn.Module, split: Split, world: World | None = None,
         hi = min(lo + batch_size, part.stop)
         x, y = split.x[lo:hi].to(device), split.y[lo:hi].to(device)
         logits = module(x).float()
-        totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        # Each sample's loss in float64 before adding: a float32 sum would round differently
+        # for each way of cutting the split into shards, and the result would depend on the
+        # world size.
+        totals[0] += F.cross_entropy(logits, y, reduction="none").double().sum()
         totals[1] += (logits.argmax(dim=1) == y).sum()
         totals[2] += hi - lo
     module.train(was_training)
