@@ -96,6 +96,14 @@ def test_uneven_last_batch_over_three_ranks_matches_single_process(tmp_path):
     _assert_close(three[0]["params"], one["params"], atol=2e-6)
 
 
+def test_empty_shards_on_the_last_step_still_match_single_process(tmp_path):
+    # 1438 = 1437 + 1: the last step's one sample leaves two of three ranks an empty batch.
+    three = _spawn(3, tmp_path / "three", batch_size=1437, epochs=1)
+    one = _single(tmp_path / "one", batch_size=1437, epochs=1)
+    assert three[0]["step"] == one["step"] == 2
+    _assert_close(three[0]["params"], one["params"], atol=2e-6)
+
+
 def _metric_steps(out):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["step"] for r in rows if r["kind"] == "step"]

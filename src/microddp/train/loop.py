@@ -71,8 +71,9 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     model = wrap(module, cfg.engine, world)
     optimizer = build_optimizer(cfg, model.parameters())
     precision = Precision(cfg.amp, device)
+    # Empty shards are allowed: a loss scaled by the step's sample count handles them exactly.
     sampler = ShardedBatchSampler(len(train_set), cfg.batch_size, world.rank, world.world_size,
-                                  seed=cfg.seed)
+                                  seed=cfg.seed, allow_empty=True)
     if cfg.trace:
         trace.start()
     # On by default because it is cheap: a stalled collective names every rank's line.
