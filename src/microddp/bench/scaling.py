@@ -23,6 +23,7 @@ from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..spawn import spawn
 from ..world import World
+from . import checks
 from .timing import interleaved
 
 EPILOG = """\
@@ -223,14 +224,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.ranks) < 1 or min(args.repeats, args.rounds, args.threads) < 1 or args.warmup < 0:
-        raise MicroDDPError("--ranks, --repeats, --rounds and --threads must be at least 1, "
-                            "--warmup at least 0")
+    checks.at_least(1, ranks=args.ranks, repeats=args.repeats, rounds=args.rounds,
+                    threads=args.threads, dim=args.dim, batch=args.batch)
+    checks.at_least(0, depth=args.depth, warmup=args.warmup)
+    checks.engines(args.engines)
     if 1 not in args.ranks:
         raise MicroDDPError("scaling needs a 1-rank baseline: include 1 in --ranks")
     if "strong" in args.modes and args.batch < max(args.ranks):
         raise MicroDDPError(f"strong scaling splits --batch {args.batch} over up to "
                             f"{max(args.ranks)} ranks: make it at least that large")
+    checks.out_folder(args.out)
+    ranks = sorted(set(args.ranks))
     grad_bytes = gradient_bytes(args.dim, args.depth)
     print(f"FullMLP({args.dim}, depth {args.depth}): {size_text(grad_bytes)} of gradients; "
           f"{args.repeats} interleaved steps per engine in {args.rounds} rounds; "
@@ -238,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # what spawn gives each rank
     try:
-        rows = sweep(args.modes, sorted(set(args.ranks)), args.engines, args.dim, args.depth,
+        rows = sweep(args.modes, ranks, args.engines, args.dim, args.depth,
                      args.batch, args.repeats, args.warmup, args.rounds)
     finally:
         if before is None:

@@ -1,0 +1,50 @@
+"""The benchmarks' arguments: bad input is one line and exit 2 before any rank starts."""
+
+import pytest
+
+from microddp import cli
+
+BAD = [
+    (["ddp", "--dims", "0", "--repeats", "2", "--warmup", "0"], "--dims must be at least 1, got 0"),
+    (["ddp", "--dims", "8", "--depth", "-1"], "--depth must be at least 0, got -1"),
+    (["ddp", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["ddp", "--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["ddp", "--batch", "0"], "--batch must be at least 1, got 0"),
+    (["ddp", "--dims", "8", "8"], "--dims gives 8 more than once"),
+    (["ddp", "--engines", "torch", "torch"], "--engines gives torch more than once"),
+    (["ddp", "--engines", "fast"], "unknown engine(s) fast"),
+    (["ddp", "--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive, finite number"),
+    (["ddp", "--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a positive, finite number"),
+    (["ddp", "-n", "1"], "needs at least 2 ranks"),
+    (["allreduce", "--timeout", "nan"], "--timeout must be a positive, finite number, got nan"),
+    (["allreduce", "--timeout", "0"], "--timeout must be a positive, finite number, got 0"),
+    (["allreduce", "--warmup", "-1"], "--warmup must be 0 or more"),
+    (["allreduce", "--repeats", "0"], "--repeats and --min-repeats must be at least 1"),
+    (["allreduce", "--sizes", "3"], "not a whole number of float32 elements"),
+    (["scaling", "--engines", "bogus"], "unknown engine(s) bogus"),
+    (["scaling", "--modes", "weak", "--batch", "0"], "--batch must be at least 1, got 0"),
+    (["scaling", "--dim", "0"], "--dim must be at least 1, got 0"),
+    (["scaling", "--depth", "-2"], "--depth must be at least 0, got -2"),
+    (["scaling", "--ranks", "1", "0"], "--ranks must be at least 1, got 0"),
+    (["scaling", "--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["scaling", "--ranks", "2", "4"], "include 1 in --ranks"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_bench_input_is_one_line_and_exit_2(args, message, capsys):
+    assert cli.main(["bench", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("microddp bench: error: "), err
+    assert message in lines[0]
+
+
+def test_bench_out_must_be_a_folder(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for bench in ("allreduce", "scaling"):
+        assert cli.main(["bench", bench, "--out", str(a_file)]) == 2
+        assert capsys.readouterr().err.strip().endswith("is a file, not a folder; give a folder "
+                                                        "path")
