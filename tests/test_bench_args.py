@@ -1,8 +1,11 @@
-"""The benchmarks' arguments: bad input is one line and exit 2 before any rank starts."""
+"""The benchmarks' arguments: bad input is one line and exit 2 before any rank starts, and
+what the header promises (steps timed) is what is measured."""
 
 import pytest
 
 from microddp import cli
+from microddp.bench import scaling
+from microddp.errors import MicroDDPError
 
 BAD = [
     (["ddp", "--dims", "0", "--repeats", "2", "--warmup", "0"], "--dims must be at least 1, got 0"),
@@ -27,6 +30,8 @@ BAD = [
     (["scaling", "--depth", "-2"], "--depth must be at least 0, got -2"),
     (["scaling", "--ranks", "1", "0"], "--ranks must be at least 1, got 0"),
     (["scaling", "--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["scaling", "--repeats", "2", "--rounds", "3"],
+     "--repeats 2 cannot give each of --rounds 3 a timed step"),
     (["scaling", "--ranks", "2", "4"], "include 1 in --ranks"),
 ]
 
@@ -48,3 +53,21 @@ def test_bench_out_must_be_a_folder(tmp_path, capsys):
         assert cli.main(["bench", bench, "--out", str(a_file)]) == 2
         assert capsys.readouterr().err.strip().endswith("is a file, not a folder; give a folder "
                                                         "path")
+
+
+def test_scaling_times_exactly_repeats_steps_spread_over_the_rounds(monkeypatch):
+    assert scaling.round_repeats(20, 3) == [7, 7, 6]  # 20, not 3 x 6 = 18
+    assert scaling.round_repeats(3, 3) == [1, 1, 1]
+    assert scaling.round_repeats(5, 1) == [5]
+    timed: dict[tuple[int, int], int] = {}
+
+    def fake_measure(n, per_rank, engines, dim, depth, repeats, warmup):
+        timed[(n, per_rank)] = timed.get((n, per_rank), 0) + repeats
+        return {}
+
+    monkeypatch.setattr(scaling, "measure", fake_measure)
+    monkeypatch.setattr(scaling, "summarize", lambda *a: [])
+    scaling.sweep(["strong", "weak"], [1, 2], ["torch"], 8, 1, 64, 20, 0, 3)
+    assert timed == {(1, 64): 20, (2, 32): 20, (2, 64): 20}
+    with pytest.raises(MicroDDPError, match="at least as many repeats as rounds"):
+        scaling.round_repeats(2, 3)

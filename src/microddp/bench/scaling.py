@@ -96,16 +96,25 @@ def summarize(mode: str, n: int, per_rank: int, runs: list[dict]) -> list[dict]:
     return rows
 
 
+def round_repeats(repeats: int, rounds: int) -> list[int]:
+    """Timed steps in each round: `repeats` in all, the remainder spread over the first rounds."""
+    if repeats < rounds:
+        raise MicroDDPError(f"--repeats {repeats} cannot give each of --rounds {rounds} a timed "
+                            "step: use at least as many repeats as rounds")
+    base, extra = divmod(repeats, rounds)
+    return [base + (1 if k < extra else 0) for k in range(rounds)]
+
+
 def sweep(modes: list[str], ranks: list[int], engines: list[str], dim: int, depth: int,
           batch: int, repeats: int, warmup: int, rounds: int) -> list[dict]:
     """Every (mode, world size) once per round, rounds after one another, so that a change in
     the machine's load spreads over all configurations instead of biasing one."""
     configs = {(m, n): batch // n if m == "strong" else batch for m in modes for n in ranks}
     runs: dict[tuple[int, int], list[dict]] = {}
-    for _ in range(rounds):
+    for steps in round_repeats(repeats, rounds):
         for n, per_rank in dict.fromkeys((n, b) for (_, n), b in configs.items()):
             runs.setdefault((n, per_rank), []).append(
-                measure(n, per_rank, engines, dim, depth, max(1, repeats // rounds), warmup))
+                measure(n, per_rank, engines, dim, depth, steps, warmup))
     return [row for (m, n), b in configs.items() for row in summarize(m, n, b, runs[(n, b)])]
 
 
@@ -215,7 +224,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth (default 8)")
     p.add_argument("--batch", type=int, default=64, help="weak: per rank; strong: global")
     p.add_argument("--modes", nargs="+", choices=("strong", "weak"), default=["strong", "weak"])
-    p.add_argument("--repeats", type=int, default=20, help="timed steps per engine")
+    p.add_argument("--repeats", type=int, default=20,
+                   help="timed steps per engine and world size, all rounds together (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--rounds", type=int, default=3, help="passes over all configurations")
     p.add_argument("--threads", type=int, default=1, help="threads per rank, the same at every "
@@ -233,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     if "strong" in args.modes and args.batch < max(args.ranks):
         raise MicroDDPError(f"strong scaling splits --batch {args.batch} over up to "
                             f"{max(args.ranks)} ranks: make it at least that large")
+    round_repeats(args.repeats, args.rounds)  # refuses too few repeats now, not mid-sweep
     checks.out_folder(args.out)
     ranks = sorted(set(args.ranks))
     grad_bytes = gradient_bytes(args.dim, args.depth)
