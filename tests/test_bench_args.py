@@ -1,5 +1,5 @@
 """The benchmarks' arguments: bad input is one line and exit 2 before any rank starts, and
-what the header promises (steps timed) is what is measured."""
+what the header promises (steps timed, global batch) is what is measured."""
 
 import pytest
 
@@ -71,3 +71,27 @@ def test_scaling_times_exactly_repeats_steps_spread_over_the_rounds(monkeypatch)
     assert timed == {(1, 64): 20, (2, 32): 20, (2, 64): 20}
     with pytest.raises(MicroDDPError, match="at least as many repeats as rounds"):
         scaling.round_repeats(2, 3)
+
+
+def test_strong_scaling_says_where_the_global_batch_shrinks():
+    notes = scaling.strong_batch_notes(["strong", "weak"], [1, 2, 3, 4], 63)
+    assert len(notes) == 1
+    assert "global batch of 63 only where it splits evenly" in notes[0]
+    assert "2 ranks 62 (31 each), 4 ranks 60 (15 each)" in notes[0]
+    assert "3 ranks" not in notes[0]  # 63 = 3 x 21: nothing left out
+    assert scaling.strong_batch_notes(["strong"], [1, 2, 4], 64) == []
+    assert scaling.strong_batch_notes(["weak"], [1, 2, 4], 63) == []
+
+
+def test_scaling_prints_the_shrunk_batch_and_the_steps_it_times(tmp_path, capsys):
+    assert cli.main(["bench", "scaling", "--ranks", "1", "2", "--modes", "strong", "--batch", "5",
+                     "--dim", "8", "--depth", "1", "--repeats", "2", "--rounds", "2",
+                     "--warmup", "0", "--engines", "torch", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "2 interleaved steps per engine in 2 rounds" in out[0]
+    assert out[1].startswith("note: strong scaling keeps the global batch of 5 only where it "
+                             "splits evenly; elsewhere a step trains fewer samples: 2 ranks 4 "
+                             "(2 each)")
+    rows = (tmp_path / "scaling.csv").read_text().splitlines()
+    assert [r.split(",")[:4] for r in rows[1:]] == [["strong", "1", "1 process", "5"],
+                                                     ["strong", "2", "torch", "2"]]

@@ -105,6 +105,19 @@ def round_repeats(repeats: int, rounds: int) -> list[int]:
     return [base + (1 if k < extra else 0) for k in range(rounds)]
 
 
+def strong_batch_notes(modes: list[str], ranks: list[int], batch: int) -> list[str]:
+    """Where strong scaling's global batch is not --batch: it must be split into whole
+    per-rank batches, so `batch // n` each and the rest left out of every step."""
+    if "strong" not in modes:
+        return []
+    shrunk = [f"{n} ranks {batch // n * n} ({batch // n} each)" for n in ranks if batch % n]
+    if not shrunk:
+        return []
+    return [f"note: strong scaling keeps the global batch of {batch} only where it splits "
+            f"evenly; elsewhere a step trains fewer samples: {', '.join(shrunk)}. "
+            "Speedups compare samples per second, so they stay fair"]
+
+
 def sweep(modes: list[str], ranks: list[int], engines: list[str], dim: int, depth: int,
           batch: int, repeats: int, warmup: int, rounds: int) -> list[dict]:
     """Every (mode, world size) once per round, rounds after one another, so that a change in
@@ -250,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"FullMLP({args.dim}, depth {args.depth}): {size_text(grad_bytes)} of gradients; "
           f"{args.repeats} interleaved steps per engine in {args.rounds} rounds; "
           f"{args.threads} thread(s) per rank on {os.cpu_count()} cores")
+    for line in strong_batch_notes(args.modes, ranks, args.batch):
+        print(line)
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # what spawn gives each rank
     try:
