@@ -96,6 +96,14 @@ def test_uneven_last_batch_over_three_ranks_matches_single_process(tmp_path):
     _assert_close(three[0]["params"], one["params"], atol=2e-6)
 
 
+def test_empty_shards_on_the_last_step_still_match_single_process(tmp_path):
+    # 1438 = 1437 + 1: the last step's one sample leaves two of three ranks an empty batch.
+    three = _spawn(3, tmp_path / "three", batch_size=1437, epochs=1)
+    one = _single(tmp_path / "one", batch_size=1437, epochs=1)
+    assert three[0]["step"] == one["step"] == 2
+    _assert_close(three[0]["params"], one["params"], atol=2e-6)
+
+
 def _metric_steps(out):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["step"] for r in rows if r["kind"] == "step"]
@@ -130,6 +138,34 @@ def test_resume_is_bit_identical_even_past_a_corrupt_checkpoint(tmp_path, capfd)
     one = _single(tmp_path / "shrunk", **run, resume=True)
     assert "saved by 2 ranks, now 1" in capfd.readouterr().out
     _assert_close(one["params"], ref["params"], atol=1e-5)
+
+
+def _deterministic_rows(out):
+    """metrics.jsonl without what the clock decides (time, samples/s)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("time", "samples_per_s")} for r in rows]
+
+
+def test_metrics_after_a_mid_epoch_resume_equal_an_uninterrupted_run(tmp_path):
+    run = {"batch_size": 64, "epochs": 1}  # 23 steps, a progress line every 4 and at the end
+    ref = _spawn(2, tmp_path / "ref", **run)[0]
+    cut = tmp_path / "cut"
+    _spawn(2, cut, **run, max_steps=7)  # stops between the lines of steps 4 and 8
+    shutil.copytree(cut, tmp_path / "old")
+    _spawn(2, cut, **run, resume=True)
+    want = _deterministic_rows(tmp_path / "ref")
+    assert [r["step"] for r in want if r["kind"] == "step"] == [4, 8, 12, 16, 20, 23]
+    # Step 8's loss averages steps 5-8, although 5-7 ran before the resume.
+    assert _deterministic_rows(cut) == want
+
+    # A checkpoint from before the meter was saved still resumes, to the same weights.
+    path = tmp_path / "old" / "checkpoints" / "ckpt-00000007.pt"
+    state = torch.load(path, weights_only=True)
+    del state["interval_loss"]
+    torch.save(state, path)
+    old = _spawn(2, tmp_path / "old", **run, resume=True)[0]
+    _assert_equal(old["params"], ref["params"])
+    assert _deterministic_rows(tmp_path / "old")[-1] == want[-1]
 
 
 def test_world_size_that_cannot_split_the_batch_is_a_clear_error(tmp_path):

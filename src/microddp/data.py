@@ -113,10 +113,20 @@ class ShardedBatchSampler:
     `__iter__` continues where the last one stopped and then moves to the next epoch, so a plain
     `for epoch ...: for batch in sampler` loop sees a new order every epoch with no `set_epoch`.
     `state_dict()` records (epoch, position) so a resumed run picks up at the very next batch.
+
+    Empty batches: a last global batch smaller than the world size would leave some ranks
+    nothing, which a DataLoader cannot collate and whose mean loss is NaN, so it is refused
+    unless `allow_empty=True` (for a loop that sums its loss, as `microddp train` does: an
+    empty batch adds zero, and its rank still joins the step's all-reduce).
+
+    Prefetching: a DataLoader with `num_workers > 0` draws batches ahead of the loop, so the
+    sampler's own place is ahead of what was trained; save `state_dict(consumed=k)`, k being
+    the batches the loop took from the current iterator.
     """
 
     def __init__(self, n: int, global_batch_size: int, rank: int = 0, world_size: int = 1, *,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 allow_empty: bool = False) -> None:
         if n < 1:
             raise MicroDDPError(f"cannot sample from an empty data set (n={n})")
         if global_batch_size < 1:
@@ -128,7 +138,29 @@ class ShardedBatchSampler:
                                 "leaves no batch at all; lower the batch size")
         self.n, self.batch_size, self.rank, self.world_size = n, global_batch_size, rank, world_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        if not allow_empty:  # every rank checks, so all of them stop, not only the empty ones
+            self._refuse_empty_batches()
         self.epoch, self.position = 0, 0  # where the next batch comes from
+        self._started = (0, 0)  # where the latest iterator began: what `consumed` counts from
+        self._restored = False  # load_state_dict() just ran: set_epoch() must not undo it
+
+    def _refuse_empty_batches(self) -> None:
+        n, size, ranks = self.n, self.batch_size, self.world_size
+        what = ("some ranks would get an empty batch, which a DataLoader cannot collate (and "
+                "whose mean loss is NaN)")
+        escape = "or allow_empty=True if your loop handles empty batches"
+        if n < ranks:
+            raise MicroDDPError(f"{n} sample(s) for {ranks} ranks: {what}; use fewer ranks, "
+                                f"{escape}")
+        if size < ranks:
+            raise MicroDDPError(f"a global batch of {size} sample(s) over {ranks} ranks: "
+                                f"{what}; use a batch size of at least {ranks}, {escape}")
+        rest = n % size
+        if rest and n > size and not self.drop_last and rest < ranks:
+            raise MicroDDPError(f"the last global batch holds {rest} sample(s) ({n} samples in "
+                                f"batches of {size}), fewer than the {ranks} ranks: {what}; "
+                                f"pass drop_last=True, choose a batch size that leaves at least "
+                                f"{ranks} in the last batch, {escape}")
 
     def __len__(self) -> int:
         """Batches per epoch (the same on every rank, so collectives stay in step)."""
@@ -153,21 +185,49 @@ class ShardedBatchSampler:
         return torch.tensor_split(batch, self.world_size)[self.rank]
 
     def set_epoch(self, epoch: int) -> None:
-        """Start `epoch` from its first batch (what torch's DistributedSampler needs each epoch)."""
-        self.epoch, self.position = epoch, 0
+        """Start `epoch` from its first batch (what torch's DistributedSampler needs each epoch).
+
+        Right after `load_state_dict`, the restored epoch keeps its restored place: torch's
+        habit of calling set_epoch at the top of every epoch must not undo a resume.
+        """
+        if not (self._restored and epoch == self.epoch):
+            self.epoch, self.position = epoch, 0
+        self._restored = False
+        self._started = (self.epoch, self.position)
 
     def __iter__(self) -> Iterator[list[int]]:
+        # Not a generator function: the place is taken at iter(), before the first batch, so
+        # `state_dict(consumed=0)` on a fresh iterator already means this epoch.
         epoch, start = self.epoch, self.position
         if start >= len(self):  # the last epoch was finished: begin the next one
             epoch, start = epoch + 1, 0
+        self._started, self._restored = (epoch, start), False
+        return self._batches(epoch, start)
+
+    def _batches(self, epoch: int, start: int) -> Iterator[list[int]]:
         batches = self.global_batches(epoch)
         for i in range(start, len(batches)):
             self.epoch, self.position = epoch, i + 1
             yield self.shard(batches[i]).tolist()
         self.epoch, self.position = epoch + 1, 0
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Where the next batch comes from, for `load_state_dict`.
+
+        `consumed`: the batches the loop has taken from the latest iterator. Needed under a
+        DataLoader with `num_workers > 0`, whose workers draw batches ahead of the loop, so
+        the sampler's own place is not yet the next batch the loop will train on.
+        """
+        epoch, position = self.epoch, self.position
+        if consumed is not None:
+            epoch, start = self._started
+            if not 0 <= consumed <= len(self) - start:
+                raise MicroDDPError(
+                    f"consumed={consumed}, but the latest iterator began at batch {start} of "
+                    f"{len(self)}, so it holds {len(self) - start}: count only the batches "
+                    "taken from this epoch's iterator")
+            position = start + consumed
+        return {"epoch": epoch, "position": position, "seed": self.seed,
                 "n": self.n, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
@@ -176,6 +236,7 @@ class ShardedBatchSampler:
                 f"sampler state is for {state['n']} samples in batches of {state['batch_size']}, "
                 f"not {self.n} in batches of {self.batch_size}; use the original --batch-size")
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self._started, self._restored = (self.epoch, self.position), True
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:
@@ -191,7 +252,9 @@ def evaluate(module: nn.Module, split: Split, world: World | None = None,
     """Loss and accuracy over the whole split, each sample counted exactly once.
 
     Every rank scores its own contiguous shard (no padding, no duplicates) and one all_reduce
-    adds up (loss sum, correct, count), so the result equals a single process scoring it all.
+    adds up (loss sum, correct, count), so the result equals a single process scoring it all,
+    bit for bit: each sample's loss is added in float64, where sums of float32 losses are
+    exact, so how the split is cut into shards and batches does not change the total.
     """
     from . import comms
 
@@ -205,7 +268,10 @@ def evaluate(module: nn.Module, split: Split, world: World | None = None,
         hi = min(lo + batch_size, part.stop)
         x, y = split.x[lo:hi].to(device), split.y[lo:hi].to(device)
         logits = module(x).float()
-        totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        # Each sample's loss in float64 before adding: a float32 sum would round differently
+        # for each way of cutting the split into shards, and the result would depend on the
+        # world size.
+        totals[0] += F.cross_entropy(logits, y, reduction="none").double().sum()
         totals[1] += (logits.argmax(dim=1) == y).sum()
         totals[2] += hi - lo
     module.train(was_training)

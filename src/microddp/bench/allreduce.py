@@ -31,6 +31,7 @@ from ..collectives.ring import (
 )
 from ..errors import MicroDDPError
 from ..spawn import spawn
+from . import checks
 from .allreduce_report import CONTROL, describe, plot, table
 from .timing import interleaved, trimmed_mean
 
@@ -216,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError("--repeats and --min-repeats must be at least 1")
     if args.warmup < 0:
         raise MicroDDPError(f"--warmup must be 0 or more, got {args.warmup}")
-    os.makedirs(args.out, exist_ok=True)  # before the run: a bad --out fails now, not after it
+    checks.positive("timeout", args.timeout)
+    checks.out_folder(args.out)
     p = args.world_size
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
           "contenders interleaved call by call")

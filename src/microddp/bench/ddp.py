@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import MicroDDPError
+from . import checks
 from .timing import compare, interleaved, median
 
 EPILOG = """\
@@ -85,16 +86,15 @@ def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..dp import ENGINES
     from ..spawn import spawn
 
-    bad = [e for e in args.engines if e not in ENGINES]
-    if bad:
-        raise MicroDDPError(f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINES)}")
+    checks.engines(args.engines)
     if args.world_size < 2:
         raise MicroDDPError("the DDP benchmark needs at least 2 ranks (-n 2)")
-    if args.repeats < 1 or args.warmup < 0 or args.batch < 1:
-        raise MicroDDPError("--repeats and --batch must be positive, --warmup at least 0")
+    checks.at_least(1, dims=args.dims, batch=args.batch, repeats=args.repeats)
+    checks.at_least(0, depth=args.depth, warmup=args.warmup)
+    checks.distinct("dims", args.dims)
+    checks.positive("bucket_cap_mb", args.bucket_cap_mb)
     names = list(args.engines) + ([CONTROL] if args.control else [])
     if args.control and "torch" not in args.engines:
         raise MicroDDPError("--control compares PyTorch's DDP with itself: include torch in "

@@ -23,6 +23,7 @@ from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..spawn import spawn
 from ..world import World
+from . import checks
 from .timing import interleaved
 
 EPILOG = """\
@@ -95,16 +96,38 @@ def summarize(mode: str, n: int, per_rank: int, runs: list[dict]) -> list[dict]:
     return rows
 
 
+def round_repeats(repeats: int, rounds: int) -> list[int]:
+    """Timed steps in each round: `repeats` in all, the remainder spread over the first rounds."""
+    if repeats < rounds:
+        raise MicroDDPError(f"--repeats {repeats} cannot give each of --rounds {rounds} a timed "
+                            "step: use at least as many repeats as rounds")
+    base, extra = divmod(repeats, rounds)
+    return [base + (1 if k < extra else 0) for k in range(rounds)]
+
+
+def strong_batch_notes(modes: list[str], ranks: list[int], batch: int) -> list[str]:
+    """Where strong scaling's global batch is not --batch: it must be split into whole
+    per-rank batches, so `batch // n` each and the rest left out of every step."""
+    if "strong" not in modes:
+        return []
+    shrunk = [f"{n} ranks {batch // n * n} ({batch // n} each)" for n in ranks if batch % n]
+    if not shrunk:
+        return []
+    return [f"note: strong scaling keeps the global batch of {batch} only where it splits "
+            f"evenly; elsewhere a step trains fewer samples: {', '.join(shrunk)}. "
+            "Speedups compare samples per second, so they stay fair"]
+
+
 def sweep(modes: list[str], ranks: list[int], engines: list[str], dim: int, depth: int,
           batch: int, repeats: int, warmup: int, rounds: int) -> list[dict]:
     """Every (mode, world size) once per round, rounds after one another, so that a change in
     the machine's load spreads over all configurations instead of biasing one."""
     configs = {(m, n): batch // n if m == "strong" else batch for m in modes for n in ranks}
     runs: dict[tuple[int, int], list[dict]] = {}
-    for _ in range(rounds):
+    for steps in round_repeats(repeats, rounds):
         for n, per_rank in dict.fromkeys((n, b) for (_, n), b in configs.items()):
             runs.setdefault((n, per_rank), []).append(
-                measure(n, per_rank, engines, dim, depth, max(1, repeats // rounds), warmup))
+                measure(n, per_rank, engines, dim, depth, steps, warmup))
     return [row for (m, n), b in configs.items() for row in summarize(m, n, b, runs[(n, b)])]
 
 
@@ -214,7 +237,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth (default 8)")
     p.add_argument("--batch", type=int, default=64, help="weak: per rank; strong: global")
     p.add_argument("--modes", nargs="+", choices=("strong", "weak"), default=["strong", "weak"])
-    p.add_argument("--repeats", type=int, default=20, help="timed steps per engine")
+    p.add_argument("--repeats", type=int, default=20,
+                   help="timed steps per engine and world size, all rounds together (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--rounds", type=int, default=3, help="passes over all configurations")
     p.add_argument("--threads", type=int, default=1, help="threads per rank, the same at every "
@@ -223,22 +247,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.ranks) < 1 or min(args.repeats, args.rounds, args.threads) < 1 or args.warmup < 0:
-        raise MicroDDPError("--ranks, --repeats, --rounds and --threads must be at least 1, "
-                            "--warmup at least 0")
+    checks.at_least(1, ranks=args.ranks, repeats=args.repeats, rounds=args.rounds,
+                    threads=args.threads, dim=args.dim, batch=args.batch)
+    checks.at_least(0, depth=args.depth, warmup=args.warmup)
+    checks.engines(args.engines)
     if 1 not in args.ranks:
         raise MicroDDPError("scaling needs a 1-rank baseline: include 1 in --ranks")
     if "strong" in args.modes and args.batch < max(args.ranks):
         raise MicroDDPError(f"strong scaling splits --batch {args.batch} over up to "
                             f"{max(args.ranks)} ranks: make it at least that large")
+    round_repeats(args.repeats, args.rounds)  # refuses too few repeats now, not mid-sweep
+    checks.out_folder(args.out)
+    ranks = sorted(set(args.ranks))
     grad_bytes = gradient_bytes(args.dim, args.depth)
     print(f"FullMLP({args.dim}, depth {args.depth}): {size_text(grad_bytes)} of gradients; "
           f"{args.repeats} interleaved steps per engine in {args.rounds} rounds; "
           f"{args.threads} thread(s) per rank on {os.cpu_count()} cores")
+    for line in strong_batch_notes(args.modes, ranks, args.batch):
+        print(line)
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # what spawn gives each rank
     try:
-        rows = sweep(args.modes, sorted(set(args.ranks)), args.engines, args.dim, args.depth,
+        rows = sweep(args.modes, ranks, args.engines, args.dim, args.depth,
                      args.batch, args.repeats, args.warmup, args.rounds)
     finally:
         if before is None:

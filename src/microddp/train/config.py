@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -126,11 +127,15 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                              (cfg.checkpoint_every, 0, "--checkpoint-every"),
                              (cfg.max_restarts, 0, "--max-restarts"),
                              (cfg.max_steps, 0, "--max-steps"), (cfg.log_every, 0, "--log-every"),
-                             (cfg.seed, 0, "--seed"), (cfg.drift_every, 0, "--drift-every"),
-                             (cfg.monitor_timeout, 0, "--monitor-timeout")):
+                             (cfg.seed, 0, "--seed"), (cfg.drift_every, 0, "--drift-every")):
         _at_least(value, low, flag)
-    if cfg.lr is not None and not cfg.lr > 0:
-        raise MicroDDPError(f"--lr must be a positive number, got {cfg.lr}")
+    # `not x > 0` lets inf through and comparisons let nan through: both train to NaN weights
+    # or never time out, so a float setting must also be finite.
+    if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise MicroDDPError(f"--lr must be a positive, finite number, got {cfg.lr}")
+    if not (math.isfinite(cfg.monitor_timeout) and cfg.monitor_timeout >= 0):
+        raise MicroDDPError(f"--monitor-timeout must be a finite number of seconds, at least 0 "
+                            f"(0 turns the hang monitor off), got {cfg.monitor_timeout}")
     n = cfg.nproc if world_size is None else world_size
     if world_size is None:
         limit = max_sensible_nproc()

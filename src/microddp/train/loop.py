@@ -71,8 +71,9 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     model = wrap(module, cfg.engine, world)
     optimizer = build_optimizer(cfg, model.parameters())
     precision = Precision(cfg.amp, device)
+    # Empty shards are allowed: a loss scaled by the step's sample count handles them exactly.
     sampler = ShardedBatchSampler(len(train_set), cfg.batch_size, world.rank, world.world_size,
-                                  seed=cfg.seed)
+                                  seed=cfg.seed, allow_empty=True)
     if cfg.trace:
         trace.start()
     # On by default because it is cheap: a stalled collective names every rank's line.
@@ -104,14 +105,14 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                 "optimizer": optimizer.state_dict(), "scaler": precision.state_dict(),
                 "step": step, "epoch": sampler.epoch, "position": sampler.position,
                 "sampler": sampler.state_dict(), "world_size": world.world_size,
-                "config": cfg.resume_settings(), "epoch_loss": meter.epoch}
+                "config": cfg.resume_settings(), **meter.state()}
 
     saved_at = step if state else -1
 
     def save() -> None:
         nonlocal saved_at
         if saved_at != step:
-            meter.sync()  # the epoch's loss so far travels with the checkpoint
+            meter.sync()  # the loss sums so far travel with the checkpoint
             checkpoint.save_from_rank0(make_state, cfg.ckpt_dir, step, world, cfg.keep)
             saved_at = step
 
@@ -125,7 +126,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
         sizes = sampler.global_sizes(epoch)
         first = sampler.position if epoch == sampler.epoch else 0
         batches = iter(sampler)  # continues at (epoch, first): the sampler tracks its place
-        meter.new_epoch(state.get("epoch_loss") if state and first else None)
+        meter.new_epoch(state if state and first else None)  # mid-epoch: its sums so far
         epoch_t0 = last_log = time.perf_counter()
         windows = _window_plan(len(sizes), first, cfg.accumulate)
         for w, window in enumerate(windows):

@@ -26,14 +26,19 @@ class LossMeter:
     """Training-loss sums: this rank's since the last sync, and every rank's since then.
 
     `sync` is the only collective; the loop calls it at the same steps on every rank (log
-    points, checkpoints), so the epoch's totals are identical everywhere and can be saved.
+    points, checkpoints), so the totals are identical everywhere and can be saved: `state()`
+    goes into a checkpoint, so that a resumed run prints the same losses as one that never
+    stopped, its first progress line included.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.pending = torch.zeros(2, dtype=torch.float64, device=device)
         self.interval = [0.0, 0.0]  # since the last progress line: loss sum, samples
         self.epoch = [0.0, 0.0]  # since the start of the epoch, including before a resume
-        self.fresh = 0.0  # samples this process trained on in this epoch (for samples/s)
+        # Samples this process trained on, for samples/s: a resumed run did not train the
+        # saved ones, so they must not count towards its speed.
+        self.fresh = 0.0  # in this epoch
+        self.fresh_interval = 0.0  # since the last progress line
 
     def add(self, loss_sum: torch.Tensor, n: int) -> None:
         self.pending[0] += loss_sum.detach().double()
@@ -47,19 +52,31 @@ class LossMeter:
             acc[0] += loss
             acc[1] += n
         self.fresh += n
+        self.fresh_interval += n
 
     def take_interval(self) -> tuple[float, float]:
-        """(mean loss, samples) since the last call."""
-        loss, n = self.interval
-        self.interval = [0.0, 0.0]
-        return loss / max(n, 1), n
+        """(mean loss, samples trained by this process) since the last call."""
+        (loss, n), fresh = self.interval, self.fresh_interval
+        self.interval, self.fresh_interval = [0.0, 0.0], 0.0
+        return loss / max(n, 1), fresh
 
     def epoch_mean(self) -> float:
         return self.epoch[0] / max(self.epoch[1], 1)
 
-    def new_epoch(self, saved: list[float] | None = None) -> None:
-        self.epoch = list(saved) if saved else [0.0, 0.0]
-        self.interval, self.fresh = [0.0, 0.0], 0.0
+    def state(self) -> dict:
+        """What a checkpoint keeps (after a `sync`): the epoch's and the interval's sums."""
+        return {"epoch_loss": list(self.epoch), "interval_loss": list(self.interval)}
+
+    def new_epoch(self, saved: dict | None = None) -> None:
+        """Start an epoch, or continue one from a checkpoint's `state()`.
+
+        Checkpoints written before the interval was saved lack it: they still resume, and
+        only the first progress line after the resume averages fewer steps.
+        """
+        saved = saved or {}
+        self.epoch = list(saved.get("epoch_loss") or [0.0, 0.0])
+        self.interval = list(saved.get("interval_loss") or [0.0, 0.0])
+        self.fresh = self.fresh_interval = 0.0
 
 
 class Reporter:

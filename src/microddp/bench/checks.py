@@ -1,0 +1,57 @@
+"""Argument checks the benchmarks share, run before any rank starts.
+
+A bad value found inside a rank costs a rank's traceback (and a spawn); found here it is one
+line naming the flag, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+
+from ..errors import MicroDDPError
+
+
+def at_least(low: int, **flags: int | Iterable[int]) -> None:
+    """Each flag (name=value, or name=[values]) is a whole number >= low."""
+    for name, value in flags.items():
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if v < low:
+                raise MicroDDPError(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
+
+
+def positive(name: str, value: float | None) -> None:
+    """A float flag, when given, is a finite number above 0 (nan and inf pass a plain `> 0`
+    or `< 0` test and then fail deep inside a rank)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise MicroDDPError(f"--{name.replace('_', '-')} must be a positive, finite number, "
+                            f"got {value}")
+
+
+def distinct(name: str, values: list) -> None:
+    """No value twice: a repeated engine or size would be timed twice under one label."""
+    twice = list(dict.fromkeys(v for v in values if values.count(v) > 1))
+    if twice:
+        raise MicroDDPError(f"--{name.replace('_', '-')} gives {', '.join(map(str, twice))} "
+                            "more than once; give each value once")
+
+
+def engines(names: list[str]) -> None:
+    from ..dp import ENGINES
+
+    bad = [e for e in names if e not in ENGINES]
+    if bad:
+        raise MicroDDPError(f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINES)}")
+    distinct("engines", names)
+
+
+def out_folder(path: str) -> None:
+    """Create --out now: a bad folder must fail before the run, not after minutes of it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise MicroDDPError(f"--out {path} is a file, not a folder; give a folder path")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise MicroDDPError(f"--out {path} cannot be created ({e.strerror}); choose a folder "
+                            "you can write to") from None
