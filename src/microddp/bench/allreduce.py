@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import flags as checks
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
 from ..collectives._duplex import duplex
 from ..collectives._group import Peers
@@ -31,7 +32,6 @@ from ..collectives.ring import (
 )
 from ..errors import MicroDDPError
 from ..spawn import spawn
-from . import checks
 from .allreduce_report import CONTROL, describe, plot, table
 from .timing import interleaved, trimmed_mean
 

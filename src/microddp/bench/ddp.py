@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import flags as checks
 from ..errors import MicroDDPError
-from . import checks
 from .timing import compare, interleaved, median
 
 EPILOG = """\

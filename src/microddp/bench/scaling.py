@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import flags as checks
 from .. import trace, trace_report
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..spawn import spawn
 from ..world import World
-from . import checks
 from .timing import interleaved
 
 EPILOG = """\

@@ -14,6 +14,7 @@ import torch
 
 from ..data import DATASETS
 from ..errors import MicroDDPError
+from ..flags import at_least, positive
 
 ENGINES = ("microddp", "naive", "hooks", "buckets", "overlap", "torch")
 OPTIMIZERS = ("sgd", "adam")
@@ -96,11 +97,6 @@ def _choice(value, allowed: tuple, what: str) -> None:
         raise MicroDDPError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
 
 
-def _at_least(value: int, low: int, flag: str) -> None:
-    if value < low:
-        raise MicroDDPError(f"{flag} must be at least {low}, got {value}")
-
-
 def max_sensible_nproc() -> int:
     """One rank per GPU; on CPU, beyond a few ranks per core they only wait for each other."""
     if torch.cuda.is_available():
@@ -121,18 +117,17 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         if cfg.amp == "fp16" and not torch.cuda.is_available():
             raise MicroDDPError("--amp fp16 needs a CUDA GPU (float16 autocast with a gradient "
                                 "scaler); on CPU use --amp bf16")
-    for value, low, flag in ((cfg.epochs, 1, "--epochs"), (cfg.batch_size, 1, "--batch-size"),
-                             (cfg.accumulate, 1, "--accumulate"), (cfg.hidden, 1, "--hidden"),
-                             (cfg.depth, 0, "--depth"), (cfg.keep, 1, "--keep"),
-                             (cfg.checkpoint_every, 0, "--checkpoint-every"),
-                             (cfg.max_restarts, 0, "--max-restarts"),
-                             (cfg.max_steps, 0, "--max-steps"), (cfg.log_every, 0, "--log-every"),
-                             (cfg.seed, 0, "--seed"), (cfg.drift_every, 0, "--drift-every")):
-        _at_least(value, low, flag)
+    for value, low, name in ((cfg.epochs, 1, "epochs"), (cfg.batch_size, 1, "batch_size"),
+                             (cfg.accumulate, 1, "accumulate"), (cfg.hidden, 1, "hidden"),
+                             (cfg.depth, 0, "depth"), (cfg.keep, 1, "keep"),
+                             (cfg.checkpoint_every, 0, "checkpoint_every"),
+                             (cfg.max_restarts, 0, "max_restarts"),
+                             (cfg.max_steps, 0, "max_steps"), (cfg.log_every, 0, "log_every"),
+                             (cfg.seed, 0, "seed"), (cfg.drift_every, 0, "drift_every")):
+        at_least(low, **{name: value})
     # `not x > 0` lets inf through and comparisons let nan through: both train to NaN weights
     # or never time out, so a float setting must also be finite.
-    if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise MicroDDPError(f"--lr must be a positive, finite number, got {cfg.lr}")
+    positive("lr", cfg.lr)
     if not (math.isfinite(cfg.monitor_timeout) and cfg.monitor_timeout >= 0):
         raise MicroDDPError(f"--monitor-timeout must be a finite number of seconds, at least 0 "
                             f"(0 turns the hang monitor off), got {cfg.monitor_timeout}")

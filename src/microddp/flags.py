@@ -1,4 +1,4 @@
-"""Argument checks the benchmarks share, run before any rank starts.
+"""Command-line argument checks the commands share (train, bench), run before any rank starts.
 
 A bad value found inside a rank costs a rank's traceback (and a spawn); found here it is one
 line naming the flag, and exit code 2.
@@ -10,7 +10,7 @@ import math
 import os
 from collections.abc import Iterable
 
-from ..errors import MicroDDPError
+from .errors import MicroDDPError
 
 
 def at_least(low: int, **flags: int | Iterable[int]) -> None:
@@ -38,7 +38,7 @@ def distinct(name: str, values: list) -> None:
 
 
 def engines(names: list[str]) -> None:
-    from ..dp import ENGINES
+    from .dp import ENGINES
 
     bad = [e for e in names if e not in ENGINES]
     if bad:
