@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import flags as checks
+from .. import flags
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
 from ..collectives._duplex import duplex
 from ..collectives._group import Peers
@@ -217,8 +217,8 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError("--repeats and --min-repeats must be at least 1")
     if args.warmup < 0:
         raise MicroDDPError(f"--warmup must be 0 or more, got {args.warmup}")
-    checks.positive("timeout", args.timeout)
-    checks.out_folder(args.out)
+    flags.positive("timeout", args.timeout)
+    flags.out_folder(args.out)
     p = args.world_size
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
           "contenders interleaved call by call")

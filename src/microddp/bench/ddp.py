@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import flags as checks
+from .. import flags
 from ..errors import MicroDDPError
 from .timing import compare, interleaved, median
 
@@ -88,13 +88,13 @@ def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
 def run(args: argparse.Namespace) -> int:
     from ..spawn import spawn
 
-    checks.engines(args.engines)
+    flags.engines(args.engines)
     if args.world_size < 2:
         raise MicroDDPError("the DDP benchmark needs at least 2 ranks (-n 2)")
-    checks.at_least(1, dims=args.dims, batch=args.batch, repeats=args.repeats)
-    checks.at_least(0, depth=args.depth, warmup=args.warmup)
-    checks.distinct("dims", args.dims)
-    checks.positive("bucket_cap_mb", args.bucket_cap_mb)
+    flags.at_least(1, dims=args.dims, batch=args.batch, repeats=args.repeats)
+    flags.at_least(0, depth=args.depth, warmup=args.warmup)
+    flags.distinct("dims", args.dims)
+    flags.positive("bucket_cap_mb", args.bucket_cap_mb)
     names = list(args.engines) + ([CONTROL] if args.control else [])
     if args.control and "torch" not in args.engines:
         raise MicroDDPError("--control compares PyTorch's DDP with itself: include torch in "

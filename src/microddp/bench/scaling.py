@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import flags as checks
-from .. import trace, trace_report
+from .. import flags, trace, trace_report
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..spawn import spawn
@@ -247,17 +246,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    checks.at_least(1, ranks=args.ranks, repeats=args.repeats, rounds=args.rounds,
+    flags.at_least(1, ranks=args.ranks, repeats=args.repeats, rounds=args.rounds,
                     threads=args.threads, dim=args.dim, batch=args.batch)
-    checks.at_least(0, depth=args.depth, warmup=args.warmup)
-    checks.engines(args.engines)
+    flags.at_least(0, depth=args.depth, warmup=args.warmup)
+    flags.engines(args.engines)
     if 1 not in args.ranks:
         raise MicroDDPError("scaling needs a 1-rank baseline: include 1 in --ranks")
     if "strong" in args.modes and args.batch < max(args.ranks):
         raise MicroDDPError(f"strong scaling splits --batch {args.batch} over up to "
                             f"{max(args.ranks)} ranks: make it at least that large")
     round_repeats(args.repeats, args.rounds)  # refuses too few repeats now, not mid-sweep
-    checks.out_folder(args.out)
+    flags.out_folder(args.out)
     ranks = sorted(set(args.ranks))
     grad_bytes = gradient_bytes(args.dim, args.depth)
     print(f"FullMLP({args.dim}, depth {args.depth}): {size_text(grad_bytes)} of gradients; "
