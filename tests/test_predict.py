@@ -98,6 +98,38 @@ def test_ranks_beyond_the_cores_are_bound_by_the_hosts_cpu_work():
     assert waiting["cpu_bound_s"] < four["cpu_bound_s"]  # waiting costs the host nothing
 
 
+def test_one_rank_computes_at_its_own_rate_not_the_whole_hosts():
+    # host: 1e10 FLOP/s with a rank per core; one rank alone, with both cores' threads, 6e9
+    cpu = predict.Hardware(1e10, 1e9, 1e-5, cores=2, memory=1e10, rank_flops=6e9)
+    model = predict.Model(1e6, 6e6)
+    one = predict.predict(model, cpu, 1, 10, local_ranks=1)
+    assert one["compute_s"] == pytest.approx(6e7 / 6e9)
+    two = predict.predict(model, cpu, 2, 10, local_ranks=2)
+    assert two["compute_s"] == pytest.approx(6e7 / (1e10 / 2))  # a core each: rank_flops unused
+    # an old calibration (no rank_flops) keeps the old reading: the host's whole rate
+    old = predict.predict(model, replace(cpu, rank_flops=0.0), 1, 10)
+    assert old["compute_s"] == pytest.approx(6e7 / 1e10)
+
+
+def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeypatch, capsys):
+    from microddp.bench import calibrate
+
+    assert calibrate.rank_rate(64, 2, 8, repeats=3) > 0  # a real spawned rank, briefly
+    monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 1e10))
+    monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
+    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5))
+    monkeypatch.setattr(calibrate, "measured_step", lambda *a: 0.01)
+    path = tmp_path / "cal.json"
+    assert cli.main(["predict", "--calibrate", "--verify", "1", "--calibration", str(path),
+                     "--dim", "64", "--depth", "2", "--batch", "800"]) == 0
+    saved = predict.Hardware(**json.loads(path.read_text()))
+    assert saved.rank_flops == 6e9 and saved.flops == 1e10
+    row = next(line.split() for line in capsys.readouterr().out.splitlines()
+               if line.split()[:1] == ["1"])
+    want = predict.fullmlp(64, 2).flops_per_sample * 800 / 6e9  # one rank: its own rate
+    assert float(row[1]) == pytest.approx(1e3 * want, rel=0.01)  # not 1e10: 40% less
+
+
 def measure_cpu_share(world):
     from microddp.bench.calibrate import _allreduce_times
 

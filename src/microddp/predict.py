@@ -39,6 +39,10 @@ class Hardware:
     cores: int = 0  # CPU ranks: cores of the host; ranks beyond it time-share them (0: GPUs)
     memory: float = 0.0  # device memory bytes/s, for DDP's bucket copies (0: leave them out)
     comm_cpu: float = 1.0  # CPU ranks: CPU-seconds a rank burns per second of all-reduce
+    # CPU ranks: FLOP/s of one rank running alone with every core's threads (0: unknown, then
+    # taken as `flops`). Small matrices do not split well over threads, so one process rarely
+    # reaches the rate of a rank per core.
+    rank_flops: float = 0.0
 
 
 # Sustained rates assume ~40% of the bf16 dense peak, a typical large-model training figure.
@@ -103,14 +107,18 @@ def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str
     """One step at `world` ranks with `batch` samples per rank; times in seconds.
 
     `local_ranks` ranks that share one host also share its compute (CPU ranks do): each gets
-    1/local_ranks of it, or one core's worth once there are more ranks than cores, when the
-    host's CPU bound (`cpu_bound_s`) takes over.
+    1/local_ranks of it, but no more than one rank alone reaches (`rank_flops`), or one core's
+    worth once there are more ranks than cores, when the host's CPU bound (`cpu_bound_s`)
+    takes over.
     """
     if world < 1 or batch <= 0:
         raise MicroDDPError(f"world size and batch must be positive, got {world} and {batch}")
     local = max(1, local_ranks)
     sharing = min(local, hw.cores) if hw.cores else local  # ranks running at once, each its share
-    compute = model.flops_per_sample * batch / (hw.flops / sharing)
+    rate = hw.flops / sharing
+    if hw.rank_flops:  # fewer ranks than cores: each has more threads, not more of the host
+        rate = min(rate, hw.rank_flops)
+    compute = model.flops_per_sample * batch / rate
     forward, backward = compute / 3, 2 * compute / 3
     total = model.params * grad_bytes
     k = max(1, math.ceil(total / (bucket_mb * 2**20)))

@@ -45,6 +45,13 @@ def host_rates(dim: int, depth: int, batch: int, repeats: int = 20) -> tuple[flo
     return sum(r[0] for r in rates), sum(r[1] for r in rates)
 
 
+def rank_rate(dim: int, depth: int, batch: int, repeats: int = 20) -> float:
+    """Training FLOP/s of one rank alone, which gets every core's threads (as `spawn` and
+    `microddp run` give a single rank). On CPU it falls well short of `host_rates`: a
+    FullMLP's small matrices do not split well over threads."""
+    return spawn(_rate_job, 1, args=(dim, depth, batch, repeats), timeout=300)[0][0]
+
+
 def _rate_job(world: World, dim: int, depth: int, batch: int,
               repeats: int) -> tuple[float, float]:
     torch.manual_seed(0)
@@ -142,12 +149,13 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     print(f"calibrating on FullMLP({dim}, depth {depth}), batch {batch}, {os.cpu_count()} cores, "
           f"{rounds} rounds ...")
     got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "bandwidth",
-                                                   "busy")}
+                                                   "busy", "rank_flops")}
     steps: dict[int, list[float]] = {n: [] for n in worlds}
     for _ in range(rounds):
         flops, memory = host_rates(dim, depth, batch)
         got["flops"].append(flops)
         got["memory"].append(memory)
+        got["rank_flops"].append(rank_rate(dim, depth, batch))
         alpha, bandwidth, busy = alpha_beta(2)
         got["alpha"].append(alpha)
         got["bandwidth"].append(bandwidth)
@@ -157,11 +165,12 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     med = {k: statistics.median(v) for k, v in got.items()}
     hw = Hardware(med["flops"], med["bandwidth"], med["alpha"],
                   "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
-                  memory=med["memory"], comm_cpu=med["busy"])
+                  memory=med["memory"], comm_cpu=med["busy"], rank_flops=med["rank_flops"])
     save_calibration(hw, args.calibration)
-    print(f"compute {hw.flops:.3g} FLOP/s, memory {hw.memory:.3g} B/s, latency (alpha) "
-          f"{1e6 * hw.latency:.1f} us, bandwidth (1/beta) {hw.bandwidth:.3g} B/s, all-reduce keeps "
-          f"{100 * hw.comm_cpu:.0f}% of a core busy; saved to {args.calibration} "
+    print(f"compute {hw.flops:.3g} FLOP/s ({hw.rank_flops:.3g} for one rank alone), memory "
+          f"{hw.memory:.3g} B/s, latency (alpha) {1e6 * hw.latency:.1f} us, bandwidth (1/beta) "
+          f"{hw.bandwidth:.3g} B/s, all-reduce keeps {100 * hw.comm_cpu:.0f}% of a core busy; "
+          f"saved to {args.calibration} "
           "(--hardware calibrated)")
     if not worlds:
         return 0
