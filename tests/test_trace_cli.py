@@ -30,6 +30,11 @@ def test_traced_run_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.findall(r"^\s+(\d+)\s+[\d.]+", out, re.M) == ["0", "1", "2"]
     assert "overlap" in out and (tmp_path / "trace.json").is_file()
+    # the run drew its timeline once, and says so once: not "redrawn" as for an old trace
+    assert "redrawn" not in out
+    assert out.rstrip().endswith(f"wrote {tmp_path / 'trace.json'} (open in "
+                                 f"https://ui.perfetto.dev) and {tmp_path / 'timeline.png'}")
+    assert (tmp_path / "timeline.png").is_file()
     doc = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in doc["traceEvents"]} == {0, 1}
 
