@@ -47,3 +47,13 @@ def test_errors_are_one_line(tmp_path, capsys):
     assert "--steps must be at least 1, got 0" in capsys.readouterr().err
     assert cli.main(["trace", "-n", "1", "--engine", "torch"]) == 2
     assert "needs at least 2 ranks" in capsys.readouterr().err
+
+
+def test_overhead_names_its_rows(capsys):
+    assert cli.main(["trace", "--overhead", "-n", "1", "--steps", "3", "--dim", "16",
+                     "--depth", "1", "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert [m for m in re.findall(r"^  (\w+)\s+[\d.]+ ms vs plain", out, re.M)] == [
+        "traced", "monitored", "control"]
+    assert out.rstrip().endswith("control = plain timed again (A/A): a gap no larger than "
+                                 "control's is noise")

@@ -164,6 +164,8 @@ def overhead(args: argparse.Namespace, kwargs: dict) -> int:
         r = ratio_of_medians(times[name], times["plain"])
         print(f"  {name:9} {1e3 * median(times[name]):8.3f} ms vs plain {1e3 * base:8.3f} ms: "
               f"ratio of medians {r:.4f} ({100 * (r - 1):+.2f}%)")
+    print("traced = spans recorded, monitored = collectives logged by microddp.monitor, control "
+          "= plain timed again (A/A): a gap no larger than control's is noise")
     return 0
 
 
