@@ -87,12 +87,14 @@ def test_default_sizes_span_1_kib_to_64_mib():
 
 def test_fitted_line_is_printed_for_a_person():
     one = describe(CostModel(5e-5, 1e-9, 1e-10))
-    assert one == "fitted: alpha 50.0 us/message, beta 1.00 GB/s per link, gamma 10.00 GB/s reduction"
+    # beta and gamma are seconds per byte: what reads as GB/s is their inverse, and says so
+    assert one == ("fitted: alpha 50.0 us/message, 1/beta 1.00 GB/s per link, "
+                   "1/gamma 10.00 GB/s reduction")
     two = describe(CostModel(1e-4, 1e-9, 1e-10, small=(512 << 10, 2e-5, 5e-10)))
     assert two.splitlines() == [
-        "fitted: messages up to 512 KiB: alpha 20.0 us/message, beta 2.00 GB/s per link",
-        "        larger messages: alpha 100.0 us/message, beta 1.00 GB/s per link",
-        "        gamma 10.00 GB/s reduction"]
+        "fitted: messages up to 512 KiB: alpha 20.0 us/message, 1/beta 2.00 GB/s per link",
+        "        larger messages: alpha 100.0 us/message, 1/beta 1.00 GB/s per link",
+        "        1/gamma 10.00 GB/s reduction"]
 
 
 @pytest.mark.parametrize("argv, message", [

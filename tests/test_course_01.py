@@ -77,3 +77,11 @@ def test_doctor_names_what_is_wrong_with_the_ring():
 
     assert doctor.ring_problem(world, off_by_one) == "element 7 is 8, expected 7"
     assert doctor.ring_problem(world, broken) == "RuntimeError: Connection closed by peer"
+
+
+def test_chapter_scripts_refuse_a_world_size_below_one_in_one_line():
+    for script in ("verify_setup.py", "hello_distributed.py"):
+        out = run(sys.executable, f"course/01_first_program/{script}", "--world-size", "0")
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr
+        assert out.stderr.strip().endswith("error: --world-size must be at least 1")

@@ -70,3 +70,13 @@ def test_compare_table_shows_every_stage_within_float_rounding(monolith):
                                              ("naive", "hooks", "buckets", "overlap", "microddp", "torch")]]
     assert all(float(diff) < 1e-6 for _, diff, _ in rows)
     assert [same for _, _, same in rows] == ["-", "-"] + ["True"] * 6
+
+
+@pytest.mark.parametrize("script", ["naive.py", "ddp.py"])
+def test_a_world_size_that_does_not_divide_the_batch_is_one_line_and_exit_2(script):
+    done = subprocess.run([sys.executable, str(CHAPTER / script), "-n", "5"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert ("--world-size 5: every rank takes an equal share of the global batch of 48, so the "
+            "world size must divide it (1, 2, 3, 4, 6, 8, 12, 16, 24, 48)") in done.stderr

@@ -132,6 +132,19 @@ def test_a_failing_rank_stops_the_others(tmp_path, failure, code, says):
     _assert_all_gone(tmp_path)
 
 
+def test_a_silent_rank_that_dies_is_reported_without_an_empty_list_of_lines(tmp_path):
+    script = write(tmp_path, "quiet.py", """\
+        import os
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), 9)
+        """)
+    out = microddp("run", "-n", "2", script)
+    assert out.returncode == 128 + 9
+    assert ("microddp run: rank 1 failed (killed by SIGKILL); stopped the other ranks. "
+            "It printed nothing.") in out.stderr
+    assert "Its last lines" not in out.stderr
+
+
 def test_killing_the_launcher_kills_its_workers(tmp_path):
     script = write(tmp_path, "sleep.py", SLEEPER.replace("{failure}", "pass"))
     launcher = subprocess.Popen([sys.executable, "-m", "microddp", "run", "-n", "2", script,

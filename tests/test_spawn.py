@@ -135,3 +135,21 @@ def test_ranks_die_with_a_killed_caller(tmp_path, sig, method):
         for pid in family:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_spawn_under_a_launcher_warns_that_every_worker_runs_the_whole_job(tmp_path):
+    script = tmp_path / "selfspawning.py"
+    script.write_text("import microddp as mdp\n\n\ndef f(world):\n    return world.rank\n\n\n"
+                      "if __name__ == '__main__':\n    print(mdp.spawn(f, 2), mdp.spawn(f, 2))\n")
+    out = subprocess.run([sys.executable, "-m", "microddp", "run", "-n", "2", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    warning = ("microddp.spawn: warning: this process is already rank {k} of 2 started by a "
+               "launcher, and starts 2 ranks of its own, so every launched rank runs the whole "
+               "job; run a script that starts its own ranks (every course script does) with "
+               "plain `python script.py`")
+    for k in (0, 1):  # once per worker, however many times it calls spawn
+        assert (out.stdout + out.stderr).count(f"[rank {k}] " + warning.format(k=k)) == 1, out.stdout
+    alone = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=120)
+    assert alone.returncode == 0 and "warning" not in alone.stderr, alone.stderr

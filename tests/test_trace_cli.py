@@ -30,6 +30,11 @@ def test_traced_run_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.findall(r"^\s+(\d+)\s+[\d.]+", out, re.M) == ["0", "1", "2"]
     assert "overlap" in out and (tmp_path / "trace.json").is_file()
+    # the run drew its timeline once, and says so once: not "redrawn" as for an old trace
+    assert "redrawn" not in out
+    assert out.rstrip().endswith(f"wrote {tmp_path / 'trace.json'} (open in "
+                                 f"https://ui.perfetto.dev) and {tmp_path / 'timeline.png'}")
+    assert (tmp_path / "timeline.png").is_file()
     doc = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in doc["traceEvents"]} == {0, 1}
 
@@ -42,3 +47,13 @@ def test_errors_are_one_line(tmp_path, capsys):
     assert "--steps must be at least 1, got 0" in capsys.readouterr().err
     assert cli.main(["trace", "-n", "1", "--engine", "torch"]) == 2
     assert "needs at least 2 ranks" in capsys.readouterr().err
+
+
+def test_overhead_names_its_rows(capsys):
+    assert cli.main(["trace", "--overhead", "-n", "1", "--steps", "3", "--dim", "16",
+                     "--depth", "1", "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert [m for m in re.findall(r"^  (\w+)\s+[\d.]+ ms vs plain", out, re.M)] == [
+        "traced", "monitored", "control"]
+    assert out.rstrip().endswith("control = plain timed again (A/A): a gap no larger than "
+                                 "control's is noise")

@@ -28,6 +28,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2, help="processes in the live check")
     args = parser.parse_args()
+    if args.world_size < 1:
+        parser.error("--world-size must be at least 1")
 
     print(f"Python {platform.python_version()}, PyTorch {torch.__version__}")
     print(f"torch.distributed available: {dist.is_available()}")

@@ -67,8 +67,8 @@ def part1() -> None:
             sent = [r[name][0] for r in per_rank]
             msgs = max(r[name][1] for r in per_rank)
             ok = all(r[name][2] for r in per_rank)
-            print(f"  {p:>5}  {name:<6} {max(sent) / NBYTES:>11.2f} n {min(sent) / NBYTES:>12.2f} n "
-                  f"{msgs:>9}  {'yes' if ok else 'NO'}")
+            print(f"  {p:>5}  {name:<6} {max(sent) / NBYTES:>11.2f} n "
+                  f"{min(sent) / NBYTES:>12.2f} n {msgs:>9}  {'yes' if ok else 'NO'}")
     print("  ring: every rank sends 2(p-1)/p n, which stays below 2n however many ranks there")
     print("  are; naive: the root sends (p-1) n, growing with p; tree: log2(p) n per rank.")
 

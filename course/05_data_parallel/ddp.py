@@ -7,10 +7,10 @@ only, and load that one file on every rank.
     python course/05_data_parallel/ddp.py --engine torch    # PyTorch's DDP: same checksum
 """
 
-import argparse
 import os
 import tempfile
 
+import problem
 import torch
 from problem import DEPTH, DIM, batches, finish, fresh_model, local, loss_fn, report
 
@@ -47,13 +47,12 @@ def train(world: mdp.World, engine: str, checkpoint: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--world-size", type=int, default=2, help="number of ranks")
+    p = problem.parser(__doc__)
     p.add_argument("--engine", choices=["microddp", "torch"], default="microddp")
     args = p.parse_args()
+    n = problem.world_size(p, args.world_size)
     with tempfile.TemporaryDirectory() as tmp:
-        mdp.spawn(train, args.world_size, args=(args.engine, os.path.join(tmp, "model.pt")))
+        mdp.spawn(train, n, args=(args.engine, os.path.join(tmp, "model.pt")))
 
 
 if __name__ == "__main__":

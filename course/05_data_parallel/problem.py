@@ -47,11 +47,23 @@ def finish(world: mdp.World | None, model: nn.Module) -> None:
         print(f"parameter checksum {total:.10f}", flush=True)
 
 
-def world_size_from_args(description: str, default: int = 2) -> int:
+def parser(description: str, default: int = 2) -> argparse.ArgumentParser:
+    """The stage scripts' command line: -n/--world-size, checked by `world_size`."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--world-size", type=int, default=default, help="number of ranks")
-    n = p.parse_args().world_size
+    return p
+
+
+def world_size(p: argparse.ArgumentParser, n: int) -> int:
+    """n, if every rank can get an equal share of the global batch; else a one-line error."""
     if n < 1 or GLOBAL_BATCH % n:
-        p.error(f"--world-size must divide the global batch of {GLOBAL_BATCH}")
+        ok = ", ".join(str(k) for k in range(1, GLOBAL_BATCH + 1) if GLOBAL_BATCH % k == 0)
+        p.error(f"--world-size {n}: every rank takes an equal share of the global batch of "
+                f"{GLOBAL_BATCH}, so the world size must divide it ({ok})")
     return n
+
+
+def world_size_from_args(description: str, default: int = 2) -> int:
+    p = parser(description, default)
+    return world_size(p, p.parse_args().world_size)

@@ -175,8 +175,10 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
 def _report(first: _Worker, workers: list[_Worker]) -> None:
     for w in workers:
         w.reader.join(timeout=2)  # let the failing rank's last lines reach the screen first
+    # Often only rank 0 prints: then say so rather than promise lines that never come.
+    tail = "Its last lines:" if first.tail else "It printed nothing."
     print(f"microddp run: rank {first.rank} failed ({describe_exit(first.proc.returncode)}); "
-          "stopped the other ranks. Its last lines:", file=sys.stderr)
+          f"stopped the other ranks. {tail}", file=sys.stderr)
     for line in first.tail:
         print(f"  [rank {first.rank}] {line}", file=sys.stderr)
 

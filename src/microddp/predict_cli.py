@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or global batch with --strong (default 32)")
     p.add_argument("--strong", action="store_true", help="fixed global batch (strong scaling)")
     p.add_argument("--world", type=int, nargs="+", help="world sizes (default 1, 2, 4 .. 4096)")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="ring")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="ring",
+                   help="all-reduce algorithm (default ring)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (default 25)")
     p.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient value (4 fp32, "
                    "2 bf16)")
@@ -63,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "latency and bandwidth first (saved to --calibration)")
     p.add_argument("--verify", type=int, nargs="*", help="with --calibrate: measure real step "
                    "times at these local world sizes and compare")
-    p.add_argument("--calibration", default=str(Path.home() / ".cache/microddp/calibration.json"))
+    p.add_argument("--calibration", default=str(Path.home() / ".cache/microddp/calibration.json"),
+                   metavar="FILE", help="where --calibrate saves its figures and --hardware "
+                   "calibrated reads them (default ~/.cache/microddp/calibration.json)")
     p.add_argument("--list", action="store_true", help="list the presets and exit")
 
 

@@ -171,8 +171,26 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
             f"microddp.spawn() ran while a rank was importing {sys.argv[0] or 'your script'}: "
             "put the call under `if __name__ == \"__main__\":`, so that it runs only in the "
             "process you started")
+    _warn_if_launched(world_size)
     with _sigterm_stops_ranks():
         return _run(fn, world_size, args, timeout, backend, _context(start_method), join)
+
+
+_warned = False
+
+
+def _warn_if_launched(world_size: int) -> None:
+    """Under `microddp run` or torchrun every worker would start a world of its own: the job
+    runs once per worker (a chapter script run with the launcher). Say so, once per process."""
+    global _warned
+    if _warned or not os.environ.get("TORCHELASTIC_RUN_ID") or "WORLD_SIZE" not in os.environ:
+        return
+    _warned = True
+    print(f"microddp.spawn: warning: this process is already rank {os.environ.get('RANK')} of "
+          f"{os.environ['WORLD_SIZE']} started by a launcher, and starts {world_size} ranks of "
+          "its own, so every launched rank runs the whole job; run a script that starts its "
+          "own ranks (every course script does) with plain `python script.py`",
+          file=sys.stderr, flush=True)
 
 
 def _run(fn: Callable, world_size: int, args: tuple, timeout: float, backend: str | None,

@@ -164,6 +164,8 @@ def overhead(args: argparse.Namespace, kwargs: dict) -> int:
         r = ratio_of_medians(times[name], times["plain"])
         print(f"  {name:9} {1e3 * median(times[name]):8.3f} ms vs plain {1e3 * base:8.3f} ms: "
               f"ratio of medians {r:.4f} ({100 * (r - 1):+.2f}%)")
+    print("traced = spans recorded, monitored = collectives logged by microddp.monitor, control "
+          "= plain timed again (A/A): a gap no larger than control's is noise")
     return 0
 
 
@@ -193,7 +195,7 @@ def _print_steps(rows: list[dict]) -> None:
               f"{r['exposed_comm_ms']:>9.2f} {ov:>8}")
 
 
-def _summarise(path: str) -> int:
+def _summarise(path: str, redraw: bool = True) -> int:
     by_rank = trace_report.load(path)
     rows = trace_report.per_step(by_rank)
     if not rows:
@@ -201,6 +203,8 @@ def _summarise(path: str) -> int:
     _print_steps([trace_report.in_ms(r) for r in rows])
     summary = trace_report.in_ms(trace_report.summarize(rows))
     print(trace_report.format_summary(summary))
+    if not redraw:  # a run that has just drawn it
+        return 0
     png = Path(path).with_name("timeline.png")
     trace_report.plot_timeline(by_rank, png)
     print(f"{len(by_rank)} rank(s); timeline redrawn in {png}")
@@ -224,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"tracing {args.steps} steps of FullMLP({args.dim}, depth {args.depth}) on "
           f"{args.nproc} rank(s), engine {args.engine}, batch {args.batch} per rank")
     summary = spawn(_run_job, args.nproc, args=(args.out, kwargs), timeout=args.timeout)[0]
-    _summarise(summary["trace_json"])
+    _summarise(summary["trace_json"], redraw=False)
     print(f"wrote {summary['trace_json']} (open in https://ui.perfetto.dev) and "
           f"{summary['timeline_png']}")
     return 0

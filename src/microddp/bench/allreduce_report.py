@@ -21,20 +21,21 @@ def human(nbytes: float) -> str:
 
 
 def describe(model: CostModel) -> str:
-    """The fitted parameters, as a person reads them: latency in us, rates in GB/s."""
+    """The fitted parameters, as a person reads them: latency in us, rates in GB/s (beta and
+    gamma are seconds per byte, so a rate is 1/beta or 1/gamma, labelled so)."""
     def per_byte(seconds: float) -> str:  # a fit on bad data can give a slope <= 0
         return f"{1 / seconds / 1e9:.2f} GB/s" if seconds > 0 else f"{seconds:.3g} s/byte"
 
     def link(alpha: float, beta: float) -> str:
-        return f"alpha {alpha * 1e6:.1f} us/message, beta {per_byte(beta)} per link"
+        return f"alpha {alpha * 1e6:.1f} us/message, 1/beta {per_byte(beta)} per link"
 
     rate = per_byte(model.gamma)
     if model.small is None:
-        return f"fitted: {link(model.alpha, model.beta)}, gamma {rate} reduction"
+        return f"fitted: {link(model.alpha, model.beta)}, 1/gamma {rate} reduction"
     up_to, a, b = model.small
     return (f"fitted: messages up to {human(int(up_to))}: {link(a, b)}\n"
             f"        larger messages: {link(model.alpha, model.beta)}\n"
-            f"        gamma {rate} reduction")
+            f"        1/gamma {rate} reduction")
 
 
 def table(rows: list[dict], algos: list[str], model: CostModel, p: int,

@@ -2,7 +2,8 @@
 
 Every contender trains its own copy of the same FullMLP on the same batches, on the same ranks;
 their steps are interleaved (each round in a fresh random order, a barrier before each) so
-machine noise hits all alike. Reports the median step time (the slowest rank's, per step) and microddp / PyTorch.
+machine noise hits all alike. Reports the median step time (the slowest rank's, per step) and
+the ratio microddp / PyTorch.
 """
 
 from __future__ import annotations

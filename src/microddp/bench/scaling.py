@@ -235,7 +235,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=512, help="FullMLP width (default 512)")
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth (default 8)")
     p.add_argument("--batch", type=int, default=64, help="weak: per rank; strong: global")
-    p.add_argument("--modes", nargs="+", choices=("strong", "weak"), default=["strong", "weak"])
+    p.add_argument("--modes", nargs="+", choices=("strong", "weak"), default=["strong", "weak"],
+                   help="strong: a fixed global batch split over the ranks; weak: a fixed batch "
+                   "per rank (default both)")
     p.add_argument("--repeats", type=int, default=20,
                    help="timed steps per engine and world size, all rounds together (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")

@@ -88,7 +88,7 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # --8<-- [start:bucket]
 class Bucket:
-    """A flat gradient buffer for `params`, with a view per parameter and a count of what is missing."""
+    """A flat gradient buffer for `params`, a view per parameter, a count of what is missing."""
 
     def __init__(self, params: Sequence[torch.Tensor], index: int = 0,
                  indices: Sequence[int] | None = None) -> None:
@@ -102,7 +102,8 @@ class Bucket:
             offset += p.numel()
         first = self.params[0]
         self.flat = torch.zeros(offset, dtype=first.dtype, device=first.device)
-        self.views = [bucket_view(self.flat, p, o) for p, o in zip(self.params, self.offsets, strict=True)]
+        self.views = [bucket_view(self.flat, p, o)
+                      for p, o in zip(self.params, self.offsets, strict=True)]
         self.pending = len(self.params)
         self._position = {id(p): k for k, p in enumerate(self.params)}
 
