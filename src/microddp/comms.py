@@ -48,10 +48,14 @@ def _op_name(op: Op | dist.ReduceOp) -> str:
     if isinstance(op, str):
         name = op.lower()
     else:
+        # dist.ReduceOp(...) objects (not the ReduceOp.SUM constants) hold their kind in `.op`;
+        # they equal the constant only one way round, so a dict lookup would miss them.
+        op = getattr(op, "op", op)
         names = {v: k for k, v in REDUCE_OPS.items() if k != "avg"}
         name = names.get(op, "avg" if op == dist.ReduceOp.AVG else "")
     if name not in REDUCE_OPS:
-        raise MicroDDPError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+        raise MicroDDPError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)} "
+                            "(or the dist.ReduceOp of that name)")
     return name
 
 
@@ -62,6 +66,8 @@ def _check_op_dtype(name: str, tensor: torch.Tensor) -> None:
     if name == "avg" and not floating:
         raise MicroDDPError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
                             "use 'sum' and divide yourself")
+    if name in ("min", "max", "product") and tensor.is_complex():  # torch: a ValueError
+        raise MicroDDPError(f"op {name!r} is not defined for complex tensors; use 'sum' or 'avg'")
 
 
 def group_size(group=None) -> int:

@@ -25,9 +25,6 @@ def op_name(op, tensor: torch.Tensor, where: str) -> str:
         _check_op_dtype(name, tensor)
     except MicroDDPError as e:
         raise MicroDDPError(f"{where}: {e}") from None
-    if name in ("min", "max", "product") and tensor.is_complex():
-        raise MicroDDPError(f"{where}: op {name!r} is not defined for complex tensors; "
-                            "use 'sum' or 'avg'")
     return name
 
 
