@@ -23,8 +23,53 @@ def test_every_spelling_of_an_op_is_accepted(op):
         (lambda: comms.all_reduce(torch.ones(2, dtype=torch.complex64), "max"), "complex"),
         (lambda: comms.reduce(torch.ones(2, dtype=torch.complex64), 0, "product"), "complex"),
         (lambda: comms.all_reduce(torch.ones(2), dist.ReduceOp.PREMUL_SUM), "unknown reduce op"),
+        (lambda: comms.broadcast(torch.ones(2), src=1), r"src=1 is not a rank"),
+        (lambda: comms.gather(torch.ones(2), [torch.ones(2)], dst=-1), r"dst=-1 is not a rank"),
+        # torch.Tensor.copy_ would broadcast (3,) into (2, 3) without a word
+        (lambda: comms.all_gather([torch.zeros(2, 3)], torch.ones(3)), r"tensor_list\[0\] is"),
+        (lambda: comms.scatter(torch.ones(2), [torch.ones(2)] * 2), "one tensor per rank"),
+        (lambda: comms.gather(torch.ones(2), torch.ones(1, 2)), "a tensor, not a list"),
     ],
 )
 def test_torch_habits_that_are_mistakes_get_a_clear_error(call, message):
     with pytest.raises(mdp.MicroDDPError, match=message):
         call()
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except mdp.MicroDDPError as e:
+        return str(e)
+    return "no error"
+
+
+def _habits(world):
+    out = {}
+    t = torch.tensor([float(world.rank), 5.0 - world.rank])
+    u = t.clone()
+    comms.all_reduce(t, dist.ReduceOp(dist.ReduceOp.MAX))
+    dist.all_reduce(u, dist.ReduceOp(dist.ReduceOp.MAX))
+    out["reduce_op_object"] = (t.tolist(), u.tolist())
+    only_me = [comms.new_group([0]), comms.new_group([1])][world.rank]
+    # Every rank makes the same mistake, so none waits for another (gloo would abort the
+    # process on the first; torch's error for the others is the backend's or a ValueError).
+    out["errors"] = [
+        _message(lambda: comms.reduce_scatter(torch.ones(3), [torch.ones(3), torch.ones(4)])),
+        _message(lambda: comms.broadcast(torch.ones(2), src=2)),
+        _message(lambda: comms.broadcast(torch.ones(2), src=1 - world.rank, group=only_me)),
+        _message(lambda: comms.all_gather([torch.zeros(2), torch.zeros(2, dtype=torch.int64)],
+                                          torch.ones(2))),
+    ]
+    return out
+
+
+def test_torch_habits_on_two_ranks():
+    for rank, out in enumerate(mdp.spawn(_habits, 2, timeout=90)):
+        mine, torchs = out["reduce_op_object"]
+        assert mine == torchs == [1.0, 5.0]
+        shape, root, member, dtype = out["errors"]
+        assert "input_list[1] is (4,)" in shape, shape
+        assert "src=2 is not a rank of the group (global ranks [0, 1])" in root, root
+        assert f"src={1 - rank} is not a rank of the group (global ranks [{rank}])" in member
+        assert "tensor_list[1] is (2,) torch.int64" in dtype, dtype

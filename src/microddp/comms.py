@@ -133,9 +133,11 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
               async_op: bool = False) -> Handle | None:
     """Every rank ends with rank `src`'s tensor, in place."""
     if not _distributed():
+        _check_root(src, group, "src")
         return _done(async_op, result=[tensor])
     if _outside(group):
         return dist.broadcast(tensor, src, group, async_op)
+    _check_root(src, group, "src")
     return _result(dist.broadcast(tensor, src, group, async_op=True), async_op)
 
 
@@ -144,7 +146,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     """tensor_list[i] becomes rank i's tensor, on every rank."""
     if _outside(group):
         return dist.all_gather(tensor_list, tensor, group, async_op)
-    _check_list(tensor_list, group, "tensor_list")
+    _check_list(tensor_list, group, "tensor_list", tensor)
     if not _distributed():
         return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
     return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
@@ -157,7 +159,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
     _check_op_dtype(name, output)
     if _outside(group):
         return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
-    _check_list(input_list, group, "input_list")
+    _check_list(input_list, group, "input_list", output)
     if not _distributed():
         return _done(async_op, lambda: output.copy_(input_list[0]), [output])
     finish = _divide(output, group_size(group)) if name == "avg" else None
@@ -171,9 +173,11 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: Op = "sum", group=None,
     name = _op_name(op)
     _check_op_dtype(name, tensor)
     if not _distributed():
+        _check_root(dst, group, "dst")
         return _done(async_op, result=[tensor])
     if _outside(group):
         return dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op)
+    _check_root(dst, group, "dst")
     is_dst = dist.get_rank() == dst
     finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
     return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
@@ -184,14 +188,15 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
             src: int = 0, group=None, async_op: bool = False) -> Handle | None:
     """Rank i receives scatter_list[i] from rank `src` into `tensor`."""
     if not _distributed():
-        if scatter_list is None:
-            raise MicroDDPError("scatter on the source rank needs a scatter_list")
+        _check_root(src, group, "src")
+        _check_list(scatter_list, group, "scatter_list", tensor)
         return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
     if _outside(group):
         return dist.scatter(tensor, None, src, group, async_op)
+    _check_root(src, group, "src")
     is_src = dist.get_rank() == src
     if is_src:
-        _check_list(scatter_list, group, "scatter_list")
+        _check_list(scatter_list, group, "scatter_list", tensor)
     work = dist.scatter(tensor, list(scatter_list) if is_src else None, src, group,
                         async_op=True)
     return _result(work, async_op)
@@ -201,14 +206,15 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
            dst: int = 0, group=None, async_op: bool = False) -> Handle | None:
     """Rank `dst` receives every rank's tensor: gather_list[i] is rank i's."""
     if not _distributed():
-        if gather_list is None:
-            raise MicroDDPError("gather on the destination rank needs a gather_list")
+        _check_root(dst, group, "dst")
+        _check_list(gather_list, group, "gather_list", tensor)
         return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
     if _outside(group):
         return dist.gather(tensor, None, dst, group, async_op)
+    _check_root(dst, group, "dst")
     is_dst = dist.get_rank() == dst
     if is_dst:
-        _check_list(gather_list, group, "gather_list")
+        _check_list(gather_list, group, "gather_list", tensor)
     work = dist.gather(tensor, gather_list if is_dst else None, dst, group, async_op=True)
     return _result(work, async_op)
 
@@ -284,8 +290,29 @@ def new_group(ranks: Sequence[int] | None = None, backend: str | None = None,
     return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs)
 
 
-def _check_list(tensors, group, what: str) -> None:
+def _check_list(tensors, group, what: str, like: torch.Tensor) -> None:
+    """One tensor per rank, each of `like`'s dtype and device and, except on NCCL (which takes
+    uneven sizes), of its shape: gloo's reduce_scatter aborts the process on a wrong shape."""
     n = group_size(group)
-    if tensors is None or len(tensors) != n:
-        got = "none" if tensors is None else len(tensors)
+    if tensors is None or isinstance(tensors, torch.Tensor) or len(tensors) != n:
+        got = ("none" if tensors is None else "a tensor, not a list"
+               if isinstance(tensors, torch.Tensor) else len(tensors))
         raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
+    even = not _distributed() or dist.get_backend(group) != "nccl"
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise MicroDDPError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != like.dtype or t.device != like.device or (even and t.shape != like.shape):
+            raise MicroDDPError(
+                f"{what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the tensor is "
+                f"{tuple(like.shape)} {like.dtype} on {like.device}; make them match")
+
+
+def _check_root(root: int, group, what: str) -> None:
+    """`src`/`dst` is a global rank of the group: torch's own error for one that is not comes
+    from the backend (gloo: 'invalid root rank'), or not at all."""
+    ranks = (range(get_world().world_size) if group is None or not _distributed()
+             else dist.get_process_group_ranks(group))
+    if root not in ranks:
+        raise MicroDDPError(f"{what}={root} is not a rank of the group (global ranks "
+                            f"{list(ranks)}); pass a global rank from that list")
