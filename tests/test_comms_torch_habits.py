@@ -2,6 +2,8 @@
 a timeout, roots and lists that are wrong. Each gives torch's result or a MicroDDPError, never
 a backend's abort or an error of another type."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -51,6 +53,10 @@ def _habits(world):
     comms.all_reduce(t, dist.ReduceOp(dist.ReduceOp.MAX))
     dist.all_reduce(u, dist.ReduceOp(dist.ReduceOp.MAX))
     out["reduce_op_object"] = (t.tolist(), u.tolist())
+    t = torch.full((3,), float(world.rank + 1))
+    handle = comms.all_reduce(t, "avg", async_op=True)
+    out["handle"] = (handle.wait(timeout=timedelta(seconds=30)),
+                     [x.tolist() for x in handle.result()], handle.exception())
     only_me = [comms.new_group([0]), comms.new_group([1])][world.rank]
     # Every rank makes the same mistake, so none waits for another (gloo would abort the
     # process on the first; torch's error for the others is the backend's or a ValueError).
@@ -68,6 +74,7 @@ def test_torch_habits_on_two_ranks():
     for rank, out in enumerate(mdp.spawn(_habits, 2, timeout=90)):
         mine, torchs = out["reduce_op_object"]
         assert mine == torchs == [1.0, 5.0]
+        assert out["handle"] == (True, [[1.5] * 3], None)
         shape, root, member, dtype = out["errors"]
         assert "input_list[1] is (4,)" in shape, shape
         assert "src=2 is not a rank of the group (global ranks [0, 1])" in root, root
