@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .errors import MicroDDPError
 from .handle import Handle
-from .world import World, get_world, init, is_initialized, shutdown
+from .world import World, get_world, init, is_initialized, shutdown, uses_nccl
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
@@ -298,7 +298,7 @@ def _check_list(tensors, group, what: str, like: torch.Tensor) -> None:
         got = ("none" if tensors is None else "a tensor, not a list"
                if isinstance(tensors, torch.Tensor) else len(tensors))
         raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
-    even = not _distributed() or dist.get_backend(group) != "nccl"
+    even = not (_distributed() and like.is_cuda and uses_nccl(group))
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise MicroDDPError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")

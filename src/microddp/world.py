@@ -68,6 +68,16 @@ def backend_available(name: str) -> bool:
     return name in checks and bool(checks[name]())
 
 
+def uses_nccl(group=None) -> bool:
+    """Whether CUDA tensors on `group` travel through NCCL: its backend is nccl, torch's
+    per-device "cpu:gloo,cuda:nccl", or "undefined" (what init_process_group() without a
+    backend gives since torch 2.6: gloo for CPU tensors, NCCL for CUDA ones, chosen lazily)."""
+    name = str(dist.get_backend(group))
+    if name == "undefined":
+        return dist.is_nccl_available() and torch.cuda.is_available()
+    return "nccl" in name
+
+
 def choose_backend(backend: str | None, local_rank: int) -> str:
     """NCCL when this rank has a GPU of its own, gloo otherwise; validate an explicit choice."""
     if backend is None:
@@ -256,10 +266,10 @@ def get_world() -> World:
 def _adopt(backend: str | None) -> World:
     """The World of a default process group that something other than `init` formed (a script
     written for torch's DDP: torchrun, or mp.spawn with init_process_group)."""
-    have = str(dist.get_backend())  # e.g. "gloo", or "cpu:gloo,cuda:nccl" when torch chose
-    if "nccl" in have and torch.cuda.is_available():
-        have = "nccl"
-    elif "gloo" in have:
+    have = str(dist.get_backend())  # e.g. "gloo", "cpu:gloo,cuda:nccl", or "undefined"
+    if uses_nccl() and torch.cuda.is_available():
+        have = "nccl"  # a GPU per rank, set before any CUDA tensor is made (choose_device)
+    elif "gloo" in have or have == "undefined":
         have = "gloo"
     if backend is not None and backend.lower() != have:
         raise MicroDDPError(f"init(backend={backend!r}), but the process group this process "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from ..errors import MicroDDPError
-from ..world import get_world
+from ..world import get_world, uses_nccl
 
 # In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.
 COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
@@ -90,7 +90,7 @@ class Peers:
         if facts is None:
             me = dist.get_rank(group)  # -1 if this process is not a member
             facts = (me, dist.get_world_size(group) if me >= 0 else 0,
-                     me >= 0 and dist.get_backend(group) == "nccl")
+                     me >= 0 and uses_nccl(group))
             if cacheable:
                 _facts[self.pg] = facts
         self.me, self.size, self.nccl = facts

@@ -1,0 +1,42 @@
+"""What microddp does on GPUs, checked on a CPU-only machine by standing in for CUDA: which
+backend and device a rank ends with, and what reaches NCCL. Nothing here runs a GPU kernel."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from microddp import world
+from microddp.collectives._group import Peers
+
+
+@pytest.fixture
+def torch_group(tmp_path, monkeypatch):
+    """A world of one formed the way a torch script does, `init_process_group()` without a
+    backend (torch 2.6+ calls that backend "undefined" and picks one per tensor device)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    dist.init_process_group(init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    assert str(dist.get_backend()) == "undefined"
+
+
+def _stand_in_for_two_gpus(monkeypatch) -> list[int]:
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    return chosen
+
+
+def test_a_group_without_a_backend_is_gloo_on_a_cpu_machine(torch_group):
+    w = world.get_world()
+    assert (w.backend, w.device) == ("gloo", torch.device("cpu"))
+    assert not Peers().nccl
+
+
+def test_a_group_without_a_backend_is_nccl_on_the_local_ranks_gpu(torch_group, monkeypatch):
+    chosen = _stand_in_for_two_gpus(monkeypatch)
+    w = world.get_world()
+    assert (w.backend, w.device, chosen) == ("nccl", torch.device("cuda", 1), [1])
+    # CUDA tensors on this group go through NCCL: the collectives must batch their sends
+    # and receives, or two ranks that both send first block each other's streams.
+    assert Peers().nccl
