@@ -40,3 +40,15 @@ def test_a_group_without_a_backend_is_nccl_on_the_local_ranks_gpu(torch_group, m
     # CUDA tensors on this group go through NCCL: the collectives must batch their sends
     # and receives, or two ranks that both send first block each other's streams.
     assert Peers().nccl
+
+
+def test_nccl_exchanges_send_complex_tensors_as_real_ones(torch_group, monkeypatch):
+    posted = []
+    monkeypatch.setattr(dist, "P2POp", lambda op, t, peer, group: posted.append(t))
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [])
+    peers = Peers()
+    peers.nccl = True  # NCCL has no complex type: torch's own collectives view them as real
+    out, inbox = torch.ones(3, dtype=torch.complex64), torch.zeros(3, dtype=torch.complex64)
+    peers.exchange(out, 0, inbox, 0)
+    assert [(t.dtype, tuple(t.shape)) for t in posted] == [(torch.float32, (3, 2))] * 2
+    assert posted[0].data_ptr() == inbox.data_ptr() and posted[1].data_ptr() == out.data_ptr()

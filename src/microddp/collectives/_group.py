@@ -145,11 +145,11 @@ class Peers:
             ops = []
             ranks = dist.get_process_group_ranks(self.pg)
             if recv is not None and recv.numel():
-                ops.append(dist.P2POp(dist.irecv, recv, ranks[src], self.group))
+                ops.append(dist.P2POp(dist.irecv, _wire(recv), ranks[src], self.group))
             if send is not None and send.numel():
                 if _counters:
                     _count(send)
-                ops.append(dist.P2POp(dist.isend, send, ranks[dst], self.group))
+                ops.append(dist.P2POp(dist.isend, _wire(send), ranks[dst], self.group))
             return dist.batch_isend_irecv(ops) if ops else []
         works = []
         if send is not None and send.numel():
