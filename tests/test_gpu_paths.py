@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import microddp as mdp
 from microddp import world
 from microddp.collectives._group import Peers
 
@@ -52,3 +53,18 @@ def test_nccl_exchanges_send_complex_tensors_as_real_ones(torch_group, monkeypat
     peers.exchange(out, 0, inbox, 0)
     assert [(t.dtype, tuple(t.shape)) for t in posted] == [(torch.float32, (3, 2))] * 2
     assert posted[0].data_ptr() == inbox.data_ptr() and posted[1].data_ptr() == out.data_ptr()
+
+
+def test_device_ids_must_name_the_modules_device():
+    # A module on the meta device stands in for one on another GPU than device_ids names.
+    module = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(mdp.MicroDDPError, match=r"device_ids=\[0\], but the module is on meta"):
+        mdp.DistributedDataParallel(module, device_ids=[0])
+
+
+def test_a_module_left_on_the_cpu_under_nccl_is_a_clear_error(torch_group, monkeypatch):
+    world.get_world()  # adopted as gloo; from here on the group claims to be NCCL
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(mdp.MicroDDPError, match="NCCL, which moves CUDA tensors only, but the "
+                                                "module has tensors on cpu"):
+        mdp.DistributedDataParallel(torch.nn.Linear(2, 2))
