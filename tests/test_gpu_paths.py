@@ -68,3 +68,32 @@ def test_a_module_left_on_the_cpu_under_nccl_is_a_clear_error(torch_group, monke
     with pytest.raises(mdp.MicroDDPError, match="NCCL, which moves CUDA tensors only, but the "
                                                 "module has tensors on cpu"):
         mdp.DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+def test_a_world_of_one_uses_its_gpu_without_starting_cuda(monkeypatch):
+    chosen = _stand_in_for_two_gpus(monkeypatch)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    w = mdp.init()
+    assert (w.backend, w.device, chosen) == (None, torch.device("cuda", 1), [])
+
+
+@pytest.mark.parametrize("env, backend", [
+    ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "gloo"),  # 4 ranks on 2 GPUs: all on gloo
+    ({}, "gloo"),  # no LOCAL_RANK: the ranks are taken to share this host
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "nccl"),
+])
+def test_every_rank_of_a_host_chooses_the_same_backend(monkeypatch, env, backend):
+    _stand_in_for_two_gpus(monkeypatch)
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", env.get("LOCAL_RANK", "0"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    formed = []
+    monkeypatch.setattr(world, "_rendezvous", lambda *a: {})
+    monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: formed.append(b))
+    assert mdp.init().backend == backend and formed == [backend]
+    assert [world.choose_backend(None, r, 4) for r in range(4)] == ["gloo"] * 4
