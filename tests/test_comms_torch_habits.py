@@ -31,6 +31,7 @@ def test_every_spelling_of_an_op_is_accepted(op):
         (lambda: comms.all_gather([torch.zeros(2, 3)], torch.ones(3)), r"tensor_list\[0\] is"),
         (lambda: comms.scatter(torch.ones(2), [torch.ones(2)] * 2), "one tensor per rank"),
         (lambda: comms.gather(torch.ones(2), torch.ones(1, 2)), "a tensor, not a list"),
+        (lambda: comms.new_group([0], "gloo"), "second argument is the timeout, as in torch"),
     ],
 )
 def test_torch_habits_that_are_mistakes_get_a_clear_error(call, message):
@@ -58,6 +59,10 @@ def _habits(world):
     out["handle"] = (handle.wait(timeout=timedelta(seconds=30)),
                      [x.tolist() for x in handle.result()], handle.exception())
     only_me = [comms.new_group([0]), comms.new_group([1])][world.rank]
+    both = comms.new_group([0, 1], timedelta(seconds=30))  # torch's order: ranks, timeout
+    t = torch.tensor([world.rank + 1.0])
+    comms.all_reduce(t, group=both)
+    out["positional_timeout"] = t.item()
     # Every rank makes the same mistake, so none waits for another (gloo would abort the
     # process on the first; torch's error for the others is the backend's or a ValueError).
     out["errors"] = [
@@ -75,6 +80,7 @@ def test_torch_habits_on_two_ranks():
         mine, torchs = out["reduce_op_object"]
         assert mine == torchs == [1.0, 5.0]
         assert out["handle"] == (True, [[1.5] * 3], None)
+        assert out["positional_timeout"] == 3.0
         shape, root, member, dtype = out["errors"]
         assert "input_list[1] is (4,)" in shape, shape
         assert "src=2 is not a rank of the group (global ranks [0, 1])" in root, root

@@ -272,9 +272,16 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None,
     return Handle(work, result=[tensor]) if work is not None else None
 
 
-def new_group(ranks: Sequence[int] | None = None, backend: str | None = None,
-              timeout: float | timedelta | None = None):
-    """A sub-group of ranks. Every rank must call this, members or not (as in torch)."""
+def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None,
+              backend: str | None = None, **torch_kwargs):
+    """A sub-group of ranks. Every rank must call this, members or not (as in torch).
+
+    torch's arguments, in torch's order (ranks, timeout, backend, ...); `timeout` may be
+    seconds. Other keyword arguments (pg_options, use_local_synchronization, ...) go to torch.
+    """
+    if isinstance(timeout, str):
+        raise MicroDDPError(f"new_group's second argument is the timeout, as in torch, not "
+                            f"{timeout!r}; pass the backend by name: backend={timeout!r}")
     world = get_world()
     if not world.distributed:
         if ranks is not None and list(ranks) != [0]:
@@ -287,7 +294,8 @@ def new_group(ranks: Sequence[int] | None = None, backend: str | None = None,
                                 f"between 0 and {world.world_size - 1}")
     kwargs = {"timeout": timedelta(seconds=timeout)} if isinstance(timeout, (int, float)) else (
         {"timeout": timeout} if timeout is not None else {})
-    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs)
+    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
+                          **torch_kwargs)
 
 
 def _check_list(tensors, group, what: str, like: torch.Tensor) -> None:
