@@ -86,3 +86,65 @@ def test_torch_habits_on_two_ranks():
         assert "src=2 is not a rank of the group (global ranks [0, 1])" in root, root
         assert f"src={1 - rank} is not a rank of the group (global ranks [{rank}])" in member
         assert "tensor_list[1] is (2,) torch.int64" in dtype, dtype
+
+
+def _group_ranks(world):
+    """Sub-group {1, 2} (group ranks 0, 1); rank 0 is outside it. Roots given as torch 2.13
+    allows, by rank inside the group, through comms, collectives and torch itself."""
+    g = comms.new_group([2, 1])
+    me = float(world.rank + 1)
+    if world.rank == 0:
+        t = torch.full((2,), me)
+        skipped = (comms.broadcast(t, group=g, group_src=1),
+                   collectives.tree_broadcast(t, group=g, group_src=1).tolist())
+        return skipped, comms.recv(t, group=g, group_src=1), t.tolist()
+    out = {}
+    for name, call in [
+        ("torch", lambda t: dist.broadcast(t, group=g, group_src=1)),
+        ("comms", lambda t: comms.broadcast(t, group=g, group_src=1)),
+        ("tree", lambda t: collectives.tree_broadcast(t, group=g, group_src=1)),
+    ]:
+        t = torch.full((2,), me)
+        call(t)
+        out[f"broadcast_{name}"] = t.tolist()
+    for name, call in [
+        ("torch", lambda t: dist.reduce(t, group=g, group_dst=0)),
+        ("comms", lambda t: comms.reduce(t, group=g, group_dst=0)),
+        ("tree", lambda t: collectives.tree_reduce(t, group=g, group_dst=0)),
+    ]:
+        t = torch.full((2,), me)
+        call(t)
+        out[f"reduce_{name}"] = t.tolist() if world.rank == 1 else None
+    parts = [torch.full((2,), 10.0), torch.full((2,), 20.0)] if world.rank == 2 else None
+    for name, fn in [("comms", comms.scatter), ("collectives", collectives.scatter)]:
+        t = torch.zeros(2)
+        fn(t, parts, group=g, group_src=1)
+        out[f"scatter_{name}"] = t.tolist()
+    for name, fn in [("comms", comms.gather), ("collectives", collectives.gather)]:
+        got = [torch.zeros(2), torch.zeros(2)] if world.rank == 1 else None
+        fn(torch.full((2,), me), got, group=g, group_dst=0)
+        out[f"gather_{name}"] = [x.tolist() for x in got] if got else None
+    if world.rank == 2:
+        comms.send(torch.full((2,), 7.0), group=g, group_dst=0)
+    else:
+        t = torch.zeros(2)
+        out["recv"] = (comms.recv(t, group=g, group_src=1), t.tolist())
+    out["errors"] = [_message(lambda: comms.broadcast(torch.ones(2), 2, g, group_src=1)),
+                     _message(lambda: collectives.tree_broadcast(torch.ones(2), group=g,
+                                                                 group_src=2))]
+    return out
+
+
+def test_roots_given_as_group_ranks_as_torch_allows():
+    outsider, one, two = mdp.spawn(_group_ranks, 3, timeout=90)
+    assert outsider == ((None, [1.0, 1.0]), -1, [1.0, 1.0])  # skipped, as torch skips
+    for out in (one, two):
+        assert out["broadcast_torch"] == [3.0] * 2
+        assert out["broadcast_comms"] == out["broadcast_tree"] == out["broadcast_torch"]
+        assert out["scatter_comms"] == out["scatter_collectives"]
+        assert "pass src (a global rank) or group_src" in out["errors"][0]
+        assert "group_src=2 is not a rank of the group (0 to 1)" in out["errors"][1]
+    assert one["reduce_comms"] == one["reduce_tree"] == one["reduce_torch"] == [5.0] * 2
+    assert (one["scatter_comms"], two["scatter_comms"]) == ([10.0] * 2, [20.0] * 2)
+    assert one["gather_comms"] == one["gather_collectives"] == [[2.0] * 2, [3.0] * 2]
+    assert one["recv"] == (2, [7.0] * 2)  # the sender's global rank, as torch returns

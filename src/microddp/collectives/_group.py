@@ -112,6 +112,12 @@ class Peers:
                                 f"ranks {ranks}); pass a global rank from that list")
         return ranks.index(global_rank)
 
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of group rank `group_rank` (it must be one)."""
+        if not self.distributed:
+            return group_rank
+        return dist.get_process_group_ranks(self.pg)[group_rank]
+
     # The process group's own send/recv take group ranks: no translation on the hot path.
     # Tags tell apart the messages of consecutive steps between the same two ranks; NCCL
     # ignores them (its messages match in order), gloo is much faster with them: with one tag
