@@ -97,3 +97,23 @@ def test_every_rank_of_a_host_chooses_the_same_backend(monkeypatch, env, backend
     monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: formed.append(b))
     assert mdp.init().backend == backend and formed == [backend]
     assert [world.choose_backend(None, r, 4) for r in range(4)] == ["gloo"] * 4
+
+
+def test_doctor_runs_its_live_test_over_nccl_too_where_there_are_gpus(monkeypatch, capsys):
+    import argparse
+    import importlib
+
+    from microddp import doctor
+
+    _stand_in_for_two_gpus(monkeypatch)
+    monkeypatch.setattr(world, "backend_available", lambda name: name in ("gloo", "nccl"))
+    backends = []
+
+    def spawn(fn, n, timeout, backend):
+        backends.append(backend)
+        return [(3.0, None)] * n
+
+    monkeypatch.setattr(importlib.import_module("microddp.spawn"), "spawn", spawn)
+    assert doctor.run(argparse.Namespace(skip_live=False)) == 0
+    assert backends == ["gloo", "nccl"]
+    assert "live nccl ring_all_reduce 2 ranks get all 1001" in capsys.readouterr().out
