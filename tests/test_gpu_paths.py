@@ -117,3 +117,29 @@ def test_doctor_runs_its_live_test_over_nccl_too_where_there_are_gpus(monkeypatc
     assert doctor.run(argparse.Namespace(skip_live=False)) == 0
     assert backends == ["gloo", "nccl"]
     assert "live nccl ring_all_reduce 2 ranks get all 1001" in capsys.readouterr().out
+
+
+def test_cpu_benchmarks_ask_for_gloo_even_on_a_gpu_host(monkeypatch):
+    """Their tensors are made on the CPU: under the NCCL a GPU host would otherwise get,
+    the first collective fails."""
+    import importlib
+
+    from microddp import cli
+    from microddp.bench import calibrate
+
+    class Started(Exception):
+        pass
+
+    backends = []
+
+    def spawn(fn, n, args=(), **kwargs):
+        backends.append(kwargs.get("backend"))
+        raise Started
+
+    monkeypatch.setattr(importlib.import_module("microddp.spawn"), "spawn", spawn)
+    monkeypatch.setattr(calibrate, "spawn", spawn)
+    for start in (lambda: cli.main(["bench", "ddp", "--dims", "8"]), calibrate.alpha_beta,
+                  lambda: calibrate.measured_step(2, "microddp", 8, 1, 4)):
+        with pytest.raises(Started):
+            start()
+    assert backends == ["gloo"] * 3
