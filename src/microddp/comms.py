@@ -2,8 +2,9 @@
 
 Why wrap at all: one spelling for reduce ops (`"sum"`, `"avg"`, ...), `avg` on every backend
 (gloo has no native average on older torch), a world of one process that works without a
-process group, and clear errors instead of backend-specific ones. Ranks (`src`, `dst`) are
-global ranks, as in torch.distributed.
+process group, and clear errors instead of backend-specific ones (comms_args.py). Ranks
+(`src`, `dst`) are global ranks, as in torch.distributed; torch's `group_src`/`group_dst`
+(ranks inside `group`) are accepted too, and without either a rooted call takes rank 0.
 
 Otherwise they do what torch.distributed does: on a rank outside `group` a call is skipped
 (torch warns, tensors are left alone, the result is None even with async_op=True, recv
@@ -19,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .comms_args import REDUCE_OPS, check_list, check_op_dtype, op_name, peer, root
 from .errors import MicroDDPError
 from .handle import Handle
 from .world import World, get_world, init, is_initialized, shutdown
@@ -30,38 +32,7 @@ __all__ = [
     "group_size", "group_rank",
 ]
 
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,  # sum then divide: portable across backends and torch versions
-    "product": dist.ReduceOp.PRODUCT,
-    "min": dist.ReduceOp.MIN,
-    "max": dist.ReduceOp.MAX,
-    "band": dist.ReduceOp.BAND,
-    "bor": dist.ReduceOp.BOR,
-    "bxor": dist.ReduceOp.BXOR,
-}
-_BITWISE = ("band", "bor", "bxor")
 Op = str  # one of REDUCE_OPS; a dist.ReduceOp is accepted too
-
-
-def _op_name(op: Op | dist.ReduceOp) -> str:
-    if isinstance(op, str):
-        name = op.lower()
-    else:
-        names = {v: k for k, v in REDUCE_OPS.items() if k != "avg"}
-        name = names.get(op, "avg" if op == dist.ReduceOp.AVG else "")
-    if name not in REDUCE_OPS:
-        raise MicroDDPError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
-    return name
-
-
-def _check_op_dtype(name: str, tensor: torch.Tensor) -> None:
-    floating = tensor.is_floating_point() or tensor.is_complex()
-    if name in _BITWISE and floating:
-        raise MicroDDPError(f"op {name!r} needs an integer or bool tensor, got {tensor.dtype}")
-    if name == "avg" and not floating:
-        raise MicroDDPError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
-                            "use 'sum' and divide yourself")
 
 
 def group_size(group=None) -> int:
@@ -107,8 +78,8 @@ def _divide(tensor: torch.Tensor, n: int) -> Callable[[], None]:
 def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
                async_op: bool = False) -> Handle | None:
     """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
-    name = _op_name(op)
-    _check_op_dtype(name, tensor)
+    name = op_name(op)
+    check_op_dtype(name, tensor)
     if not _distributed():
         return _done(async_op, result=[tensor])
     if _outside(group):
@@ -123,13 +94,15 @@ def all_reduce_mean(tensor: torch.Tensor, group=None, async_op: bool = False) ->
     return all_reduce(tensor, "avg", group, async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None,
-              async_op: bool = False) -> Handle | None:
-    """Every rank ends with rank `src`'s tensor, in place."""
+def broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
+              async_op: bool = False, group_src: int | None = None) -> Handle | None:
+    """Every rank ends with rank `src`'s tensor (global rank; or torch's `group_src`), in
+    place. Without either, rank 0's."""
+    if _outside(group):
+        return dist.broadcast(tensor, _given(src, group_src), group, async_op, group_src=group_src)
+    src = root(src, group_src, group, "src")
     if not _distributed():
         return _done(async_op, result=[tensor])
-    if _outside(group):
-        return dist.broadcast(tensor, src, group, async_op)
     return _result(dist.broadcast(tensor, src, group, async_op=True), async_op)
 
 
@@ -138,7 +111,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     """tensor_list[i] becomes rank i's tensor, on every rank."""
     if _outside(group):
         return dist.all_gather(tensor_list, tensor, group, async_op)
-    _check_list(tensor_list, group, "tensor_list")
+    check_list(tensor_list, group, "tensor_list", tensor)
     if not _distributed():
         return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
     return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
@@ -147,11 +120,11 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op = "sum",
                    group=None, async_op: bool = False) -> Handle | None:
     """Rank i ends with op over ranks of input_list[i]."""
-    name = _op_name(op)
-    _check_op_dtype(name, output)
+    name = op_name(op)
+    check_op_dtype(name, output)
     if _outside(group):
         return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
-    _check_list(input_list, group, "input_list")
+    check_list(input_list, group, "input_list", output)
     if not _distributed():
         return _done(async_op, lambda: output.copy_(input_list[0]), [output])
     finish = _divide(output, group_size(group)) if name == "avg" else None
@@ -159,15 +132,18 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
     return _result(work, async_op, finish)
 
 
-def reduce(tensor: torch.Tensor, dst: int = 0, op: Op = "sum", group=None,
-           async_op: bool = False) -> Handle | None:
-    """Only rank `dst` receives op over ranks; other ranks' tensors are left unspecified."""
-    name = _op_name(op)
-    _check_op_dtype(name, tensor)
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: Op = "sum", group=None,
+           async_op: bool = False, group_dst: int | None = None) -> Handle | None:
+    """Only rank `dst` (or torch's `group_dst`; rank 0 without either) receives op over
+    ranks; other ranks' tensors are left unspecified."""
+    name = op_name(op)
+    check_op_dtype(name, tensor)
+    if _outside(group):
+        return dist.reduce(tensor, _given(dst, group_dst), REDUCE_OPS[name], group, async_op,
+                           group_dst=group_dst)
+    dst = root(dst, group_dst, group, "dst")
     if not _distributed():
         return _done(async_op, result=[tensor])
-    if _outside(group):
-        return dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op)
     is_dst = dist.get_rank() == dst
     finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
     return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
@@ -175,34 +151,37 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: Op = "sum", group=None,
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
-            src: int = 0, group=None, async_op: bool = False) -> Handle | None:
-    """Rank i receives scatter_list[i] from rank `src` into `tensor`."""
-    if not _distributed():
-        if scatter_list is None:
-            raise MicroDDPError("scatter on the source rank needs a scatter_list")
-        return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
+            src: int | None = None, group=None, async_op: bool = False,
+            group_src: int | None = None) -> Handle | None:
+    """Group rank i receives scatter_list[i] from rank `src` (or `group_src`) into `tensor`."""
     if _outside(group):
-        return dist.scatter(tensor, None, src, group, async_op)
-    is_src = dist.get_rank() == src
+        return dist.scatter(tensor, None, _given(src, group_src), group, async_op,
+                            group_src=group_src)
+    src = root(src, group_src, group, "src")
+    is_src = not _distributed() or dist.get_rank() == src
     if is_src:
-        _check_list(scatter_list, group, "scatter_list")
+        check_list(scatter_list, group, "scatter_list", tensor)
+    if not _distributed():
+        return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
     work = dist.scatter(tensor, list(scatter_list) if is_src else None, src, group,
                         async_op=True)
     return _result(work, async_op)
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
-           dst: int = 0, group=None, async_op: bool = False) -> Handle | None:
-    """Rank `dst` receives every rank's tensor: gather_list[i] is rank i's."""
-    if not _distributed():
-        if gather_list is None:
-            raise MicroDDPError("gather on the destination rank needs a gather_list")
-        return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
+           dst: int | None = None, group=None, async_op: bool = False,
+           group_dst: int | None = None) -> Handle | None:
+    """Rank `dst` (or `group_dst`) receives every rank's tensor: gather_list[i] is group
+    rank i's."""
     if _outside(group):
-        return dist.gather(tensor, None, dst, group, async_op)
-    is_dst = dist.get_rank() == dst
+        return dist.gather(tensor, None, _given(dst, group_dst), group, async_op,
+                           group_dst=group_dst)
+    dst = root(dst, group_dst, group, "dst")
+    is_dst = not _distributed() or dist.get_rank() == dst
     if is_dst:
-        _check_list(gather_list, group, "gather_list")
+        check_list(gather_list, group, "gather_list", tensor)
+    if not _distributed():
+        return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
     work = dist.gather(tensor, gather_list if is_dst else None, dst, group, async_op=True)
     return _result(work, async_op)
 
@@ -216,53 +195,67 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
     return _result(dist.barrier(group, async_op=True), async_op)
 
 
-def _peer(peer: int, what: str) -> None:
-    world = get_world()
-    if not world.distributed:
-        raise MicroDDPError(f"{what}: a world of one process has no other rank to talk to")
-    if not 0 <= peer < world.world_size or peer == world.rank:
-        raise MicroDDPError(f"{what}: rank {peer} is not another rank of this world "
-                            f"(this is rank {world.rank} of {world.world_size})")
-
-
-def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
-    """Blocking send to rank `dst` (returns once the data may be reused)."""
-    _peer(dst, "send")
+def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Blocking send to global rank `dst` (or torch's `group_dst`); returns once the data
+    may be reused."""
     if _outside(group):  # torch's isend skips it; its send would fail looking up `dst`
-        dist.isend(tensor, dst, group, tag)
+        peer(dst, None, None, "send")
+        dist.isend(tensor, dst, group, tag, group_dst=group_dst)
         return
-    dist.send(tensor, dst, group, tag)
+    dist.send(tensor, _sender_to(dst, group_dst, group, "send"), group, tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
-    """Blocking receive into `tensor`; returns the sender's rank (any rank if src is None),
-    or -1 on a rank outside `group`, as torch does."""
-    if src is not None:
-        _peer(src, "recv")
-    elif not _distributed():
-        raise MicroDDPError("recv: a world of one process has no other rank to talk to")
-    return dist.recv(tensor, src, group, tag)
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Blocking receive into `tensor` from global rank `src` (or `group_src`; any rank if
+    neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch."""
+    if _outside(group):
+        return dist.recv(tensor, src, group, tag, group_src=group_src)
+    return dist.recv(tensor, peer(src, group_src, group, "recv"), group, tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Handle | None:
+def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+          group_dst: int | None = None) -> Handle | None:
     """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`)."""
-    _peer(dst, "isend")
-    work = dist.isend(tensor, dst, group, tag)
-    return Handle(work, result=[tensor]) if work is not None else None
+    if _outside(group):
+        return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
+    work = dist.isend(tensor, _sender_to(dst, group_dst, group, "isend"), group, tag)
+    return Handle(work, result=[tensor])
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group=None,
-          tag: int = 0) -> Handle | None:
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+          group_src: int | None = None) -> Handle | None:
     """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`)."""
-    if src is not None:
-        _peer(src, "irecv")
-    work = dist.irecv(tensor, src, group, tag)
-    return Handle(work, result=[tensor]) if work is not None else None
+    if _outside(group):
+        return dist.irecv(tensor, src, group, tag, group_src=group_src)
+    work = dist.irecv(tensor, peer(src, group_src, group, "irecv"), group, tag)
+    return Handle(work, result=[tensor])
 
 
-def new_group(ranks: Sequence[int] | None = None, backend: str | None = None,
-              timeout: float | timedelta | None = None):
-    """A sub-group of ranks. Every rank must call this, members or not (as in torch)."""
+def _given(rank: int | None, group_rank: int | None) -> int | None:
+    """The root to hand torch on a rank outside the group, which skips the call: rank 0 if
+    neither is given (torch refuses neither, even there)."""
+    return 0 if rank is None and group_rank is None else rank
+
+
+def _sender_to(dst: int | None, group_dst: int | None, group, what: str) -> int:
+    if dst is None and group_dst is None:
+        raise MicroDDPError(f"{what} needs the receiving rank: dst=... (a global rank) or "
+                            "group_dst=...")
+    return peer(dst, group_dst, group, what)
+
+
+def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None,
+              backend: str | None = None, **torch_kwargs):
+    """A sub-group of ranks. Every rank must call this, members or not (as in torch).
+
+    torch's arguments, in torch's order (ranks, timeout, backend, ...); `timeout` may be
+    seconds. Other keyword arguments (pg_options, use_local_synchronization, ...) go to torch.
+    """
+    if isinstance(timeout, str):
+        raise MicroDDPError(f"new_group's second argument is the timeout, as in torch, not "
+                            f"{timeout!r}; pass the backend by name: backend={timeout!r}")
     world = get_world()
     if not world.distributed:
         if ranks is not None and list(ranks) != [0]:
@@ -275,11 +268,5 @@ def new_group(ranks: Sequence[int] | None = None, backend: str | None = None,
                                 f"between 0 and {world.world_size - 1}")
     kwargs = {"timeout": timedelta(seconds=timeout)} if isinstance(timeout, (int, float)) else (
         {"timeout": timeout} if timeout is not None else {})
-    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs)
-
-
-def _check_list(tensors, group, what: str) -> None:
-    n = group_size(group)
-    if tensors is None or len(tensors) != n:
-        got = "none" if tensors is None else len(tensors)
-        raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
+    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
+                          **torch_kwargs)

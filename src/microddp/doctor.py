@@ -66,6 +66,27 @@ def _loopback_port() -> tuple[bool, str]:
         return False, f"cannot bind a loopback port: {e.strerror}"
 
 
+def _live_checks(spawn: Callable, backend: str) -> list[tuple[str, bool, str]]:
+    """The live test on 2 ranks over `backend`: its all_reduce, and microddp's ring."""
+    name = "" if backend == "gloo" else f"{backend} "
+    start = time.perf_counter()
+    try:
+        results = spawn(_self_test, 2, timeout=60, backend=backend)
+        sums = [r[0] for r in results]
+        seconds = time.perf_counter() - start
+        live = all(s == 3.0 for s in sums)
+        detail = f"2 ranks agree on {sums[0]:g} (expected 3) in {seconds:.1f} s"
+        problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(results) if p]
+        ring = not problems
+        ring_detail = (f"2 ranks get all {RING_NUMEL} expected sums (microddp's ring, "
+                       "over send/recv)" if ring else "; ".join(problems))
+    except Exception as e:  # report, never crash: this is a diagnosis
+        live, detail = False, f"{type(e).__name__}: {e}".splitlines()[0]
+        ring, ring_detail = False, "not run: the live test failed"
+    return [(f"live {name}all_reduce", live, detail),
+            (f"live {name}ring_all_reduce", ring, ring_detail)]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -85,22 +106,9 @@ def run(args: argparse.Namespace) -> int:
     ok, msg = _loopback_port()
     checks.append(("loopback port", ok, msg))
     if not args.skip_live:
-        start = time.perf_counter()
-        try:
-            results = spawn(_self_test, 2, timeout=60, backend="gloo")
-            sums = [r[0] for r in results]
-            seconds = time.perf_counter() - start
-            live = all(s == 3.0 for s in sums)
-            detail = f"2 ranks agree on {sums[0]:g} (expected 3) in {seconds:.1f} s"
-            problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(results) if p]
-            ring = not problems
-            ring_detail = (f"2 ranks get all {RING_NUMEL} expected sums (microddp's ring, "
-                           "over send/recv)" if ring else "; ".join(problems))
-        except Exception as e:  # report, never crash: this is a diagnosis
-            live, detail = False, f"{type(e).__name__}: {e}".splitlines()[0]
-            ring, ring_detail = False, "not run: the live test failed"
-        checks.append(("live all_reduce", live, detail))
-        checks.append(("live ring_all_reduce", ring, ring_detail))
+        checks += _live_checks(spawn, "gloo")
+        if backends["nccl"] and gpus >= 2:  # the path GPU training takes: NCCL, a GPU a rank
+            checks += _live_checks(spawn, "nccl")
     for name, good, detail in checks:
         print(f"{'ok  ' if good else 'FAIL'}  {name:20s} {detail}")
     if not cuda:

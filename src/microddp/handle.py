@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 
 class Handle:
-    """An async operation, like torch's Work: `wait()`, `is_completed()`, `get_future()`.
+    """An async operation, like torch's Work: `wait(timeout)`, `is_completed()`, `get_future()`,
+    `result()`, `exception()`, `synchronize()`.
 
     Each reports the operation as finished only once its finishing step (avg's division) has
     been applied, so a finished handle's tensors hold the final result.
@@ -35,13 +37,27 @@ class Handle:
                 self._finish()
                 self._finish = None
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until done, as torch's Work.wait; with `timeout`, raise if it takes longer."""
         if not self._waited:
             if self._work is not None:
-                self._work.wait()
+                self._work.wait() if timeout is None else self._work.wait(timeout)
             self._complete()
             self._waited = True
         return True
+
+    def synchronize(self) -> None:
+        """torch's Work.synchronize: the same as wait() (on NCCL, the current stream waits)."""
+        self.wait()
+
+    def result(self) -> list:
+        """The output tensors, once finished (waits first, so avg's division has run)."""
+        self.wait()
+        return self._work.result() if self._work is not None else list(self._result)
+
+    def exception(self):
+        """The work's failure, if it failed, as torch's Work.exception gives (None if not)."""
+        return self._work.exception() if self._work is not None else None
 
     def is_completed(self) -> bool:
         if self._work is not None and not self._work.is_completed():

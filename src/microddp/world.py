@@ -68,11 +68,29 @@ def backend_available(name: str) -> bool:
     return name in checks and bool(checks[name]())
 
 
-def choose_backend(backend: str | None, local_rank: int) -> str:
-    """NCCL when this rank has a GPU of its own, gloo otherwise; validate an explicit choice."""
+def uses_nccl(group=None) -> bool:
+    """Whether CUDA tensors on `group` travel through NCCL: its backend is nccl, torch's
+    per-device "cpu:gloo,cuda:nccl", or "undefined" (what init_process_group() without a
+    backend gives since torch 2.6: gloo for CPU tensors, NCCL for CUDA ones, chosen lazily)."""
+    name = str(dist.get_backend(group))
+    if name == "undefined":
+        return dist.is_nccl_available() and torch.cuda.is_available()
+    return "nccl" in name
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(backend: str | None, local_rank: int,
+                   local_world_size: int | None = None) -> str:
+    """NCCL when every rank of this host has a GPU of its own, gloo otherwise; validate an
+    explicit choice. All ranks must choose alike (a group that is NCCL on some ranks and gloo
+    on others never works), so the test is the host's count of ranks (LOCAL_WORLD_SIZE), not
+    this rank's number: with 4 ranks on 2 GPUs, every rank takes gloo."""
     if backend is None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return "nccl" if dist.is_nccl_available() and local_rank < gpus else "gloo"
+        needed = local_rank + 1 if local_world_size is None else local_world_size
+        return "nccl" if dist.is_nccl_available() and needed <= _gpus() else "gloo"
     backend = backend.lower()
     if backend not in BACKENDS:
         raise MicroDDPError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -84,11 +102,16 @@ def choose_backend(backend: str | None, local_rank: int) -> str:
 
 
 def choose_device(backend: str | None, local_rank: int) -> torch.device:
-    """One GPU per local rank under NCCL; the CPU otherwise."""
+    """One GPU per local rank under NCCL (made the current device before any CUDA tensor
+    is), and in a world of one (`backend` None) that has one; the CPU otherwise."""
+    if backend is None:
+        # No set_device: with no process group nothing relies on the current device, and
+        # asking who we are (get_world) must not start CUDA in a process that never uses it.
+        return torch.device("cuda", local_rank) if local_rank < _gpus() else torch.device("cpu")
     if backend == "nccl":
-        if local_rank >= torch.cuda.device_count():
+        if local_rank >= _gpus():
             raise MicroDDPError(
-                f"LOCAL_RANK {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                f"LOCAL_RANK {local_rank} has no GPU: only {_gpus()} visible; "
                 "start at most one process per GPU"
             )
         torch.cuda.set_device(local_rank)
@@ -223,6 +246,9 @@ def init(
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", rank)
+    # Without LOCAL_RANK, ranks are numbered as if all ran on this host (local_rank = rank).
+    local_world_size = _env_int("LOCAL_WORLD_SIZE",
+                                None if os.environ.get("LOCAL_RANK") else world_size)
     if world_size < 1:
         raise MicroDDPError(f"world size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -232,7 +258,7 @@ def init(
         chosen = None if backend is None else choose_backend(backend, local_rank)
         _world = World(0, 1, local_rank, choose_device(chosen, local_rank), None)
         return _world
-    chosen = choose_backend(backend, local_rank)
+    chosen = choose_backend(backend, local_rank, local_world_size)
     device = choose_device(chosen, local_rank)
     kwargs = _rendezvous(init_method, store, rank, world_size, td)
     try:
@@ -256,10 +282,10 @@ def get_world() -> World:
 def _adopt(backend: str | None) -> World:
     """The World of a default process group that something other than `init` formed (a script
     written for torch's DDP: torchrun, or mp.spawn with init_process_group)."""
-    have = str(dist.get_backend())  # e.g. "gloo", or "cpu:gloo,cuda:nccl" when torch chose
-    if "nccl" in have and torch.cuda.is_available():
-        have = "nccl"
-    elif "gloo" in have:
+    have = str(dist.get_backend())  # e.g. "gloo", "cpu:gloo,cuda:nccl", or "undefined"
+    if uses_nccl() and torch.cuda.is_available():
+        have = "nccl"  # a GPU per rank, set before any CUDA tensor is made (choose_device)
+    elif "gloo" in have or have == "undefined":
         have = "gloo"
     if backend is not None and backend.lower() != have:
         raise MicroDDPError(f"init(backend={backend!r}), but the process group this process "

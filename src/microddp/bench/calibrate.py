@@ -41,7 +41,8 @@ def host_rates(dim: int, depth: int, batch: int, repeats: int = 20) -> tuple[flo
     the contention between ranks that a single process would not see.
     """
     cores = os.cpu_count() or 1
-    rates = spawn(_rate_job, cores, args=(dim, depth, batch, repeats), timeout=300)
+    rates = spawn(_rate_job, cores, args=(dim, depth, batch, repeats), timeout=300,
+                  backend="gloo")
     return sum(r[0] for r in rates), sum(r[1] for r in rates)
 
 
@@ -105,7 +106,7 @@ def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[fl
 
 def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float, float]:
     """(alpha, bandwidth, comm_cpu): the fitted link, and the CPU share of its time."""
-    ranks = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300)
+    ranks = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300, backend="gloo")
     busy = statistics.mean(cpu for _, cpu in ranks)
     return (*fit_alpha_beta(SIZES, ranks[0][0], world), busy)
 
@@ -134,7 +135,7 @@ def measured_step(world: int, engine: str, dim: int, depth: int, batch: int,
                   bucket_mb: float = 25.0, repeats: int = 15) -> float:
     """Median step time over ranks' medians, real ranks on this host."""
     per_rank = spawn(_step_times, world, args=(engine, dim, depth, batch, repeats, bucket_mb),
-                     timeout=600)
+                     timeout=600, backend="gloo")  # CPU tensors: this models CPU training
     return statistics.median(statistics.median(t) for t in per_rank)
 
 

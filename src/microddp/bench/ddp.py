@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                             "--engines")
     results = spawn(_measure, args.world_size, args=(
         args.dims, args.depth, args.batch, names, args.repeats, args.warmup,
-        args.bucket_cap_mb), timeout=3600)[0]
+        args.bucket_cap_mb), timeout=3600, backend="gloo")[0]  # CPU tensors, even on a GPU host
     print(f"FullMLP depth {args.depth}, batch {args.batch}/rank, {args.world_size} ranks, gloo; "
           f"median of {args.repeats} interleaved steps (slowest rank), ms")
     head = "".join(f"{e:>10}" for e in names)

@@ -2,7 +2,8 @@
 
 Each algorithm gives the same result as torch.distributed's collective of the same name
 (bit for bit for integers and min/max, to rounding for float sums and products), on the
-default group or on any sub-group. Ranks given as `src`/`dst` are global ranks, as in torch.
+default group or on any sub-group. Ranks given as `src`/`dst` are global ranks, as in torch;
+torch's `group_src`/`group_dst` (ranks inside the group) are accepted instead.
 Every call first checks, with one tiny exchange, that all ranks passed the same shape, dtype
 and op, so a mistake is the same clear MicroDDPError on every rank, never a hang.
 

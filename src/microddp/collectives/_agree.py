@@ -162,11 +162,12 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
 
 
 def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name: str,
-                 root_rank: int, op=None, parts=None, parts_name: str | None = None,
-                 result_in: str = "tensor"):
+                 root_rank: int | None, op=None, parts=None, parts_name: str | None = None,
+                 result_in: str = "tensor", group_root: int | None = None):
     """What every rooted collective (broadcast, reduce, scatter, gather) does before moving
     data: validate the tensor, the root (`root_name` is the argument's name, src or dst), the
-    op if it takes one and, on the root, its list of per-rank tensors if it takes one; then
+    op if it takes one and, on the root, its list of per-rank tensors if it takes one (the
+    root is global rank `root_rank` or, torch's group_src/group_dst, `group_root`); then
     agree across ranks on shape, dtype, op and root. `result_in` says where results are
     written, which must be able to hold them: "tensor" (every rank's), "root" (the root's
     tensor only: reduce) or "list" (the root's list: gather, which only reads `tensor`).
@@ -179,7 +180,7 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
         return None
     problem = try_tensor(tensor, where)
     name = None
-    root, root_problem = try_root(peers, root_rank, root_name)
+    root, root_problem = try_root(peers, root_rank, root_name, group_root)
     if problem is None:
         name, problem = try_op(op, tensor, where) if op is not None else (None, None)
         written = result_in == "tensor" or (result_in == "root" and peers.me == root)
@@ -191,6 +192,9 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
     fields = describe_tensor(tensor)
     if op is not None:
         fields["op"] = name if name is not None else str(op)
-    agree(peers, where, home(tensor, peers), problem, check, **fields,
-          **{root_name: root_rank})
+    if group_root is None:  # agreed on as a global rank, however it was given
+        agreed = 0 if root_rank is None else root_rank
+    else:
+        agreed = peers.global_rank(root) if check and root_problem is None else group_root
+    agree(peers, where, home(tensor, peers), problem, check, **fields, **{root_name: agreed})
     return peers, root, name, items

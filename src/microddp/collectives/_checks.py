@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..comms import _check_op_dtype, _op_name
+from .. import comms_args
 from ..errors import MicroDDPError
 
 if TYPE_CHECKING:
@@ -21,13 +21,10 @@ if TYPE_CHECKING:
 def op_name(op, tensor: torch.Tensor, where: str) -> str:
     """Validate `op` for `tensor`'s dtype; the same rules as microddp.comms."""
     try:
-        name = _op_name(op)
-        _check_op_dtype(name, tensor)
+        name = comms_args.op_name(op)
+        comms_args.check_op_dtype(name, tensor)
     except MicroDDPError as e:
         raise MicroDDPError(f"{where}: {e}") from None
-    if name in ("min", "max", "product") and tensor.is_complex():
-        raise MicroDDPError(f"{where}: op {name!r} is not defined for complex tensors; "
-                            "use 'sum' or 'avg'")
     return name
 
 
@@ -39,10 +36,20 @@ def try_op(op, tensor: torch.Tensor, where: str) -> tuple[str, MicroDDPError | N
         return str(op), e
 
 
-def try_root(peers: Peers, rank: int, what: str) -> tuple[int, MicroDDPError | None]:
-    """The group rank of global rank `rank` (a src or dst), or the error to share."""
+def try_root(peers: Peers, rank: int | None, what: str,
+             group_rank: int | None = None) -> tuple[int, MicroDDPError | None]:
+    """The group rank of the root, given as global rank `rank` (a src or dst; 0 if neither
+    is given) or, as torch allows, as `group_rank` (group_src, group_dst); or the error."""
     try:
-        return peers.group_rank(rank, what), None
+        if group_rank is None:
+            return peers.group_rank(0 if rank is None else rank, what), None
+        if rank is not None:
+            raise MicroDDPError(f"pass {what} (a global rank) or group_{what} (a rank inside "
+                                "the group), not both")
+        if not 0 <= group_rank < peers.size:
+            raise MicroDDPError(f"group_{what}={group_rank} is not a rank of the group (0 to "
+                                f"{peers.size - 1})")
+        return group_rank, None
     except MicroDDPError as e:
         return 0, e
 

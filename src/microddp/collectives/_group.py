@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from ..errors import MicroDDPError
-from ..world import get_world
+from ..world import get_world, uses_nccl
 
 # In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.
 COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
@@ -90,7 +90,7 @@ class Peers:
         if facts is None:
             me = dist.get_rank(group)  # -1 if this process is not a member
             facts = (me, dist.get_world_size(group) if me >= 0 else 0,
-                     me >= 0 and dist.get_backend(group) == "nccl")
+                     me >= 0 and uses_nccl(group))
             if cacheable:
                 _facts[self.pg] = facts
         self.me, self.size, self.nccl = facts
@@ -111,6 +111,12 @@ class Peers:
             raise MicroDDPError(f"{what}={global_rank} is not a member of the group (global "
                                 f"ranks {ranks}); pass a global rank from that list")
         return ranks.index(global_rank)
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of group rank `group_rank` (it must be one)."""
+        if not self.distributed:
+            return group_rank
+        return dist.get_process_group_ranks(self.pg)[group_rank]
 
     # The process group's own send/recv take group ranks: no translation on the hot path.
     # Tags tell apart the messages of consecutive steps between the same two ranks; NCCL
@@ -145,11 +151,11 @@ class Peers:
             ops = []
             ranks = dist.get_process_group_ranks(self.pg)
             if recv is not None and recv.numel():
-                ops.append(dist.P2POp(dist.irecv, recv, ranks[src], self.group))
+                ops.append(dist.P2POp(dist.irecv, _wire(recv), ranks[src], self.group))
             if send is not None and send.numel():
                 if _counters:
                     _count(send)
-                ops.append(dist.P2POp(dist.isend, send, ranks[dst], self.group))
+                ops.append(dist.P2POp(dist.isend, _wire(send), ranks[dst], self.group))
             return dist.batch_isend_irecv(ops) if ops else []
         works = []
         if send is not None and send.numel():

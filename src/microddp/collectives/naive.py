@@ -38,11 +38,13 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,
     return flat.done()
 
 
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
-            group=None, *, check: bool = True) -> torch.Tensor:
-    """Group rank i receives scatter_list[i] (given on global rank `src`) into `tensor`."""
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None,
+            src: int | None = None, group=None, *, check: bool = True,
+            group_src: int | None = None) -> torch.Tensor:
+    """Group rank i receives scatter_list[i] (given on global rank `src`, or group rank
+    `group_src`; rank 0 without either) into `tensor`."""
     started = begin_rooted(tensor, "scatter", group, check, "src", src, parts=scatter_list,
-                           parts_name="scatter_list")
+                           parts_name="scatter_list", group_root=group_src)
     if started is None:
         return tensor
     peers, root, _, parts = started
@@ -58,14 +60,16 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     return tensor
 
 
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
-           group=None, *, check: bool = True) -> list[torch.Tensor] | None:
-    """Global rank `dst` receives every rank's `tensor`: gather_list[i] is group rank i's.
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
+           dst: int | None = None, group=None, *, check: bool = True,
+           group_dst: int | None = None) -> list[torch.Tensor] | None:
+    """Global rank `dst` (or group rank `group_dst`; rank 0 without either) receives every
+    rank's `tensor`: gather_list[i] is group rank i's.
 
     Returns gather_list on `dst`, None elsewhere.
     """
     started = begin_rooted(tensor, "gather", group, check, "dst", dst, parts=gather_list,
-                           parts_name="gather_list", result_in="list")
+                           parts_name="gather_list", result_in="list", group_root=group_dst)
     if started is None:
         return None
     peers, root, _, outs = started

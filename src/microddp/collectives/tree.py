@@ -13,14 +13,16 @@ from ._agree import begin_all_reduce, begin_rooted, butterfly_
 from ._group import COMBINE, Flat, scratch, wait_all
 
 
-def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None, *,
-                   check: bool = True) -> torch.Tensor:
-    """Every rank ends with global rank `src`'s `tensor`, in place; returns `tensor`.
+def tree_broadcast(tensor: torch.Tensor, src: int | None = None, group=None, *,
+                   check: bool = True, group_src: int | None = None) -> torch.Tensor:
+    """Every rank ends with global rank `src`'s `tensor` (or, as in torch, that of group
+    rank `group_src`; rank 0's without either), in place; returns `tensor`.
 
     Binomial tree: in round k every rank that already has the data sends it to the rank
     2^k further on (counted from `src`), so the number of holders doubles each round.
     """
-    started = begin_rooted(tensor, "tree_broadcast", group, check, "src", src)
+    started = begin_rooted(tensor, "tree_broadcast", group, check, "src", src,
+                           group_root=group_src)
     if started is None:
         return tensor
     peers, root, _, _ = started
@@ -45,15 +47,16 @@ def tree_broadcast(tensor: torch.Tensor, src: int = 0, group=None, *,
     return flat.done()
 
 
-def tree_reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group=None, *,
-                check: bool = True) -> torch.Tensor:
-    """Global rank `dst` ends with op over all ranks' `tensor`, in place; returns `tensor`.
+def tree_reduce(tensor: torch.Tensor, dst: int | None = None, op: str = "sum", group=None, *,
+                check: bool = True, group_dst: int | None = None) -> torch.Tensor:
+    """Global rank `dst` (or group rank `group_dst`; rank 0 without either) ends with op over
+    all ranks' `tensor`, in place; returns `tensor`.
 
     The broadcast tree run backwards: partial results flow up and are combined on the way.
     Other ranks' tensors are left as they were (torch leaves them unspecified).
     """
     started = begin_rooted(tensor, "tree_reduce", group, check, "dst", dst, op=op,
-                           result_in="root")
+                           result_in="root", group_root=group_dst)
     if started is None:
         return tensor
     peers, root, name, _ = started

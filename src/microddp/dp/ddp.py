@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..errors import MicroDDPError
@@ -23,7 +24,13 @@ from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from .comm_hooks import BUILTIN, CommHook
 from .join import Join
 from .reducer import Reducer
-from .sync import broadcast_coalesced, global_rank, sync_module_states, verify_same_model
+from .sync import (
+    broadcast_coalesced,
+    distributed,
+    global_rank,
+    sync_module_states,
+    verify_same_model,
+)
 from .unused import output_tensors
 
 
@@ -71,6 +78,7 @@ class DistributedDataParallel(nn.Module):
                                 f"{bucket_cap_mb!r}")
         cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MiB)
         first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+        _refuse_off_gpu(module, process_group, init_buffers or self.forward_sync_buffers)
         if init_sync:  # as in torch, init_sync=False means no collective here at all
             # Buffers are compared only where they will be overwritten with rank 0's: with
             # broadcast_buffers=False they may be rank-local, of any shape.
@@ -206,7 +214,26 @@ def _device_ids(module: nn.Module, device_ids) -> list[torch.device] | None:
         raise MicroDDPError(f"device_ids={device_ids!r}: one process drives exactly one device; "
                             "pass device_ids=[local_rank] for a module on that GPU")
     d = device_ids[0]
-    return [torch.device("cuda", d) if isinstance(d, int) else torch.device(d)]
+    want = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    have = next(iter(devices), want)
+    if want != have and (want.index is not None or want.type != have.type):
+        raise MicroDDPError(f"device_ids={device_ids!r}, but the module is on {have}: inputs "
+                            f"would go to {want} and meet the weights on another device; pass "
+                            f"device_ids=[{have.index}], or move the module to {want} first")
+    return [have if want.index is None else want]
+
+
+def _refuse_off_gpu(module: nn.Module, group, buffers: bool) -> None:
+    """NCCL moves CUDA tensors only: a module left on the CPU would fail in the first
+    broadcast with the backend's error, not one that says to move it."""
+    if not distributed(group) or str(dist.get_backend(group)) != "nccl":
+        return
+    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
+    off = sorted({str(t.device) for t in tensors if t.device.type != "cuda"})
+    if off:
+        raise MicroDDPError(f"the process group uses NCCL, which moves CUDA tensors only, but "
+                            f"the module has tensors on {', '.join(off)}; move it to this "
+                            "rank's GPU first: module.to(microddp.get_world().device)")
 
 
 def _to_device(obj, device: torch.device):

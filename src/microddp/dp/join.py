@@ -48,9 +48,9 @@ class Join:
         t[self.rank] = int(active)
         t[self.size] = int(active and sync)
         dist.all_reduce(t, group=self.ddp.process_group)
-        flags = t[: self.size].tolist()
+        *flags, n_sync = t.tolist()  # one read: on a GPU each read waits for the device
         top = max((r for r, f in enumerate(flags) if f), default=-1)
-        return sum(flags), int(t[self.size]), top
+        return sum(flags), n_sync, top
 
     def notify(self, grad_sync: bool) -> int:
         """Called by an active rank before each forward; returns the buffers' source rank."""

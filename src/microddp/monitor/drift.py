@@ -48,13 +48,16 @@ def check_replicas(module: nn.Module, step: int | None = None, group=None) -> No
     size = dist.get_world_size(group)
     table = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(table, mine, group=group)
+    # One copy to the host: on a GPU, comparing row by row there would wait for the device
+    # once per parameter and rank.
+    sums = torch.stack(table).tolist()  # [rank][parameter] -> [plain, weighted]
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
     for i, (name, _) in enumerate(state):
-        rows = [t[i] for t in table]
-        if all(torch.equal(rows[0], r) for r in rows[1:]):
+        rows = [per_rank[i] for per_rank in sums]
+        if all(r == rows[0] for r in rows[1:]):
             continue
         ref = rows[0]
-        odd = [ranks[j] for j, r in enumerate(rows) if not torch.equal(r, ref)]
+        odd = [ranks[j] for j, r in enumerate(rows) if r != ref]
         when = f" at step {step}" if step is not None else ""
         raise MicroDDPError(
             f"replica drift{when}: parameter {name!r} differs between rank {ranks[0]} and "

@@ -1,0 +1,127 @@
+"""Checking the arguments of microddp.comms calls before torch sees them: the reduce op for
+the dtype, the root rank, the lists of per-rank tensors, the peer of a send or receive.
+
+torch's own errors for these come from the backend, in its words (gloo: 'invalid root rank:
+7'), or not at all: gloo's reduce_scatter aborts the process on a wrong shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .errors import MicroDDPError
+from .world import get_world, uses_nccl
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # sum then divide: portable across backends and torch versions
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+_BITWISE = ("band", "bor", "bxor")
+
+
+def op_name(op: str | dist.ReduceOp) -> str:
+    """The name in REDUCE_OPS of `op`: a name in any case, or a dist.ReduceOp."""
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        # dist.ReduceOp(...) objects (not the ReduceOp.SUM constants) hold their kind in `.op`;
+        # they equal the constant only one way round, so a dict lookup would miss them.
+        op = getattr(op, "op", op)
+        names = {v: k for k, v in REDUCE_OPS.items() if k != "avg"}
+        name = names.get(op, "avg" if op == dist.ReduceOp.AVG else "")
+    if name not in REDUCE_OPS:
+        raise MicroDDPError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)} "
+                            "(or the dist.ReduceOp of that name)")
+    return name
+
+
+def check_op_dtype(name: str, tensor: torch.Tensor) -> None:
+    """Refuse an op the tensor's dtype has no meaning for (torch: a backend's error)."""
+    floating = tensor.is_floating_point() or tensor.is_complex()
+    if name in _BITWISE and floating:
+        raise MicroDDPError(f"op {name!r} needs an integer or bool tensor, got {tensor.dtype}")
+    if name == "avg" and not floating:
+        raise MicroDDPError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
+                            "use 'sum' and divide yourself")
+    if name in ("min", "max", "product") and tensor.is_complex():  # torch: a ValueError
+        raise MicroDDPError(f"op {name!r} is not defined for complex tensors; use 'sum' or 'avg'")
+
+
+def check_list(tensors, group, what: str, like: torch.Tensor) -> None:
+    """One tensor per rank, each of `like`'s dtype and device and, except on NCCL (which takes
+    uneven sizes), of its shape: gloo's reduce_scatter aborts the process on a wrong shape."""
+    n = _size(group)
+    if tensors is None or isinstance(tensors, torch.Tensor) or len(tensors) != n:
+        got = ("none" if tensors is None else "a tensor, not a list"
+               if isinstance(tensors, torch.Tensor) else len(tensors))
+        raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
+    even = not (_distributed() and like.is_cuda and uses_nccl(group))
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise MicroDDPError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != like.dtype or t.device != like.device or (even and t.shape != like.shape):
+            raise MicroDDPError(
+                f"{what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the tensor is "
+                f"{tuple(like.shape)} {like.dtype} on {like.device}; make them match")
+
+
+def check_root(rank: int, group, what: str) -> None:
+    """`src`/`dst` is a global rank of the group: torch's own error for one that is not comes
+    from the backend (gloo: 'invalid root rank'), or not at all."""
+    ranks = (range(get_world().world_size) if group is None or not _distributed()
+             else dist.get_process_group_ranks(group))
+    if rank not in ranks:
+        raise MicroDDPError(f"{what}={rank} is not a rank of the group (global ranks "
+                            f"{list(ranks)}); pass a global rank from that list")
+
+
+def root(rank: int | None, group_rank: int | None, group, what: str) -> int:
+    """The global rank of a collective's root, from `src`/`dst` (a global rank, 0 if neither
+    is given) or from torch's `group_src`/`group_dst` (a rank inside `group`)."""
+    if group_rank is None:
+        rank = 0 if rank is None else rank
+        check_root(rank, group, what)
+        return rank
+    return _from_group_rank(rank, group_rank, group, what)
+
+
+def peer(rank: int | None, group_rank: int | None, group, what: str) -> int | None:
+    """The global rank of the other end of a send or receive, from `dst`/`src` or, as in
+    torch, `group_dst`/`group_src`: another rank of this world (None: any, for a receive)."""
+    world = get_world()
+    if not world.distributed:
+        raise MicroDDPError(f"{what}: a world of one process has no other rank to talk to")
+    if group_rank is not None:
+        side = "dst" if "send" in what else "src"
+        rank = _from_group_rank(rank, group_rank, group, f"{what}: {side}")
+    if rank is not None and (not 0 <= rank < world.world_size or rank == world.rank):
+        raise MicroDDPError(f"{what}: rank {rank} is not another rank of this world "
+                            f"(this is rank {world.rank} of {world.world_size})")
+    return rank
+
+
+def _from_group_rank(rank: int | None, group_rank: int, group, what: str) -> int:
+    name = what.rpartition(" ")[2]  # src or dst
+    if rank is not None:
+        raise MicroDDPError(f"{what}: pass {name} (a global rank) or group_{name} (a rank inside "
+                            "the group), not both")
+    n = _size(group)
+    if not 0 <= group_rank < n:
+        raise MicroDDPError(f"{what}: group_{name}={group_rank} is not a rank of the group "
+                            f"(0 to {n - 1})")
+    return dist.get_global_rank(group, group_rank) if _distributed() and group else group_rank
+
+
+def _distributed() -> bool:
+    return get_world().distributed
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if _distributed() else 1
