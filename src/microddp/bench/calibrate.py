@@ -50,7 +50,8 @@ def rank_rate(dim: int, depth: int, batch: int, repeats: int = 20) -> float:
     """Training FLOP/s of one rank alone, which gets every core's threads (as `spawn` and
     `microddp run` give a single rank). On CPU it falls well short of `host_rates`: a
     FullMLP's small matrices do not split well over threads."""
-    return spawn(_rate_job, 1, args=(dim, depth, batch, repeats), timeout=300)[0][0]
+    return spawn(_rate_job, 1, args=(dim, depth, batch, repeats), timeout=300,
+                 backend="gloo")[0][0]
 
 
 def _rate_job(world: World, dim: int, depth: int, batch: int,
