@@ -16,18 +16,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join as TorchJoin
+from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from .comm_hooks import BUILTIN, CommHook
-from .join import Join
+from .join import Join, TorchJoinHook
 from .reducer import Reducer
 from .sync import broadcast_coalesced, global_rank, sync_module_states, verify_same_model
 from .unused import output_tensors
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Replicate `module` on every rank and average its gradients during backward."""
 
     def __init__(self, module: nn.Module, device_ids: list | None = None, output_device=None,
@@ -60,7 +63,10 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # buffers are synced after a syncing forward
-        self._join: Join | None = None
+        self._join: Join | None = None  # inside `with ddp.join()`
+        # Inside torch's `with Join([model, ...])`: it sets _join_config, asks join_hook()
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._torch_join: Join | None = None
         self._has_buffers = any(True for _ in module.buffers())
         names, params = _reducer_params(module)
         if not params:
@@ -103,6 +109,11 @@ class DistributedDataParallel(nn.Module):
         src = self._src()
         if self._join is not None:  # tell ranks that ran out of data what to shadow
             src = self._join.notify(grad_sync)
+        elif self._join_config.enable and self._torch_join is not None:
+            work = TorchJoin.notify_join_context(self)  # torch's Join's own "I am active"
+            if work is not None:
+                work.wait()
+            src = self._torch_join.notify(grad_sync)
         if torch.is_grad_enabled():
             self.reducer.rebuild_buckets()
         if self._will_sync_buffers():
@@ -140,6 +151,19 @@ class DistributedDataParallel(nn.Module):
         """Context manager for uneven inputs: a rank that runs out of batches keeps answering
         the others' collectives (with zero gradients) until every rank is done."""
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs) -> TorchJoinHook:
+        """For torch's generic `Join([model, optimizer, ...])` context manager (Joinable)."""
+        self._torch_join = Join(self, kwargs.get("divide_by_initial_world_size", True))
+        return TorchJoinHook(self._torch_join)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD if self.process_group is None else self.process_group
 
     def register_comm_hook(self, state: object, hook: CommHook | str) -> None:
         """Replace how a bucket is averaged: `hook(state, bucket)` returns a Future of the
