@@ -1,6 +1,9 @@
-"""What a practitioner brings along when swapping torch's DistributedDataParallel for ours: the
-comm hooks of torch.distributed.algorithms.ddp_comm_hooks, registered on microddp's wrapper,
-give torch's numbers bit for bit (2 ranks)."""
+"""What a practitioner brings along when swapping torch's DistributedDataParallel for ours:
+- the comm hooks of torch.distributed.algorithms.ddp_comm_hooks, registered on microddp's
+  wrapper, give torch's numbers bit for bit (2 ranks);
+- changing requires_grad after wrapping (fine-tuning: unfreeze a layer) is refused by name,
+  where torch's DDP silently leaves that layer's gradients un-averaged.
+"""
 
 import torch
 from torch import nn
@@ -8,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
 import microddp as mdp
+from microddp import MicroDDPError
 from microddp.dp import wrap
 
 
@@ -57,3 +61,27 @@ def torch_hooks(world):
 def test_torchs_comm_hooks_on_our_wrapper_give_torchs_parameters():
     for same in mdp.spawn(torch_hooks, 2, timeout=120):
         assert same == dict.fromkeys(TORCH_HOOKS, True)
+
+
+def requires_grad_changed(world, change):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[0].requires_grad_(change != "unfreeze")
+    ddp = mdp.DDP(model)
+    g = torch.Generator().manual_seed(world.rank)  # different data: unaveraged grads differ
+    model[0].requires_grad_(change == "unfreeze")
+    try:
+        for _ in range(2):
+            ddp(torch.randn(4, 6, generator=g)).sum().backward()
+    except MicroDDPError as e:
+        return str(e)
+    return "no error"
+
+
+def test_changing_requires_grad_after_wrapping_is_named_on_every_rank():
+    for message in mdp.spawn(requires_grad_changed, 2, args=("unfreeze",), timeout=60):
+        assert message.startswith("parameter '0.weight' (and 1 more) did not require a gradient "
+                                  "when the model was wrapped")
+    for message in mdp.spawn(requires_grad_changed, 2, args=("freeze",), timeout=60):
+        assert message.startswith("parameter '0.weight' required a gradient when the model was "
+                                  "wrapped, and no longer does")

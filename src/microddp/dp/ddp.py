@@ -69,6 +69,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._torch_join: Join | None = None
         self._has_buffers = any(True for _ in module.buffers())
         names, params = _reducer_params(module)
+        # Parameters frozen now get no hook: if one is unfrozen later, its gradient would stay
+        # local and the replicas drift apart (torch's DDP lets them, silently).
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         if not params:
             raise MicroDDPError("the module has no parameter that requires a gradient, so there "
                                 "is nothing to average; wrap a trainable module")
@@ -106,6 +109,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs, **kwargs):
         self.reducer.release_retired()
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._frozen and torch.is_grad_enabled():
+            _refuse_unfrozen(self._frozen)
         src = self._src()
         if self._join is not None:  # tell ranks that ran out of data what to shadow
             src = self._join.notify(grad_sync)
@@ -196,6 +201,17 @@ def _refuse(kwargs: dict) -> None:
             raise MicroDDPError(f"DistributedDataParallel: {name} is an option of torch's DDP "
                                 "that microddp does not implement; drop it, or use "
                                 "torch.nn.parallel.DistributedDataParallel")
+
+
+def _refuse_unfrozen(frozen: list[tuple[str, nn.Parameter]]) -> None:
+    thawed = [name for name, p in frozen if p.requires_grad]
+    if thawed:
+        raise MicroDDPError(
+            f"parameter '{thawed[0]}'" + (f" (and {len(thawed) - 1} more)" if len(thawed) > 1
+                                          else "")
+            + " did not require a gradient when the model was wrapped, so its gradient would "
+            "not be averaged and the replicas would drift apart; wrap the model again after "
+            "changing requires_grad (torch's DDP has the same rule, unchecked)")
 
 
 def _refuse_sparse(module: nn.Module) -> None:
