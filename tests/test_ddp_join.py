@@ -3,6 +3,8 @@ PyTorch's DDP join bit for bit, and throw_on_early_termination fails every rank 
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join as TorchJoin
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import microddp as mdp
 from microddp import MicroDDPError
@@ -65,3 +67,43 @@ def early(world):
 def test_throw_on_early_termination_fails_every_rank():
     messages = mdp.spawn(early, 2, timeout=60)
     assert "ran out of data" in messages[0] and "ran out of data" in messages[1]
+
+
+def generic_join(world, engine, model="bn", zero=False, after=False, **join_kwargs):
+    """torch's own Join([model, optimizer]) context manager, which torch's docs show for
+    uneven inputs with ZeroRedundancyOptimizer."""
+    torch.manual_seed(0)
+    module = MODELS[model]()
+    ddp = wrap(module, engine)
+    opt = (ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1) if zero
+           else torch.optim.SGD(ddp.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(world.rank)
+    with TorchJoin([ddp, opt] if zero else [ddp], **join_kwargs):
+        for _ in range(1 + 2 * world.rank):  # rank 0 runs out first
+            opt.zero_grad()
+            x, y = torch.randn(6, DIM, generator=g), torch.randint(0, 2, (6,), generator=g)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    if after:  # a model once joined trains on: every rank, the same number of steps
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(torch.randn(6, DIM, generator=g)),
+                                    torch.zeros(6, dtype=torch.long)).backward()
+        opt.step()
+    return [t.detach().clone() for t in [*module.parameters(), *module.buffers()]]
+
+
+def generic_join_cases(world):
+    out = {}
+    for name, kwargs in {"bn": {}, "mlp, after the block": {"model": "mlp", "after": True},
+                         "divide by active ranks": {"divide_by_initial_world_size": False},
+                         "with ZeroRedundancyOptimizer": {"model": "mlp", "zero": True}}.items():
+        ours, theirs = generic_join(world, "microddp", **kwargs), generic_join(world, "torch",
+                                                                              **kwargs)
+        out[name] = all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    return out
+
+
+def test_torchs_generic_join_context_manager_works_and_matches_torch():
+    for same in mdp.spawn(generic_join_cases, 3, timeout=120):
+        assert same == {"bn": True, "mlp, after the block": True, "divide by active ranks": True,
+                        "with ZeroRedundancyOptimizer": True}

@@ -27,16 +27,20 @@ class GradBucket:
 
     def __init__(self, bucket: Bucket, count: int) -> None:
         self._bucket, self._count = bucket, count
+        self._buffer = bucket.flat
 
     def index(self) -> int:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
         """The flat tensor holding every gradient of the bucket, back to back."""
-        return self._bucket.flat
+        return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._bucket.flat.copy_(tensor)
+        """Make `tensor` what buffer() and gradients() return from now on, as torch's does
+        (fp16_compress_wrapper passes a float16 copy to the hook it wraps this way). The
+        bucket's own memory is left alone: the averages are the hook's Future's value."""
+        self._buffer = tensor
 
     def is_last(self) -> bool:
         """True for the bucket reduced last in the backward pass."""
@@ -46,7 +50,8 @@ class GradBucket:
         return list(self._bucket.params)
 
     def gradients(self) -> list[torch.Tensor]:
-        return [bucket_view(self._bucket.flat, p, o)
+        """Each parameter's gradient: a view of buffer(), shaped as the parameter."""
+        return [bucket_view(self._buffer, p, o)
                 for p, o in zip(self._bucket.params, self._bucket.offsets, strict=True)]
 
     def offsets(self) -> list[int]:

@@ -94,8 +94,8 @@ class BucketCopies:
                     bucket.views[pos].copy_(out)
                 if p.grad is None or not same_memory(p.grad, bucket.views[pos]):
                     p.grad = bucket.views[pos]
-            elif p.grad is None:
-                p.grad = out.clone()
+            elif p.grad is None:  # a hook may return another dtype (fp16_compress_wrapper)
+                p.grad = out.to(p.dtype, copy=True)
             else:
                 dst.append(p.grad)
                 src.append(out)

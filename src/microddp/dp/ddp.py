@@ -18,11 +18,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join as TorchJoin
+from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from .comm_hooks import BUILTIN, CommHook
-from .join import Join
+from .join import Join, TorchJoinHook
 from .reducer import Reducer
 from .sync import (
     broadcast_coalesced,
@@ -34,7 +36,7 @@ from .sync import (
 from .unused import output_tensors
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Replicate `module` on every rank and average its gradients during backward."""
 
     def __init__(self, module: nn.Module, device_ids: list | None = None, output_device=None,
@@ -67,9 +69,15 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view, self.static_graph = gradient_as_bucket_view, static_graph
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # buffers are synced after a syncing forward
-        self._join: Join | None = None
+        self._join: Join | None = None  # inside `with ddp.join()`
+        # Inside torch's `with Join([model, ...])`: it sets _join_config, asks join_hook()
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._torch_join: Join | None = None
         self._has_buffers = any(True for _ in module.buffers())
         names, params = _reducer_params(module)
+        # Parameters frozen now get no hook: if one is unfrozen later, its gradient would stay
+        # local and the replicas drift apart (torch's DDP lets them, silently).
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         if not params:
             raise MicroDDPError("the module has no parameter that requires a gradient, so there "
                                 "is nothing to average; wrap a trainable module")
@@ -108,9 +116,16 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs, **kwargs):
         self.reducer.release_retired()
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._frozen and torch.is_grad_enabled():
+            _refuse_unfrozen(self._frozen)
         src = self._src()
         if self._join is not None:  # tell ranks that ran out of data what to shadow
             src = self._join.notify(grad_sync)
+        elif self._join_config.enable and self._torch_join is not None:
+            work = TorchJoin.notify_join_context(self)  # torch's Join's own "I am active"
+            if work is not None:
+                work.wait()
+            src = self._torch_join.notify(grad_sync)
         if torch.is_grad_enabled():
             self.reducer.rebuild_buckets()
         if self._will_sync_buffers():
@@ -149,6 +164,19 @@ class DistributedDataParallel(nn.Module):
         the others' collectives (with zero gradients) until every rank is done."""
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
+    def join_hook(self, **kwargs) -> TorchJoinHook:
+        """For torch's generic `Join([model, optimizer, ...])` context manager (Joinable)."""
+        self._torch_join = Join(self, kwargs.get("divide_by_initial_world_size", True))
+        return TorchJoinHook(self._torch_join)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD if self.process_group is None else self.process_group
+
     def register_comm_hook(self, state: object, hook: CommHook | str) -> None:
         """Replace how a bucket is averaged: `hook(state, bucket)` returns a Future of the
         averaged flat tensor (PyTorch's contract; its built-in hooks work here too)."""
@@ -180,6 +208,17 @@ def _refuse(kwargs: dict) -> None:
             raise MicroDDPError(f"DistributedDataParallel: {name} is an option of torch's DDP "
                                 "that microddp does not implement; drop it, or use "
                                 "torch.nn.parallel.DistributedDataParallel")
+
+
+def _refuse_unfrozen(frozen: list[tuple[str, nn.Parameter]]) -> None:
+    thawed = [name for name, p in frozen if p.requires_grad]
+    if thawed:
+        raise MicroDDPError(
+            f"parameter '{thawed[0]}'" + (f" (and {len(thawed) - 1} more)" if len(thawed) > 1
+                                          else "")
+            + " did not require a gradient when the model was wrapped, so its gradient would "
+            "not be averaged and the replicas would drift apart; wrap the model again after "
+            "changing requires_grad (torch's DDP has the same rule, unchecked)")
 
 
 def _refuse_sparse(module: nn.Module) -> None:

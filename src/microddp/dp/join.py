@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
 
 from ..errors import MicroDDPError
 from .comm_hooks import GradBucket, Summing
@@ -66,7 +67,7 @@ class Join:
         self.ddp._join = None
         if not self.enable or exc_type is not None:
             return False
-        ddp, reducer, shadowed = self.ddp, self.ddp.reducer, 0
+        shadowed = 0
         while True:
             n_active, n_sync, top = self._exchange(False, False)
             if n_active == 0:
@@ -75,20 +76,46 @@ class Join:
                 raise MicroDDPError("this rank ran out of data before the others "
                                     "(throw_on_early_termination=True)")
             shadowed += 1
-            reducer.rebuild_buckets()
-            if ddp._will_sync_buffers():
-                broadcast_coalesced(list(ddp.module.buffers()), ddp._src(top), ddp.process_group,
-                                    keep_versions=True)
-            ddp.require_forward_param_sync = n_sync > 0
-            if n_sync:
-                shadow_backward(reducer)
-        reducer.div_factor = reducer.world_size
-        # The ranks that trained until the end hold the final model; take the highest one's.
-        last = torch.tensor([self.rank if shadowed == 0 else -1], device=ddp.device)
-        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=ddp.process_group)
-        sync_module_states(ddp.module, ddp._src(int(last.item())), ddp.process_group,
-                           buffers=ddp.forward_sync_buffers)
+            self.shadow(n_sync, top)
+        self.finish(last=shadowed == 0)
         return False
+
+    def shadow(self, n_sync: int, top: int) -> None:
+        """Repeat one iteration of the active ranks' collectives (this rank has no data)."""
+        ddp, reducer = self.ddp, self.ddp.reducer
+        reducer.rebuild_buckets()
+        if ddp._will_sync_buffers():
+            broadcast_coalesced(list(ddp.module.buffers()), ddp._src(top), ddp.process_group,
+                                keep_versions=True)
+        ddp.require_forward_param_sync = n_sync > 0
+        if n_sync:
+            shadow_backward(reducer)
+
+    def finish(self, last: bool) -> None:
+        """Every rank is done: all take the parameters of the highest rank that trained to the
+        end (`last`: this rank never had to shadow)."""
+        ddp = self.ddp
+        ddp.reducer.div_factor = ddp.reducer.world_size
+        mine = torch.tensor([self.rank if last else -1], device=ddp.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        sync_module_states(ddp.module, ddp._src(int(mine.item())), ddp.process_group,
+                           buffers=ddp.forward_sync_buffers)
+
+
+class TorchJoinHook(JoinHook):
+    """What torch's generic context manager, `torch.distributed.algorithms.join.Join([model,
+    ...])`, runs on a rank out of data: the same shadowing as `ddp.join()`. torch's Join adds
+    its own all-reduce per iteration (`Join.notify_join_context`, in our forward)."""
+
+    def __init__(self, join: Join) -> None:
+        self.join = join
+
+    def main_hook(self) -> None:
+        _, n_sync, top = self.join._exchange(False, False)  # someone is active: torch's Join
+        self.join.shadow(n_sync, top)                       # calls this only then
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.join.finish(last=is_last_joiner)
 
 
 def shadow_backward(reducer: Reducer) -> None:

@@ -31,7 +31,7 @@ from .comm_hooks import CommHook, GradBucket, Summing, check_future
 from .copies import BucketCopies
 from .lending import Lender
 from .sync import distributed, global_rank
-from .unused import accumulators, find_unused
+from .unused import accumulators, find_unused, no_gradient
 
 # Gradients of at least this many elements are copied into their bucket the moment they are
 # ready; smaller ones wait and go together, where one call costs less than one call each.
@@ -251,7 +251,7 @@ class Reducer(BucketCopies):
             for fut in self.futures:
                 fut.wait()
             self._arrival_complete()
-            raise MicroDDPError(self._no_gradient(missing))
+            raise MicroDDPError(no_gradient(self.names, self.params, missing, _rank(self.group)))
         t0 = time.perf_counter()
         used = self.static_used
         if self.used_future is not None:
@@ -266,14 +266,6 @@ class Reducer(BucketCopies):
         if trace.enabled():
             trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self._arrival_complete()
-
-    def _no_gradient(self, missing: list[int]) -> str:
-        names = [self.names[i] for i in missing]
-        listed = ", ".join(f"'{n}'" for n in names[:10]) + (" ..." if len(names) > 10 else "")
-        return (f"{len(names)} parameter(s) got no gradient in this backward pass on rank "
-                f"{_rank(self.group)}: {listed}. "
-                "Pass find_unused_parameters=True to DistributedDataParallel if some parameters "
-                "are legitimately unused, or make every forward output contribute to the loss")
 
     def _arrival_complete(self) -> None:
         """Every rank reaches this after the same collectives, so all agree on rebuilding."""

@@ -42,3 +42,19 @@ def find_unused(outputs, accs: Sequence) -> list[int]:
                 seen.add(nxt)
                 stack.append(nxt)
     return [i for i, acc in enumerate(accs) if acc not in seen]
+
+
+def no_gradient(names: Sequence[str], params: Sequence[torch.Tensor], missing: list[int],
+                rank: int) -> str:
+    """The error for parameters that got no gradient without find_unused_parameters."""
+    frozen = [names[i] for i in missing if not params[i].requires_grad]
+    if frozen:
+        return (f"parameter '{frozen[0]}' required a gradient when the model was wrapped, and "
+                "no longer does; wrap the model again after changing requires_grad, or pass "
+                "find_unused_parameters=True")
+    listed = ", ".join(f"'{names[i]}'" for i in missing[:10]) + (" ..." if len(missing) > 10
+                                                                 else "")
+    return (f"{len(missing)} parameter(s) got no gradient in this backward pass on rank "
+            f"{rank}: {listed}. "
+            "Pass find_unused_parameters=True to DistributedDataParallel if some parameters "
+            "are legitimately unused, or make every forward output contribute to the loss")
