@@ -93,7 +93,7 @@ def test_every_rank_of_a_host_chooses_the_same_backend(monkeypatch, env, backend
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     formed = []
-    monkeypatch.setattr(world, "_rendezvous", lambda *a: {})
+    monkeypatch.setattr(world, "store_args", lambda *a: {})
     monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: formed.append(b))
     assert mdp.init().backend == backend and formed == [backend]
     assert [world.choose_backend(None, r, 4) for r in range(4)] == ["gloo"] * 4

@@ -16,7 +16,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .errors import MicroDDPError
-from .world import _as_timedelta, _bind
+from .rendezvous import bind
+from .world import _as_timedelta
 
 LOOPBACK = "127.0.0.1"
 
@@ -40,7 +41,7 @@ class AgentStore:
         if not 0 <= port <= 65535:
             raise MicroDDPError(f"port must be between 0 and 65535, got {port}; 0 picks a free "
                                 "one")
-        sock = _bind(addr, port)
+        sock = bind(addr, port)
         port = sock.getsockname()[1]
         store = dist.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,
                               timeout=_as_timedelta(timeout), master_listen_fd=sock.fileno())
