@@ -60,12 +60,12 @@ def isend_then_recv(world) -> float:
 
 def main() -> None:
     print(f"deadlock: both ranks send 16 MiB first (group timeout {TIMEOUT_S} s)")
-    for line in mdp.spawn(both_send_first, 2, timeout=60):
+    for line in mdp.spawn(both_send_first, 2, timeout=60, backend="gloo"):
         print("  " + line)
     print("  -> deadlock detected: each send waits for a receive that is never posted")
     for name, fix in (("even/odd ordering", even_odd), ("isend + recv", isend_then_recv)):
         start = time.perf_counter()
-        got = mdp.spawn(fix, 2, timeout=60)
+        got = mdp.spawn(fix, 2, timeout=60, backend="gloo")
         print(f"fix, {name}: rank 0 received {got[0]:.0f}, rank 1 received {got[1]:.0f} "
               f"({time.perf_counter() - start:.1f} s including start-up)")
 

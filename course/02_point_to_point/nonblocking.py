@@ -29,7 +29,7 @@ def shift_right(world) -> str:
 
 
 def main() -> None:
-    for line in mdp.spawn(shift_right, WORLD_SIZE):
+    for line in mdp.spawn(shift_right, WORLD_SIZE, backend="gloo"):
         print(line)
 
 

@@ -46,7 +46,7 @@ def ping_pong(world) -> dict:
 
 
 def main() -> None:
-    out = mdp.spawn(ping_pong, 2)[0]
+    out = mdp.spawn(ping_pong, 2, backend="gloo")[0]
     for line in out["log"]:
         print(line)
     print(f"after {ROUNDS + TIMED_ROUNDS} round trips rank 0 holds {out['final']}")

@@ -78,7 +78,7 @@ def cheatsheet(world) -> list[tuple[str, str, str, bool]]:
 
 
 def main() -> None:
-    per_rank = mdp.spawn(cheatsheet, WORLD_SIZE)
+    per_rank = mdp.spawn(cheatsheet, WORLD_SIZE, backend="gloo")
     for i, (name, *_rest) in enumerate(per_rank[0]):
         same = all(rows[i][3] for rows in per_rank)
         print(f"{name}: {WHAT[name]}   (same as torch.distributed: {'yes' if same else 'NO'})")

@@ -62,7 +62,7 @@ def part1() -> None:
     print(f"  {'ranks':>5}  {'algorithm':<6} {'busiest rank':>13} {'quietest rank':>14} "
           f"{'messages':>9}  matches torch")
     for p in (2, 4, 8):
-        per_rank = mdp.spawn(count, p, timeout=120)
+        per_rank = mdp.spawn(count, p, timeout=120, backend="gloo")
         for name in ALGORITHMS:
             sent = [r[name][0] for r in per_rank]
             msgs = max(r[name][1] for r in per_rank)
@@ -110,7 +110,7 @@ def part3() -> None:
     print(f"\nPart 3: a {mib} MiB tensor on 4 ranks ({mib // 4} MiB chunks). On 3 or more ranks "
           f"the ring cuts chunks of {PIPELINE_MIN_CHUNK >> 20} MiB or more into segments of at "
           f"most {PIPELINE_SEGMENT >> 20} MiB")
-    r = mdp.spawn(segmented, 4, timeout=180)[0]
+    r = mdp.spawn(segmented, 4, timeout=180, backend="gloo")[0]
     for label, (nbytes, messages, ok) in r.items():
         print(f"  {label:<13} {nbytes >> 20:>4} MiB sent in {messages:>3} messages  "
               f"matches torch: {'yes' if ok else 'NO'}")
@@ -154,7 +154,7 @@ def rate(beta: float) -> str:
 def part4(repeats: int = 15) -> None:
     print(f"\nPart 4: fitting alpha and beta to this machine (2 ranks swap m bytes, median of "
           f"{repeats})")
-    measured = mdp.spawn(exchange_times, 2, (repeats,), timeout=120)[0]
+    measured = mdp.spawn(exchange_times, 2, (repeats,), timeout=120, backend="gloo")[0]
     (alpha, beta), small = fit_lines(EXCHANGE_SIZES, measured)
     model = CostModel(alpha, beta, 0.0, small)
     if small is None:
@@ -198,7 +198,7 @@ def connections(world, repeats: int) -> dict:
 def part5(repeats: int = 40) -> None:
     print(f"\nPart 5: two ranks, one connection or two ({DUPLEX_BYTES >> 20} MiB, {repeats} "
           f"calls each, interleaved with gloo)")
-    r = mdp.spawn(connections, 2, (repeats,), timeout=180)[0]
+    r = mdp.spawn(connections, 2, (repeats,), timeout=180, backend="gloo")[0]
     if not r["two"]:
         print("  (MICRODDP_DUPLEX=0: the second row also runs on one connection)")
     for label, (ratio, (lo, hi)) in r["ratio"].items():

@@ -46,7 +46,7 @@ def distributed(world: mdp.World) -> dict[str, list[torch.Tensor]]:
 def main() -> None:
     n = world_size_from_args(__doc__)
     results = single_process()
-    ranks = mdp.spawn(distributed, n)
+    ranks = mdp.spawn(distributed, n, backend="gloo")
     results.update({f"{e} ({n} ranks)": ranks[0][e] for e in ENGINES})
     ref = results["monolith"]
     print(f"{'stage':<24}{'max |param - monolith|':>24}{'replicas identical':>20}")

@@ -52,7 +52,7 @@ def main() -> None:
     args = p.parse_args()
     n = problem.world_size(p, args.world_size)
     with tempfile.TemporaryDirectory() as tmp:
-        mdp.spawn(train, n, args=(args.engine, os.path.join(tmp, "model.pt")))
+        mdp.spawn(train, n, args=(args.engine, os.path.join(tmp, "model.pt")), backend="gloo")
 
 
 if __name__ == "__main__":

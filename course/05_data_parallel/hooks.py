@@ -21,4 +21,4 @@ def train(world: mdp.World) -> None:
 
 
 if __name__ == "__main__":
-    mdp.spawn(train, world_size_from_args(__doc__))
+    mdp.spawn(train, world_size_from_args(__doc__), backend="gloo")

@@ -60,7 +60,7 @@ def worker(world):
 
 
 def main() -> None:
-    always, no_sync, gap_always, gap_no_sync = mdp.spawn(worker, 2, timeout=120)[0]
+    always, no_sync, gap_always, gap_no_sync = mdp.spawn(worker, 2, timeout=120, backend="gloo")[0]
     n = MICRO * STEPS_PER_UPDATE
     print(f"{STEPS_PER_UPDATE} micro-batches of {MICRO} (2 ranks x {MICRO // 2}) "
           f"= one update over {n} samples")

@@ -42,7 +42,7 @@ def worker(world) -> float:
 
 
 def main() -> None:
-    gaps = mdp.spawn(worker, 2, timeout=120)
+    gaps = mdp.spawn(worker, 2, timeout=120, backend="gloo")
     print(f"global batch {GLOBAL_BATCH} = 2 ranks x {GLOBAL_BATCH // 2}: DDP's averaged "
           f"gradient vs one process on all {GLOBAL_BATCH} samples")
     print(f"  max |difference| = {max(gaps):.1e} (rounding only: the same gradient)")

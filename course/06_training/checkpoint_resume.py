@@ -70,13 +70,15 @@ def first_two_runs(world, clean: str, crashed: str):
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         clean, crashed = str(Path(tmp) / "clean"), str(Path(tmp) / "crashed")
-        reference = mdp.spawn(first_two_runs, 2, args=(clean, crashed), timeout=120)[0]
+        reference = mdp.spawn(first_two_runs, 2, args=(clean, crashed), timeout=120,
+                              backend="gloo")[0]
         print(f"run 1: {TOTAL} steps without stopping, a checkpoint every {EVERY}")
         files = [p.name for p in checkpoint.list_checkpoints(crashed)]
         print(f"run 2: stops dead after step {CRASH_AFTER}; on disk (written by rank 0 only): "
               f"{files}")
         # New processes: nothing survives from run 2 except what is on disk.
-        start, end, resumed = mdp.spawn(run, 2, args=(crashed, TOTAL), timeout=120)[0]
+        start, end, resumed = mdp.spawn(run, 2, args=(crashed, TOTAL), timeout=120,
+                                        backend="gloo")[0]
         print(f"run 3: resumes from step {start} (steps {start + 1}-{CRASH_AFTER} are redone), "
               f"trains to step {end}")
         gap = max((resumed[k] - reference[k]).abs().max().item() for k in reference)

@@ -52,7 +52,7 @@ def drift(world):
 
 def run(fn) -> None:
     try:
-        mdp.spawn(fn, 2, timeout=60)
+        mdp.spawn(fn, 2, timeout=60, backend="gloo")
         print("no error")
     except mdp.MicroDDPError as e:  # "rank k failed: MicroDDPError: <report>\nTraceback ..."
         print(str(e).split("MicroDDPError: ", 1)[-1].split("\nTraceback")[0].strip())

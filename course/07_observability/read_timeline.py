@@ -25,7 +25,7 @@ def traced(world, out, engine):
 
 def report(root: str, keep: bool) -> None:
     for engine in ("overlap", "torch"):
-        s = mdp.spawn(traced, 2, args=(f"{root}/{engine}", engine), timeout=240)[0]
+        s = mdp.spawn(traced, 2, args=(f"{root}/{engine}", engine), timeout=240, backend="gloo")[0]
         print(f"engine {engine}: mean over steps 1..{s['steps'] - 1} of 2 ranks")
         print(f"  step {s['step_ms']:.2f} ms = compute {s['compute_ms']:.2f} + exposed comm "
               f"{s['exposed_comm_ms']:.2f} + data {s['data_ms']:.2f} + other {s['other_ms']:.2f}")
