@@ -43,6 +43,23 @@ def test_a_group_without_a_backend_is_nccl_on_the_local_ranks_gpu(torch_group, m
     assert Peers().nccl
 
 
+@pytest.mark.parametrize("env", [
+    {"LOCAL_RANK": "2"},                            # this rank has no GPU of its own
+    {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"},   # 4 ranks on this host, 2 GPUs
+    {},                                             # no launcher said which GPU is whose
+])
+def test_a_group_without_a_backend_stays_on_the_cpu_without_a_gpu_per_rank(torch_group,
+                                                                          monkeypatch, env):
+    # torch runs a CPU script over such a group (gloo for CPU tensors): so must we, not refuse
+    chosen = _stand_in_for_two_gpus(monkeypatch)
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    w = world.get_world()
+    assert (w.backend, w.device, chosen) == ("gloo", torch.device("cpu"), [])
+
+
 def test_nccl_exchanges_send_complex_tensors_as_real_ones(torch_group, monkeypatch):
     posted = []
     monkeypatch.setattr(dist, "P2POp", lambda op, t, peer, group: posted.append(t))

@@ -85,7 +85,9 @@ def choose_backend(backend: str | None, local_rank: int,
     """NCCL when every rank of this host has a GPU of its own, gloo otherwise; validate an
     explicit choice. All ranks must choose alike (a group that is NCCL on some ranks and gloo
     on others never works), so the test is the host's count of ranks (LOCAL_WORLD_SIZE), not
-    this rank's number: with 4 ranks on 2 GPUs, every rank takes gloo."""
+    this rank's number: with 4 ranks on 2 GPUs, every rank takes gloo. torchrun and `microddp
+    run` set LOCAL_WORLD_SIZE; without it only this rank's LOCAL_RANK can be tested (the world
+    size is no bound: it spans hosts), so a launcher that omits it must give a GPU per rank."""
     if backend is None:
         needed = local_rank + 1 if local_world_size is None else local_world_size
         return "nccl" if dist.is_nccl_available() and needed <= _gpus() else "gloo"
@@ -177,8 +179,14 @@ def _adopt(backend: str | None) -> World:
     """The World of a default process group that something other than `init` formed (a script
     written for torch's DDP: torchrun, or mp.spawn with init_process_group)."""
     have = str(dist.get_backend())  # e.g. "gloo", "cpu:gloo,cuda:nccl", or "undefined"
-    if uses_nccl() and torch.cuda.is_available():
-        have = "nccl"  # a GPU per rank, set before any CUDA tensor is made (choose_device)
+    local_rank = env_int("LOCAL_RANK", None)
+    if have != "nccl" and uses_nccl():
+        # A group for both kinds of tensor (gloo for CPU ones): NCCL only where every rank of
+        # this host has a GPU of its own; a CPU job on a host with fewer GPUs than ranks
+        # works in torch, so it must here too.
+        local_n = env_int("LOCAL_WORLD_SIZE", None)
+        own = local_rank is not None and local_rank < _gpus() and (local_n or 0) <= _gpus()
+        have = "nccl" if own else "gloo"
     elif "gloo" in have or have == "undefined":
         have = "gloo"
     if backend is not None and backend.lower() != have:
@@ -186,7 +194,6 @@ def _adopt(backend: str | None) -> World:
                             f"already joined uses {have!r}; drop the argument, or form the "
                             "group with that backend")
     rank = dist.get_rank()
-    local_rank = env_int("LOCAL_RANK", None)
     if have == "nccl" and local_rank is None:
         local_rank = torch.cuda.current_device()  # the GPU the script chose with set_device
     local_rank = rank if local_rank is None else local_rank
