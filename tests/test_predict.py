@@ -136,6 +136,25 @@ def measure_cpu_share(world):
     return _allreduce_times(world, [1 << 12, 1 << 20], 5)
 
 
+def test_flops_overrides_a_calibrated_hosts_one_rank_rate(tmp_path, capsys):
+    path = tmp_path / "cal.json"
+    predict.save_calibration(predict.Hardware(1e11, 1e9, 1e-5, cores=2, rank_flops=6e10),
+                             str(path))
+
+    def one_rank_ms(*extra):
+        assert cli.main(["predict", "--hardware", "calibrated", "--calibration", str(path),
+                         "--world", "1", *extra]) == 0
+        out = capsys.readouterr().out
+        return out, float(next(line.split()[2] for line in out.splitlines()  # compute ms
+                               if line.split()[:1] == ["1"]))
+
+    out, measured = one_rank_ms()
+    assert "(6e+10 for one rank alone)" in out
+    out, stated = one_rank_ms("--flops", "1e12")
+    assert "one rank alone" not in out
+    assert stated == pytest.approx(measured * 6e10 / 1e12, rel=0.02)
+
+
 def test_calibration_measures_the_cpu_share_of_an_all_reduce():
     for times, busy in mdp.spawn(measure_cpu_share, 2, timeout=60):
         assert len(times) == 2 and min(times) > 0

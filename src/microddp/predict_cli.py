@@ -88,6 +88,8 @@ def _hardware(args: argparse.Namespace) -> Hardware:
             if not v > 0:
                 raise MicroDDPError(f"--{name} must be positive, got {v}")
             hw = replace(hw, **{name: v}, note=hw.note + f" ({name} overridden)")
+    if args.flops is not None:  # the stated rate is the rate: a measured cap would hide it
+        hw = replace(hw, rank_flops=0.0)
     return hw
 
 
@@ -142,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     kind = "strong scaling, global batch" if args.strong else "weak scaling, batch per rank"
     print(f"model: {model.note}, {model.params:.3g} parameters, {model.flops_per_sample:.3g} "
           f"FLOP/sample; {kind} {args.batch:g}")
-    print(f"assumed hardware: {hw.note}: {hw.flops:.3g} FLOP/s, bandwidth {hw.bandwidth:.3g} B/s "
+    alone = f" ({hw.rank_flops:.3g} for one rank alone)" if hw.rank_flops else ""
+    print(f"assumed hardware: {hw.note}: {hw.flops:.3g} FLOP/s{alone}, bandwidth {hw.bandwidth:.3g} B/s "
           f"(1/beta), latency {1e6 * hw.latency:.0f} us per message (alpha); {args.algorithm} "
           f"all-reduce, buckets of {args.bucket_mb:g} MB, "
           f"{'no ' if args.no_overlap else ''}overlap")
