@@ -97,7 +97,9 @@ def _group_ranks(world):
         t = torch.full((2,), me)
         skipped = (comms.broadcast(t, group=g, group_src=1),
                    collectives.tree_broadcast(t, group=g, group_src=1).tolist())
-        return skipped, comms.recv(t, group=g, group_src=1), t.tolist()
+        # no root at all: skipped too (torch would raise a ValueError for global rank 0)
+        rootless = (comms.broadcast(t, group=g), comms.reduce(t, group=g))
+        return skipped, comms.recv(t, group=g, group_src=1), t.tolist(), rootless
     out = {}
     for name, call in [
         ("torch", lambda t: dist.broadcast(t, group=g, group_src=1)),
@@ -131,19 +133,24 @@ def _group_ranks(world):
         out["recv"] = (comms.recv(t, group=g, group_src=1), t.tolist())
     out["errors"] = [_message(lambda: comms.broadcast(torch.ones(2), 2, g, group_src=1)),
                      _message(lambda: collectives.tree_broadcast(torch.ones(2), group=g,
-                                                                 group_src=2))]
+                                                                 group_src=2)),
+                     _message(lambda: comms.broadcast(torch.ones(2), group=g)),
+                     _message(lambda: comms.send(torch.ones(2), dst=0, group=g))]
     return out
 
 
 def test_roots_given_as_group_ranks_as_torch_allows():
     outsider, one, two = mdp.spawn(_group_ranks, 3, timeout=90)
-    assert outsider == ((None, [1.0, 1.0]), -1, [1.0, 1.0])  # skipped, as torch skips
+    assert outsider == ((None, [1.0, 1.0]), -1, [1.0, 1.0], (None, None))  # skipped, as torch
     for out in (one, two):
         assert out["broadcast_torch"] == [3.0] * 2
         assert out["broadcast_comms"] == out["broadcast_tree"] == out["broadcast_torch"]
         assert out["scatter_comms"] == out["scatter_collectives"]
         assert "pass src (a global rank) or group_src" in out["errors"][0]
         assert "group_src=2 is not a rank of the group (0 to 1)" in out["errors"][1]
+        assert "no src given, so the root is global rank 0, which is not in the group (global " \
+               "ranks [1, 2])" in out["errors"][2], out["errors"][2]
+        assert "send: rank 0 is not in the group (global ranks [1, 2])" in out["errors"][3]
     assert one["reduce_comms"] == one["reduce_tree"] == one["reduce_torch"] == [5.0] * 2
     assert (one["scatter_comms"], two["scatter_comms"]) == ([10.0] * 2, [20.0] * 2)
     assert one["gather_comms"] == one["gather_collectives"] == [[2.0] * 2, [3.0] * 2]

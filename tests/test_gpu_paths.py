@@ -155,8 +155,11 @@ def test_cpu_benchmarks_ask_for_gloo_even_on_a_gpu_host(monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("microddp.spawn"), "spawn", spawn)
     monkeypatch.setattr(calibrate, "spawn", spawn)
+    monkeypatch.setattr(importlib.import_module("microddp.trace_cli"), "spawn", spawn)
     for start in (lambda: cli.main(["bench", "ddp", "--dims", "8"]), calibrate.alpha_beta,
-                  lambda: calibrate.measured_step(2, "microddp", 8, 1, 4)):
+                  lambda: calibrate.measured_step(2, "microddp", 8, 1, 4),
+                  lambda: calibrate.rank_rate(8, 1, 4),
+                  lambda: cli.main(["trace", "--overhead", "--steps", "3"])):
         with pytest.raises(Started):
             start()
-    assert backends == ["gloo"] * 3
+    assert backends == ["gloo"] * 5

@@ -99,7 +99,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
     """Every rank ends with rank `src`'s tensor (global rank; or torch's `group_src`), in
     place. Without either, rank 0's."""
     if _outside(group):
-        return dist.broadcast(tensor, _given(src, group_src), group, async_op, group_src=group_src)
+        return dist.broadcast(tensor, group=group, async_op=async_op,
+                              **_skipped_root("src", src, group_src))
     src = root(src, group_src, group, "src")
     if not _distributed():
         return _done(async_op, result=[tensor])
@@ -139,8 +140,8 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Op = "sum", group=N
     name = op_name(op)
     check_op_dtype(name, tensor)
     if _outside(group):
-        return dist.reduce(tensor, _given(dst, group_dst), REDUCE_OPS[name], group, async_op,
-                           group_dst=group_dst)
+        return dist.reduce(tensor, op=REDUCE_OPS[name], group=group, async_op=async_op,
+                           **_skipped_root("dst", dst, group_dst))
     dst = root(dst, group_dst, group, "dst")
     if not _distributed():
         return _done(async_op, result=[tensor])
@@ -155,8 +156,8 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
             group_src: int | None = None) -> Handle | None:
     """Group rank i receives scatter_list[i] from rank `src` (or `group_src`) into `tensor`."""
     if _outside(group):
-        return dist.scatter(tensor, None, _given(src, group_src), group, async_op,
-                            group_src=group_src)
+        return dist.scatter(tensor, None, group=group, async_op=async_op,
+                            **_skipped_root("src", src, group_src))
     src = root(src, group_src, group, "src")
     is_src = not _distributed() or dist.get_rank() == src
     if is_src:
@@ -174,8 +175,8 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
     """Rank `dst` (or `group_dst`) receives every rank's tensor: gather_list[i] is group
     rank i's."""
     if _outside(group):
-        return dist.gather(tensor, None, _given(dst, group_dst), group, async_op,
-                           group_dst=group_dst)
+        return dist.gather(tensor, None, group=group, async_op=async_op,
+                           **_skipped_root("dst", dst, group_dst))
     dst = root(dst, group_dst, group, "dst")
     is_dst = not _distributed() or dist.get_rank() == dst
     if is_dst:
@@ -233,10 +234,13 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     return Handle(work, result=[tensor])
 
 
-def _given(rank: int | None, group_rank: int | None) -> int | None:
-    """The root to hand torch on a rank outside the group, which skips the call: rank 0 if
-    neither is given (torch refuses neither, even there)."""
-    return 0 if rank is None and group_rank is None else rank
+def _skipped_root(name: str, rank: int | None, group_rank: int | None) -> dict:
+    """The root to hand torch on a rank outside the group, which skips the call but still
+    refuses a missing root, and a global one that is not in the group: the group's first
+    rank when neither is given (members take global rank 0 then, and say if it is not in)."""
+    if rank is None and group_rank is None:
+        return {f"group_{name}": 0}
+    return {name: rank, f"group_{name}": group_rank}
 
 
 def _sender_to(dst: int | None, group_dst: int | None, group, what: str) -> int:

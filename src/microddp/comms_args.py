@@ -86,6 +86,11 @@ def root(rank: int | None, group_rank: int | None, group, what: str) -> int:
     """The global rank of a collective's root, from `src`/`dst` (a global rank, 0 if neither
     is given) or from torch's `group_src`/`group_dst` (a rank inside `group`)."""
     if group_rank is None:
+        if rank is None and group is not None and _distributed() \
+                and 0 not in dist.get_process_group_ranks(group):
+            raise MicroDDPError(f"no {what} given, so the root is global rank 0, which is not in "
+                                f"the group (global ranks {dist.get_process_group_ranks(group)}); "
+                                f"pass {what}= (a global rank) or group_{what}= (a rank inside it)")
         rank = 0 if rank is None else rank
         check_root(rank, group, what)
         return rank
@@ -104,6 +109,10 @@ def peer(rank: int | None, group_rank: int | None, group, what: str) -> int | No
     if rank is not None and (not 0 <= rank < world.world_size or rank == world.rank):
         raise MicroDDPError(f"{what}: rank {rank} is not another rank of this world "
                             f"(this is rank {world.rank} of {world.world_size})")
+    if rank is not None and group is not None and rank not in dist.get_process_group_ranks(group):
+        raise MicroDDPError(f"{what}: rank {rank} is not in the group (global ranks "
+                            f"{dist.get_process_group_ranks(group)}); pass a global rank from "
+                            "that list")
     return rank
 
 
