@@ -101,22 +101,17 @@ def _group_ranks(world):
         rootless = (comms.broadcast(t, group=g), comms.reduce(t, group=g))
         return skipped, comms.recv(t, group=g, group_src=1), t.tolist(), rootless
     out = {}
-    for name, call in [
-        ("torch", lambda t: dist.broadcast(t, group=g, group_src=1)),
-        ("comms", lambda t: comms.broadcast(t, group=g, group_src=1)),
-        ("tree", lambda t: collectives.tree_broadcast(t, group=g, group_src=1)),
-    ]:
-        t = torch.full((2,), me)
-        call(t)
-        out[f"broadcast_{name}"] = t.tolist()
-    for name, call in [
-        ("torch", lambda t: dist.reduce(t, group=g, group_dst=0)),
-        ("comms", lambda t: comms.reduce(t, group=g, group_dst=0)),
-        ("tree", lambda t: collectives.tree_reduce(t, group=g, group_dst=0)),
-    ]:
-        t = torch.full((2,), me)
-        call(t)
-        out[f"reduce_{name}"] = t.tolist() if world.rank == 1 else None
+    rooted = {  # the same call three ways; reduce's result is defined on its root only
+        "broadcast": ([dist.broadcast, comms.broadcast, collectives.tree_broadcast],
+                      {"group_src": 1}, True),
+        "reduce": ([dist.reduce, comms.reduce, collectives.tree_reduce], {"group_dst": 0},
+                   world.rank == 1),
+    }
+    for kind, (fns, root, defined) in rooted.items():
+        for name, fn in zip(("torch", "comms", "tree"), fns, strict=True):
+            t = torch.full((2,), me)
+            fn(t, group=g, **root)
+            out[f"{kind}_{name}"] = t.tolist() if defined else None
     parts = [torch.full((2,), 10.0), torch.full((2,), 20.0)] if world.rank == 2 else None
     for name, fn in [("comms", comms.scatter), ("collectives", collectives.scatter)]:
         t = torch.zeros(2)
