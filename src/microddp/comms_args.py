@@ -72,29 +72,24 @@ def check_list(tensors, group, what: str, like: torch.Tensor) -> None:
                 f"{tuple(like.shape)} {like.dtype} on {like.device}; make them match")
 
 
-def check_root(rank: int, group, what: str) -> None:
-    """`src`/`dst` is a global rank of the group: torch's own error for one that is not comes
-    from the backend (gloo: 'invalid root rank'), or not at all."""
-    ranks = (range(get_world().world_size) if group is None or not _distributed()
-             else dist.get_process_group_ranks(group))
-    if rank not in ranks:
-        raise MicroDDPError(f"{what}={rank} is not a rank of the group (global ranks "
-                            f"{list(ranks)}); pass a global rank from that list")
-
-
 def root(rank: int | None, group_rank: int | None, group, what: str) -> int:
     """The global rank of a collective's root, from `src`/`dst` (a global rank, 0 if neither
-    is given) or from torch's `group_src`/`group_dst` (a rank inside `group`)."""
-    if group_rank is None:
-        if rank is None and group is not None and _distributed() \
-                and 0 not in dist.get_process_group_ranks(group):
-            raise MicroDDPError(f"no {what} given, so the root is global rank 0, which is not in "
-                                f"the group (global ranks {dist.get_process_group_ranks(group)}); "
-                                f"pass {what}= (a global rank) or group_{what}= (a rank inside it)")
-        rank = 0 if rank is None else rank
-        check_root(rank, group, what)
-        return rank
-    return _from_group_rank(rank, group_rank, group, what)
+    is given) or from torch's `group_src`/`group_dst` (a rank inside `group`). A global one
+    must be in the group: torch's own error for one that is not comes from the backend
+    (gloo: 'invalid root rank'), or not at all."""
+    if group_rank is not None:
+        return _from_group_rank(rank, group_rank, group, what)
+    ranks = (list(range(get_world().world_size)) if group is None or not _distributed()
+             else dist.get_process_group_ranks(group))
+    if rank is None and 0 not in ranks:
+        raise MicroDDPError(f"no {what} given, so the root is global rank 0, which is not in "
+                            f"the group (global ranks {ranks}); pass {what}= (a global rank) or "
+                            f"group_{what}= (a rank inside it)")
+    rank = 0 if rank is None else rank
+    if rank not in ranks:
+        raise MicroDDPError(f"{what}={rank} is not a rank of the group (global ranks "
+                            f"{ranks}); pass a global rank from that list")
+    return rank
 
 
 def peer(rank: int | None, group_rank: int | None, group, what: str) -> int | None:
@@ -109,22 +104,29 @@ def peer(rank: int | None, group_rank: int | None, group, what: str) -> int | No
     if rank is not None and (not 0 <= rank < world.world_size or rank == world.rank):
         raise MicroDDPError(f"{what}: rank {rank} is not another rank of this world "
                             f"(this is rank {world.rank} of {world.world_size})")
-    if rank is not None and group is not None and rank not in dist.get_process_group_ranks(group):
-        raise MicroDDPError(f"{what}: rank {rank} is not in the group (global ranks "
-                            f"{dist.get_process_group_ranks(group)}); pass a global rank from "
-                            "that list")
+    if rank is not None and group is not None:
+        ranks = dist.get_process_group_ranks(group)
+        if rank not in ranks:
+            raise MicroDDPError(f"{what}: rank {rank} is not in the group (global ranks "
+                                f"{ranks}); pass a global rank from that list")
     return rank
 
 
-def _from_group_rank(rank: int | None, group_rank: int, group, what: str) -> int:
-    name = what.rpartition(" ")[2]  # src or dst
+def check_group_rank(rank: int | None, group_rank: int, size: int, name: str,
+                     where: str = "") -> None:
+    """torch's group_src/group_dst: a rank inside a group of `size`, given instead of the
+    global `name` (src or dst), not as well. Shared with microddp.collectives."""
+    at = f"{where}: " if where else ""
     if rank is not None:
-        raise MicroDDPError(f"{what}: pass {name} (a global rank) or group_{name} (a rank inside "
+        raise MicroDDPError(f"{at}pass {name} (a global rank) or group_{name} (a rank inside "
                             "the group), not both")
-    n = _size(group)
-    if not 0 <= group_rank < n:
-        raise MicroDDPError(f"{what}: group_{name}={group_rank} is not a rank of the group "
-                            f"(0 to {n - 1})")
+    if not 0 <= group_rank < size:
+        raise MicroDDPError(f"{at}group_{name}={group_rank} is not a rank of the group "
+                            f"(0 to {size - 1})")
+
+
+def _from_group_rank(rank: int | None, group_rank: int, group, what: str) -> int:
+    check_group_rank(rank, group_rank, _size(group), what.rpartition(" ")[2], what)
     return dist.get_global_rank(group, group_rank) if _distributed() and group else group_rank
 
 

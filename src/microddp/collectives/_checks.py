@@ -43,12 +43,7 @@ def try_root(peers: Peers, rank: int | None, what: str,
     try:
         if group_rank is None:
             return peers.group_rank(0 if rank is None else rank, what), None
-        if rank is not None:
-            raise MicroDDPError(f"pass {what} (a global rank) or group_{what} (a rank inside "
-                                "the group), not both")
-        if not 0 <= group_rank < peers.size:
-            raise MicroDDPError(f"group_{what}={group_rank} is not a rank of the group (0 to "
-                                f"{peers.size - 1})")
+        comms_args.check_group_rank(rank, group_rank, peers.size, what)
         return group_rank, None
     except MicroDDPError as e:
         return 0, e
