@@ -181,12 +181,11 @@ def _adopt(backend: str | None) -> World:
     have = str(dist.get_backend())  # e.g. "gloo", "cpu:gloo,cuda:nccl", or "undefined"
     local_rank = env_int("LOCAL_RANK", None)
     if have != "nccl" and uses_nccl():
-        # A group for both kinds of tensor (gloo for CPU ones): NCCL only where every rank of
-        # this host has a GPU of its own; a CPU job on a host with fewer GPUs than ranks
-        # works in torch, so it must here too.
-        local_n = env_int("LOCAL_WORLD_SIZE", None)
-        own = local_rank is not None and local_rank < _gpus() and (local_n or 0) <= _gpus()
-        have = "nccl" if own else "gloo"
+        # A group for both kinds of tensor (gloo for CPU ones): NCCL on the terms `init` picks
+        # it by, a GPU for every rank of this host; a CPU job on a host with fewer GPUs than
+        # ranks works in torch, so it must here too. No LOCAL_RANK: nothing says whose GPU.
+        have = ("gloo" if local_rank is None else
+                choose_backend(None, local_rank, env_int("LOCAL_WORLD_SIZE", None)))
     elif "gloo" in have or have == "undefined":
         have = "gloo"
     if backend is not None and backend.lower() != have:
