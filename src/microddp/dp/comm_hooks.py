@@ -115,6 +115,16 @@ class Summing:
             self.work.get_future().add_done_callback(fn)
 
 
+def start_reduction(bucket: Bucket, count: int, group, hook: CommHook | None,
+                    state: object) -> Future | Summing:
+    """Start summing `bucket` (one of `count`) over `group`: the plain all-reduce, or the
+    registered comm `hook`, whose result must be a Future. The reducer starts each bucket
+    this way, and so does Join on a rank that shadows the others' collectives."""
+    if hook is None:
+        return Summing(bucket.flat, group)
+    return check_future(hook, hook(state, GradBucket(bucket, count)))
+
+
 def allreduce(state, bucket: GradBucket) -> Future:
     """Average the bucket: divide by the number of ranks, then sum over ranks (what DDP does)."""
     flat = bucket.buffer()

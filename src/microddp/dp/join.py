@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from ..errors import MicroDDPError
-from .comm_hooks import GradBucket, Summing
+from .comm_hooks import Summing, start_reduction
 from .sync import broadcast_coalesced, distributed, sync_module_states
 
 if TYPE_CHECKING:
@@ -124,11 +124,8 @@ def shadow_backward(reducer: Reducer) -> None:
     for bucket in reducer.buckets:
         reducer.claim(bucket, exclusive=True)  # it may be this rank's .grad: never zero that
         bucket.flat.zero_()
-        if reducer.comm_hook is None:
-            futures.append(Summing(bucket.flat, reducer.group))
-        else:
-            futures.append(reducer.comm_hook(reducer.comm_state,
-                                             GradBucket(bucket, len(reducer.buckets))))
+        futures.append(start_reduction(bucket, len(reducer.buckets), reducer.group,
+                                       reducer.comm_hook, reducer.comm_state))
     if reducer.all_reduces_used():
         used = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
         futures.append(Summing(used, reducer.group))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .. import trace
 from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
-from .comm_hooks import CommHook, GradBucket, Summing, check_future
+from .comm_hooks import CommHook, Summing, start_reduction
 from .copies import BucketCopies
 from .lending import Lender
 from .sync import distributed, global_rank
@@ -210,11 +210,8 @@ class Reducer(BucketCopies):
             self._copy_in(bucket, [pos for pos, i in enumerate(bucket.indices)
                                    if not self.copied[i]])
             self.launched_at[k] = time.perf_counter()
-            if self.comm_hook is None:
-                self.futures[k] = Summing(bucket.flat, self.group)
-            else:
-                self.futures[k] = check_future(self.comm_hook, self.comm_hook(
-                    self.comm_state, GradBucket(bucket, len(self.buckets))))
+            self.futures[k] = start_reduction(bucket, len(self.buckets), self.group,
+                                              self.comm_hook, self.comm_state)
             if trace.enabled():
                 _record_when_done(self.futures[k], k, bucket.nbytes, self.launched_at[k])
             self.next_bucket += 1
