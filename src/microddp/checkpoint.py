@@ -144,12 +144,24 @@ def load_latest(folder: str | Path, map_location: torch.device | str = "cpu",
     readable is the caller's decision.
     """
     candidates = list_checkpoints(folder)
-    for older, path in reversed(list(enumerate(candidates))):
+    found, skipped = newest_readable(candidates, map_location)
+    for k, e in enumerate(skipped):  # the k-th newest; the oldest has nothing to fall back to
+        warn(f"{e}; falling back to the previous checkpoint" if k < len(candidates) - 1
+             else str(e))
+    return found
+
+
+def newest_readable(paths: list[Path], map_location: torch.device | str = "cpu",
+                    ) -> tuple[tuple[dict, Path] | None, list[MicroDDPError]]:
+    """(state, path) of the newest of `paths` that loads, or None; and why each newer one
+    did not, newest first."""
+    skipped = []
+    for path in reversed(paths):
         try:
-            return load(path, map_location), path
+            return (load(path, map_location), path), skipped
         except MicroDDPError as e:
-            warn(f"{e}; falling back to the previous checkpoint" if older else str(e))
-    return None
+            skipped.append(e)
+    return None, skipped
 
 
 def set_aside(paths: list[Path]) -> list[Path]:

@@ -32,17 +32,6 @@ def _ignore(message: str) -> None:
     pass
 
 
-def _newest_readable(paths: list[Path]) -> tuple[tuple[dict, Path] | None, list[MicroDDPError]]:
-    """(state, path) of the newest loadable checkpoint or None; why each newer one was not."""
-    skipped = []
-    for path in reversed(paths):
-        try:
-            return (checkpoint.load(path, "cpu"), path), skipped
-        except MicroDDPError as e:
-            skipped.append(e)
-    return None, skipped
-
-
 def decide(cfg: TrainConfig, restarted: bool = False,
            warn=_ignore) -> tuple[str | None, str | None]:
     """(checkpoint to resume from or None, error or None) for a run with `cfg`.
@@ -57,7 +46,7 @@ def decide(cfg: TrainConfig, restarted: bool = False,
             return None, (f"--resume: no checkpoint in {folder}; check the folder, or drop "
                           "--resume to start a new run")
         return None, None  # restarted before the first checkpoint: start again from scratch
-    found, skipped = _newest_readable(existing)
+    found, skipped = checkpoint.newest_readable(existing)
     if found is None:
         if cfg.resume or not restarted:
             newest = str(skipped[0]).replace(f"checkpoint {existing[-1]} ", "")
