@@ -1,4 +1,5 @@
-"""Command-line argument checks the commands share (train, bench), run before any rank starts.
+"""Command-line argument checks the commands share (train, bench, trace), run before any rank
+starts.
 
 A bad value found inside a rank costs a rank's traceback (and a spawn); found here it is one
 line naming the flag, and exit code 2.

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import trace, trace_report
+from . import flags, trace, trace_report
 from .errors import MicroDDPError
 from .spawn import spawn
 from .world import World
@@ -217,9 +217,8 @@ def _summarise(path: str, redraw: bool = True) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.path:
         return _summarise(args.path)
-    for name in ("nproc", "dim", "depth", "batch", "steps"):
-        if getattr(args, name) < 1:
-            raise MicroDDPError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    flags.at_least(1, nproc=args.nproc, dim=args.dim, depth=args.depth, batch=args.batch,
+                   steps=args.steps)
     if args.bucket_cap_mb <= 0 or math.isnan(args.bucket_cap_mb):
         raise MicroDDPError("--bucket-cap-mb must be positive")
     if args.engine == "torch" and args.nproc < 2:
