@@ -8,18 +8,11 @@ import torch
 import torch.distributed as dist
 
 import microddp
+from errors_helpers import message
 from microddp import MicroDDPError
 from microddp import collectives as C
 
 ALL_REDUCES = [C.ring_all_reduce, C.tree_all_reduce, C.naive_all_reduce]
-
-
-def _message(fn) -> str:
-    try:
-        fn()
-    except MicroDDPError as e:
-        return str(e)
-    return "no error"
 
 
 def _every_call(x: torch.Tensor, p: int, rank: int, group=None) -> list:
@@ -42,7 +35,7 @@ def _mismatch(world, what: str) -> list[str]:
         x = torch.zeros(3 + world.rank)  # every rank a different length
     else:
         x = torch.zeros(3, dtype=(torch.float32, torch.float64, torch.bfloat16)[world.rank])
-    out = [_message(c) for c in _every_call(x, world.world_size, world.rank)]
+    out = [message(c) for c in _every_call(x, world.world_size, world.rank)]
     y = torch.ones(5)
     C.ring_all_reduce(y)  # the group is still usable
     out.append(f"ok {y.tolist()}")
@@ -69,7 +62,7 @@ def _on_a_sub_group(world) -> list[str]:
     if world.rank == 1:
         return []
     x = torch.zeros(3 + world.rank)
-    return [_message(c) for c in _every_call(x, 2, world.rank, group)]
+    return [message(c) for c in _every_call(x, 2, world.rank, group)]
 
 
 def test_a_mismatch_in_a_sub_group_raises_on_its_members():
@@ -83,16 +76,16 @@ def test_a_mismatch_in_a_sub_group_raises_on_its_members():
 
 def _dtype_and_op(world) -> list[str]:
     f64 = torch.zeros(4, dtype=torch.float64 if world.rank == 1 else torch.float32)
-    out = [_message(lambda: C.ring_all_reduce(f64))]
+    out = [message(lambda: C.ring_all_reduce(f64))]
     op = "max" if world.rank == 0 else "sum"
-    out.append(_message(lambda: C.tree_all_reduce(torch.zeros(4), op)))
+    out.append(message(lambda: C.tree_all_reduce(torch.zeros(4), op)))
     # avg is invalid for integers on rank 1 only: rank 1 says why, the others must not hang
     t = torch.zeros(4, dtype=torch.int64) if world.rank == 1 else torch.zeros(4)
-    out.append(_message(lambda: C.naive_all_reduce(t, "avg", check=True)))
-    out.append(_message(lambda: C.ring_all_reduce(torch.zeros(2, dtype=torch.int64), "avg")))
-    out.append(_message(lambda: C.tree_all_reduce(torch.zeros(2), "median")))
-    out.append(_message(lambda: C.tree_broadcast(torch.zeros(2), src=world.world_size)))
-    out.append(_message(lambda: C.scatter(torch.zeros(2), [torch.zeros(2)] if world.rank == 0
+    out.append(message(lambda: C.naive_all_reduce(t, "avg", check=True)))
+    out.append(message(lambda: C.ring_all_reduce(torch.zeros(2, dtype=torch.int64), "avg")))
+    out.append(message(lambda: C.tree_all_reduce(torch.zeros(2), "median")))
+    out.append(message(lambda: C.tree_broadcast(torch.zeros(2), src=world.world_size)))
+    out.append(message(lambda: C.scatter(torch.zeros(2), [torch.zeros(2)] if world.rank == 0
                                           else None)))
     return out
 
@@ -136,17 +129,17 @@ def _reducing_calls(x: torch.Tensor, p: int, op: str) -> list:
 def _ops_and_roots(world) -> dict[str, list[str]]:
     p, r = world.world_size, world.rank
     return {
-        "differ": [_message(c) for c in _reducing_calls(torch.zeros(4), p,
+        "differ": [message(c) for c in _reducing_calls(torch.zeros(4), p,
                                                        "max" if r == 0 else "sum")],
-        "avg on int64": [_message(c) for c in _reducing_calls(
+        "avg on int64": [message(c) for c in _reducing_calls(
             torch.zeros(4, dtype=torch.int64), p, "avg")],
-        "band on float": [_message(c) for c in _reducing_calls(torch.zeros(4), p, "band")],
+        "band on float": [message(c) for c in _reducing_calls(torch.zeros(4), p, "band")],
         # rank 1 names another root than ranks 0 and 2
-        "roots": [_message(lambda: C.tree_broadcast(torch.zeros(2), src=r % 2)),
-                  _message(lambda: C.tree_reduce(torch.zeros(2), dst=r % 2)),
-                  _message(lambda: C.scatter(torch.zeros(2), [torch.zeros(2)] * p
+        "roots": [message(lambda: C.tree_broadcast(torch.zeros(2), src=r % 2)),
+                  message(lambda: C.tree_reduce(torch.zeros(2), dst=r % 2)),
+                  message(lambda: C.scatter(torch.zeros(2), [torch.zeros(2)] * p
                                              if r == r % 2 else None, src=r % 2)),
-                  _message(lambda: C.gather(torch.zeros(2), [torch.zeros(2) for _ in range(p)]
+                  message(lambda: C.gather(torch.zeros(2), [torch.zeros(2) for _ in range(p)]
                                             if r == r % 2 else None, dst=r % 2))],
     }
 
@@ -181,7 +174,7 @@ def _expanded(world) -> dict:
         lambda: C.ring_reduce_scatter(e, [x] * p),
         lambda: C.ring_all_gather(outs() if r == 1 else [torch.empty(4) for _ in range(p)], x),
         lambda: C.gather(x, outs() if r == 1 else None, dst=1)]
-    errors = [_message(c) for c in written]
+    errors = [message(c) for c in written]
     # Only read: all-gather's and gather's input, scatter's and reduce-scatter's lists, and
     # reduce's tensor on a rank that is not the destination.
     ex = [torch.full((1,), float(10 * r + i)).expand(4) for i in range(p)]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
+from errors_helpers import message
 from microddp import collectives, comms
 
 
@@ -20,7 +21,7 @@ def test_every_spelling_of_an_op_is_accepted(op):
 
 
 @pytest.mark.parametrize(
-    "call, message",
+    "call, says",
     [
         (lambda: comms.all_reduce(torch.ones(2, dtype=torch.complex64), "max"), "complex"),
         (lambda: comms.reduce(torch.ones(2, dtype=torch.complex64), 0, "product"), "complex"),
@@ -34,17 +35,9 @@ def test_every_spelling_of_an_op_is_accepted(op):
         (lambda: comms.new_group([0], "gloo"), "second argument is the timeout, as in torch"),
     ],
 )
-def test_torch_habits_that_are_mistakes_get_a_clear_error(call, message):
-    with pytest.raises(mdp.MicroDDPError, match=message):
+def test_torch_habits_that_are_mistakes_get_a_clear_error(call, says):
+    with pytest.raises(mdp.MicroDDPError, match=says):
         call()
-
-
-def _message(fn) -> str:
-    try:
-        fn()
-    except mdp.MicroDDPError as e:
-        return str(e)
-    return "no error"
 
 
 def _habits(world):
@@ -66,10 +59,10 @@ def _habits(world):
     # Every rank makes the same mistake, so none waits for another (gloo would abort the
     # process on the first; torch's error for the others is the backend's or a ValueError).
     out["errors"] = [
-        _message(lambda: comms.reduce_scatter(torch.ones(3), [torch.ones(3), torch.ones(4)])),
-        _message(lambda: comms.broadcast(torch.ones(2), src=2)),
-        _message(lambda: comms.broadcast(torch.ones(2), src=1 - world.rank, group=only_me)),
-        _message(lambda: comms.all_gather([torch.zeros(2), torch.zeros(2, dtype=torch.int64)],
+        message(lambda: comms.reduce_scatter(torch.ones(3), [torch.ones(3), torch.ones(4)])),
+        message(lambda: comms.broadcast(torch.ones(2), src=2)),
+        message(lambda: comms.broadcast(torch.ones(2), src=1 - world.rank, group=only_me)),
+        message(lambda: comms.all_gather([torch.zeros(2), torch.zeros(2, dtype=torch.int64)],
                                           torch.ones(2))),
     ]
     return out
@@ -126,11 +119,11 @@ def _group_ranks(world):
     else:
         t = torch.zeros(2)
         out["recv"] = (comms.recv(t, group=g, group_src=1), t.tolist())
-    out["errors"] = [_message(lambda: comms.broadcast(torch.ones(2), 2, g, group_src=1)),
-                     _message(lambda: collectives.tree_broadcast(torch.ones(2), group=g,
+    out["errors"] = [message(lambda: comms.broadcast(torch.ones(2), 2, g, group_src=1)),
+                     message(lambda: collectives.tree_broadcast(torch.ones(2), group=g,
                                                                  group_src=2)),
-                     _message(lambda: comms.broadcast(torch.ones(2), group=g)),
-                     _message(lambda: comms.send(torch.ones(2), dst=0, group=g))]
+                     message(lambda: comms.broadcast(torch.ones(2), group=g)),
+                     message(lambda: comms.send(torch.ones(2), dst=0, group=g))]
     return out
 
 
