@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import microddp
+from errors_helpers import message
 from microddp import collectives as C
 from microddp.collectives._agree import _code
-from test_collectives_errors import _message
 
 PAIRS = {  # what rank 0 calls, what the others call
     "ring vs tree": (lambda t: C.ring_all_reduce(t), lambda t: C.tree_all_reduce(t)),
@@ -34,7 +34,7 @@ def _different_calls(world) -> dict:
     for name, (first, other) in PAIRS.items():
         call = first if world.rank == 0 else other
         # 16 KiB: segments of 4 KiB or 8 KiB give messages of different sizes
-        out[name] = _message(lambda call=call: call(torch.ones(4096)))
+        out[name] = message(lambda call=call: call(torch.ones(4096)))
     after = torch.full((3,), float(world.rank))
     C.ring_all_reduce(after)  # the group still works
     out["after"] = after.tolist()
@@ -91,7 +91,7 @@ def _aliased(world) -> dict:
     gathered = [t.tolist() for t in g] if r == 0 else None
     # an output whose elements overlap in memory cannot hold a result
     overlapping = torch.zeros(10).as_strided((2, 2), (1, 1))
-    refused = _message(lambda: C.tree_broadcast(overlapping, 0))
+    refused = message(lambda: C.tree_broadcast(overlapping, 0))
     return {"scattered": scattered, "gathered": gathered, "refused": refused}
 
 
