@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .errors import MicroDDPError
 from .rendezvous import env_int, store_args
+from .teardown import before_group, release, watch
 
 # Much shorter than PyTorch's 30 minutes: a stuck collective should surface while someone is
 # still watching. Override with init(timeout=...) or MICRODDP_TIMEOUT (seconds).
@@ -157,6 +158,7 @@ def init(
     chosen = choose_backend(backend, local_rank, local_world_size)
     device = choose_device(chosen, local_rank)
     kwargs = store_args(init_method, store, rank, world_size, td)
+    before_group()
     try:
         dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=td, **kwargs)
     except (RuntimeError, ValueError) as e:
@@ -204,8 +206,11 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Leave the job: destroy the process group (if any) so the next `init` starts afresh."""
+    """Leave the job: destroy the process groups (if any) so the next `init` starts afresh,
+    and free them now, while Python can still run their threads' last steps (teardown.py)."""
     global _world
     if dist.is_available() and dist.is_initialized():
+        groups = watch()
         dist.destroy_process_group()
+        release(groups)
     _world = None
