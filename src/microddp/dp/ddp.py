@@ -33,10 +33,11 @@ from .sync import (
     sync_module_states,
     verify_same_model,
 )
+from .torch_api import TorchDDPApi
 from .unused import output_tensors
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
     """Replicate `module` on every rank and average its gradients during backward."""
 
     def __init__(self, module: nn.Module, device_ids: list | None = None, output_device=None,
@@ -51,8 +52,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise MicroDDPError(f"DistributedDataParallel wraps an nn.Module, got "
                                 f"{type(module).__name__}")
         _refuse_sparse(module)
+        if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
+            raise MicroDDPError("the module has parameters or buffers marked to be ignored by "
+                                "DDP (_set_params_and_buffers_to_ignore_for_model), which "
+                                "microddp does not support; freeze such parameters "
+                                "(requires_grad=False) before wrapping, or use torch's DDP")
         self.module = module
-        self.device_ids = _device_ids(module, device_ids)
+        self._input_device = _device_ids(module, device_ids)
+        self.device_ids = (None if self._input_device is None  # torch keeps indices
+                           else [d.index for d in self._input_device])
         self.output_device, self.dim = output_device, dim
         # torch 2.13's rule: forward_sync_buffers (buffers from rank 0 before each forward)
         # replaces broadcast_buffers, which also decided whether buffers are copied at start.
@@ -73,6 +81,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Inside torch's `with Join([model, ...])`: it sets _join_config, asks join_hook()
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._torch_join: Join | None = None
+        self._ever_joined = False  # for _get_ddp_logging_data's join_uneven_inputs
+        self._ddp_sink_clone = True  # torch's flag; microddp never clones outputs anyway
         self._has_buffers = any(True for _ in module.buffers())
         names, params = _reducer_params(module)
         # Parameters frozen now get no hook: if one is unfrozen later, its gradient would stay
@@ -86,6 +96,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                                 f"{bucket_cap_mb!r}")
         cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MiB)
         first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+        self._caps, self._bucket_cap_default = (cap, first), bucket_cap_mb is None
         _refuse_off_gpu(module, process_group, init_buffers or self.forward_sync_buffers)
         if init_sync:  # as in torch, init_sync=False means no collective here at all
             # Buffers are compared only where they will be overwritten with rank 0's: with
@@ -93,9 +104,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             buffers = init_buffers or self.forward_sync_buffers
             verify_same_model(module, process_group, buffers=buffers)
             sync_module_states(module, self._src(), process_group, buffers=init_buffers)
+        self._build_reducer()
+
+    def _build_reducer(self) -> None:
+        """A new Reducer for the current settings (at wrapping, unpickling, _set_static_graph);
+        a comm hook registered on the old one carries over, except on unpickling (as torch)."""
+        old = self.__dict__.get("reducer")
+        names, params = _reducer_params(self.module)
         with torch.enable_grad():
-            self.reducer = Reducer(params, names, process_group, cap, first,
-                                   find_unused_parameters, gradient_as_bucket_view, static_graph)
+            self.reducer = Reducer(params, names, self.process_group, self._caps[0],
+                                   self._caps[1], self.find_unused_parameters,
+                                   self.gradient_as_bucket_view, self.static_graph)
+        if old is not None:
+            self.reducer.comm_hook, self.reducer.comm_state = old.comm_hook, old.comm_state
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -131,8 +152,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._will_sync_buffers():
             broadcast_coalesced(list(self.module.buffers()), src, self.process_group,
                                 keep_versions=True)
-        if self.device_ids:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
+        if self._input_device:
+            inputs, kwargs = _to_device((inputs, kwargs), self._input_device[0])
+        if grad_sync:
+            self.reducer.stats.forward_started()
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = grad_sync
         if grad_sync:
@@ -162,11 +185,13 @@ class DistributedDataParallel(nn.Module, Joinable):
              throw_on_early_termination: bool = False) -> Join:
         """Context manager for uneven inputs: a rank that runs out of batches keeps answering
         the others' collectives (with zero gradients) until every rank is done."""
+        self._ever_joined = True
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs) -> TorchJoinHook:
         """For torch's generic `Join([model, optimizer, ...])` context manager (Joinable)."""
         self._torch_join = Join(self, kwargs.get("divide_by_initial_world_size", True))
+        self._ever_joined = True
         return TorchJoinHook(self._torch_join)
 
     @property

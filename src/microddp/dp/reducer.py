@@ -29,7 +29,10 @@ from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
 from .comm_hooks import CommHook, Summing, start_reduction
 from .copies import BucketCopies
+from .double_backward import DoubleBackward
 from .lending import Lender
+from .logging_data import RuntimeStats
+from .refusals import refusal
 from .sync import distributed, global_rank
 from .unused import accumulators, find_unused, no_gradient
 
@@ -38,7 +41,7 @@ from .unused import accumulators, find_unused, no_gradient
 COPY_AT_ONCE = 1 << 16
 
 
-class Reducer(BucketCopies):
+class Reducer(BucketCopies, DoubleBackward):
     """Averages the gradients of `params` over the ranks of `group` during backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group=None,
@@ -69,6 +72,10 @@ class Reducer(BucketCopies):
         limits = ([NO_LIMIT] if not self.find_unused else
                   self.caps if first_bucket_bytes < bucket_cap_bytes else [bucket_cap_bytes])
         self.set_buckets(plan_buckets(self.params, limits)[::-1])
+        self.first_sizes = [b.nbytes for b in self.buckets]  # before any rebuild (logging)
+        self.has_rebuilt = False
+        self.stats = RuntimeStats()
+        self.graphs: dict[int, torch.Tensor] = {}  # backward(create_graph=True) only
         self.grad_accs = accumulators(self.params) if self.find_unused else []
         self.numel = [p.numel() for p in self.params]
         self.used = bytearray(len(self.params))  # a list, not a tensor: set once per gradient
@@ -107,7 +114,16 @@ class Reducer(BucketCopies):
             dist.broadcast(order, global_rank(self.group, 0), self.group)
         self.set_buckets(plan_buckets(self.params, self.caps, order=order.tolist()))
         self.rebuild_due, self.will_rebuild, self.arrival = False, False, []
+        self.has_rebuilt = True
         return True
+
+    def _rebuild_buckets(self) -> bool:
+        """torch's name (Lightning calls it before `prepare_for_backward`)."""
+        return self.rebuild_buckets()
+
+    def _delay_all_reduce(self) -> None:
+        """torch's static_graph first-iteration flush (Lightning calls it after a manual
+        backward). Nothing to do here: that backward's end averaged everything already."""
 
     def claim(self, bucket: Bucket, exclusive: bool = False) -> None:
         self.lender.claim(bucket, exclusive)
@@ -157,7 +173,8 @@ class Reducer(BucketCopies):
             return
         if not self.started:  # first gradient of this backward
             self.started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self.stats.mark("backward_compute_time_start")
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             for j in self.unused:  # they will never report: count them in now
                 self._mark_ready(j)
         if self.static_graph:
@@ -210,6 +227,8 @@ class Reducer(BucketCopies):
             self._copy_in(bucket, [pos for pos, i in enumerate(bucket.indices)
                                    if not self.copied[i]])
             self.launched_at[k] = time.perf_counter()
+            if k == 0:
+                self.stats.mark("backward_comm_time_start")
             self.futures[k] = start_reduction(bucket, len(self.buckets), self.group,
                                               self.comm_hook, self.comm_state)
             if trace.enabled():
@@ -223,6 +242,7 @@ class Reducer(BucketCopies):
     def _finish(self) -> None:
         """End of backward: wait for every bucket, write averages into .grad, reset."""
         self.expect, self.started = False, False
+        self.stats.mark("backward_compute_time_end")
         learning = self.learning()
         if learning:  # static_graph's first backward: its gradients go now, all together
             final = list(dict.fromkeys(reversed(self.arrival)))[::-1]  # by each's last report
@@ -250,6 +270,7 @@ class Reducer(BucketCopies):
             self._arrival_complete()
             raise MicroDDPError(no_gradient(self.names, self.params, missing, _rank(self.group)))
         t0 = time.perf_counter()
+        self._drop_graph_grads()
         used = self.static_used
         if self.used_future is not None:
             used = self.used_future.wait().tolist()
@@ -262,7 +283,14 @@ class Reducer(BucketCopies):
             self._write_back(bucket, result, used)
         if trace.enabled():
             trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
+        self.stats.backward_done()
         self._arrival_complete()
+
+    def __getattr__(self, name: str):
+        """A method of torch's C++ reducer that this one lacks: say so, not AttributeError."""
+        if name in _TORCH_REDUCER:
+            raise refusal(name, "reducer")
+        raise AttributeError(f"'Reducer' object has no attribute '{name}'")
 
     def _arrival_complete(self) -> None:
         """Every rank reaches this after the same collectives, so all agree on rebuilding."""
@@ -275,7 +303,17 @@ class Reducer(BucketCopies):
 def _report(reducer: weakref.ref, i: int) -> None:
     r = reducer()
     if r is not None:
-        r._on_grad(i)
+        if torch.is_grad_enabled():  # autograd runs hooks with grad on under create_graph=True
+            r._on_graph_grad(i)
+        else:
+            r._on_grad(i)
+
+
+# torch 2.13's torch._C._distributed_c10d.Reducer methods, which code reaching into
+# `ddp.reducer` may call; the ones this Reducer has are simply found first.
+_TORCH_REDUCER = frozenset(
+    name for name in dir(getattr(getattr(torch._C, "_distributed_c10d", None), "Reducer", None))
+    if not name.startswith("__"))
 
 
 def _remove_all(handles: list) -> None:
