@@ -182,8 +182,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
                     segment_bytes: int | None = None) -> torch.Tensor:
     """In place, every rank ends with op over all ranks' `tensor`; returns `tensor`.
 
-    `check=False` skips the metadata agreement (one small exchange per round of log2 p) when
-    the caller already knows every rank passes the same shape, dtype and op.
+    `check=False` skips the metadata agreement (one small exchange per round of log2 p; on 2
+    gloo ranks, after the group's first call, one header sent beside the data: _carried.py)
+    when the caller already knows every rank passes the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
     through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
     internally). By default chunks go whole, except on more than 2 ranks, where chunks of
@@ -195,9 +196,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     posts up to PIPELINE_WINDOW receives ahead and keeps a scratch segment for each
     reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
-    A repeat call with `check=False` on a tensor whose chunks go whole (the same tensor
-    object, memory, dtype, op and group) skips the local checks and set-up as well: it runs
-    the loop kept from its last such call (_memo.py).
+    A repeat call on a tensor whose chunks go whole (the same tensor object, memory, dtype, op
+    and group), with `check=False`, or with check=True where the check is carried, skips the
+    local checks and set-up as well: it runs the loop kept from its last such call (_memo.py).
     """
     where = "ring_all_reduce"
     bad_segment = (MicroDDPError(f"{where}: segment_bytes must be positive, got {segment_bytes}")
