@@ -69,6 +69,10 @@ def test_table_judges_the_model_on_the_mean_and_the_speed_on_medians():
     ring, check = (line.split() for line in report["lines"][2:4])
     assert ring[:6] == ["ring", "1.000ms", "2.500ms", "3.000ms", "+20%", "0.50"]
     assert check[:4] == ["ring+check", "3.000ms", "3.000ms", "1.50"]  # no prediction cells
+    # What the check costs: the checked call against the unchecked ring, same rounds.
+    assert rec["check_vs_ring"] == 3.0
+    assert report["lines"][4].split()[:2] == ["check", "cost"]
+    assert report["lines"][4].split()[-2] == "3.00"
 
 
 def test_calibration_takes_trimmed_means_of_chains_and_adds():

@@ -29,8 +29,10 @@ PAIRS = {  # what rank 0 calls, what the others call
 }
 
 
-def _different_calls(world) -> dict:
+def _different_calls(world, settled: bool) -> dict:
     out = {}
+    if settled:  # after a first ring call, 2 ranks carry the ring's check beside its data
+        C.ring_all_reduce(torch.ones(2))
     for name, (first, other) in PAIRS.items():
         call = first if world.rank == 0 else other
         # 16 KiB: segments of 4 KiB or 8 KiB give messages of different sizes
@@ -41,8 +43,9 @@ def _different_calls(world) -> dict:
     return out
 
 
-def test_ranks_calling_different_things_all_get_a_clear_error():
-    for rank, out in enumerate(microddp.spawn(_different_calls, 2, timeout=120)):
+@pytest.mark.parametrize("settled", [False, True])
+def test_ranks_calling_different_things_all_get_a_clear_error(settled):
+    for rank, out in enumerate(microddp.spawn(_different_calls, 2, (settled,), timeout=120)):
         for name in ("ring vs tree", "naive vs tree", "broadcast vs reduce"):
             assert "the ranks of the group called different collectives" in out[name], (rank, out)
         for name in ("segment sizes", "segmented vs whole"):
@@ -54,6 +57,65 @@ def test_ranks_calling_different_things_all_get_a_clear_error():
             assert own in out[name] if rank == 0 else \
                 "another rank of the group rejected its arguments" in out[name], (rank, out[name])
         assert out["after"] == [1.0, 1.0, 1.0]
+
+
+def _carried_mismatches(world) -> dict:
+    """On 2 ranks, once a ring call has settled the connections, the check travels beside the
+    data (_carried.py): every mismatch is still named, on both ranks, including on a tensor
+    whose call is kept (_memo.py), and nothing left posted by a refused call lands anywhere."""
+    r = world.rank
+    C.ring_all_reduce(torch.ones(2))
+    kept = torch.ones(6)
+    C.ring_all_reduce(kept)
+    C.ring_all_reduce(kept)  # the kept call
+    calls = {
+        "shape": lambda: C.ring_all_reduce(torch.ones(4 + r)),
+        "dtype": lambda: C.ring_all_reduce(torch.ones(4, dtype=(torch.float32,
+                                                                 torch.float64)[r])),
+        "op": lambda: C.ring_all_reduce(torch.ones(4), ("sum", "max")[r]),
+        "op, kept": lambda: C.ring_all_reduce(kept, ("sum", "max")[r]),
+        "ring vs naive": lambda: (C.ring_all_reduce, C.naive_all_reduce)[r](torch.ones(4)),
+        "ring vs broadcast": lambda: (C.ring_all_reduce(torch.ones(4)) if r == 0 else
+                                      C.tree_broadcast(torch.ones(4), 0)),
+        "duplex": lambda: _with_duplex(("1", "0")[r], lambda: C.ring_all_reduce(torch.ones(4))),
+        "bad segment size": lambda: C.ring_all_reduce(torch.ones(4),
+                                                      segment_bytes=(None, 0)[r]),
+    }
+    out = {name: message(call) for name, call in calls.items()}
+    values = []
+    for n in (4, 5, 4 + r):  # the same sizes the refused calls left receives posted for
+        x = torch.full((min(n, 4),), float(r + 1))
+        C.ring_all_reduce(x)
+        values.append(x.tolist())
+    C.ring_all_reduce(kept)
+    out["after"], out["kept after"] = values, kept.tolist()
+    return out
+
+
+def _with_duplex(value: str, fn):
+    import os
+
+    old = os.environ.get("MICRODDP_DUPLEX")
+    os.environ["MICRODDP_DUPLEX"] = value
+    try:
+        return fn()
+    finally:
+        os.environ.pop("MICRODDP_DUPLEX") if old is None else os.environ.update(
+            MICRODDP_DUPLEX=old)
+
+
+def test_the_check_carried_beside_the_data_names_every_mismatch():
+    for rank, out in enumerate(microddp.spawn(_carried_mismatches, 2, timeout=120)):
+        assert f"ranks disagree on shape (this rank, group rank {rank}: shape=({4 + rank},)" \
+            in out["shape"], out["shape"]
+        assert "ranks disagree on dtype" in out["dtype"], out["dtype"]
+        assert "ranks disagree on op" in out["op"] and "ranks disagree on op" in out["op, kept"]
+        for name in ("ring vs naive", "ring vs broadcast"):
+            assert "the ranks of the group called different collectives" in out[name], out[name]
+        assert "disagree on MICRODDP_DUPLEX" in out["duplex"], out["duplex"]
+        assert ("segment_bytes must be positive, got 0" if rank == 1 else
+                "another rank of the group rejected its arguments") in out["bad segment size"]
+        assert out["after"] == [[3.0] * 4] * 3 and out["kept after"] == [8.0] * 6, out
 
 
 def _signed_zeros(world) -> list:

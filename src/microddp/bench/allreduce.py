@@ -5,8 +5,9 @@ step (latency and bandwidth) and add (reduction speed) at each size's chunk; fit
 alpha-beta-gamma cost model to those, then prints, per size: the median and mean time, the
 model's prediction of the mean, and the ratio of medians to gloo (below 1 = faster than gloo).
 The algorithms run with check=False, like gloo, which does not compare shapes across ranks;
-the row "ring+check" shows what microddp's default metadata check adds (the model does not
-count it).
+the row "ring+check" is the default call (check=True), and "check cost" its ratio of medians
+to the unchecked ring timed in the same rounds: what the metadata check adds (the model does
+not count it).
 """
 
 from __future__ import annotations

@@ -71,6 +71,13 @@ def table(rows: list[dict], algos: list[str], model: CostModel, p: int,
                 modelled = f"{pred * 1e3:>9.3f}ms {(pred - mean) / mean:>+9.0%}"
             lines.append(f"{'':>9}  {a:<10} {got * 1e3:>9.3f}ms {mean * 1e3:>9.3f}ms {modelled} "
                          f"{ratio:>11.2f}  {lo:>7.2f}-{hi:.2f}")
+        if "ring+check" in algos and "ring" in algos:
+            # What the default check costs: the checked call against the same ring unchecked,
+            # timed in the same rounds.
+            ratio, (lo, hi) = compare(times["ring+check"], times["ring"])
+            rec.update({"check_vs_ring": ratio, "check_vs_ring_interval": [lo, hi]})
+            lines.append(f"{'':>9}  {'check cost':<10} {'ring+check / ring (both timed above)':>45} "
+                         f"{ratio:>11.2f}  {lo:>7.2f}-{hi:.2f}")
         records.append(rec)
     return {"lines": lines, "records": records}
 

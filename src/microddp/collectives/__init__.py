@@ -4,8 +4,9 @@ Each algorithm gives the same result as torch.distributed's collective of the sa
 (bit for bit for integers and min/max, to rounding for float sums and products), on the
 default group or on any sub-group. Ranks given as `src`/`dst` are global ranks, as in torch;
 torch's `group_src`/`group_dst` (ranks inside the group) are accepted instead.
-Every call first checks, with one tiny exchange, that all ranks passed the same shape, dtype
-and op, so a mistake is the same clear MicroDDPError on every rank, never a hang.
+Every call checks, with one tiny exchange, that all ranks passed the same shape, dtype and
+op, so a mistake is the same clear MicroDDPError on every rank, never a hang. The ring on 2
+gloo ranks sends that exchange beside its data (_carried.py); the others send it first.
 
 Tensors that require grad (a model's parameters) are written in place like any other, as
 torch.distributed does: the algorithms work on a detached view, since a collective is not a

@@ -19,6 +19,10 @@ from ..errors import MicroDDPError
 from ._checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
 from ._group import Peers, wait_all
 
+# The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
+# ring's data (_carried.py) goes with it, so that it meets another rank's agreement.
+FIRST_TAG = 3
+
 
 def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
                combine: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
@@ -38,7 +42,7 @@ def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
         peers.recv(scratch, r - 1, 1)
         _ordered(combine, buf, scratch, mine_first=False)  # the even rank's operand first
     vr = r // 2 if r < 2 * rem else r - rem
-    mask, tag = 1, 3
+    mask, tag = 1, FIRST_TAG
     while mask < pof2:
         vpeer = vr ^ mask
         peer = 2 * vpeer + 1 if vpeer < rem else vpeer + rem
@@ -105,20 +109,37 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
             raise problem
         return
     settings = settings or {}
-    fields = {"arguments": int(problem is not None), "call": where, **fields, **settings}
-    codes = [_code(v) for v in fields.values()]
-    codes += [0] * (SLOTS - len(codes))  # fixed length: see SLOTS
+    fields = described(where, problem, fields, settings)
     # Everything before the first send delays the other ranks too, so this is built and read
     # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
     # list, slicing and negating tensors cost 25 us more per call, measured).
-    buf = torch.frombuffer(array.array("q", codes + [-c for c in codes]), dtype=torch.int64)
+    buf = torch.frombuffer(array.array("q", encode(fields)), dtype=torch.int64)
     if place.type != "cpu":  # where the group's backend can send it
         buf = buf.to(place)
     butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
+    judge(where, peers.me, fields, settings, buf.tolist(), problem)
+
+
+def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:
+    """Every field an agreement compares, in the order it sends them: whether this rank
+    rejected its arguments, which collective it called, its arguments, then `settings`."""
+    return {"arguments": int(problem is not None), "call": where, **fields, **settings}
+
+
+def encode(fields: dict) -> list[int]:
+    """The numbers an agreement sends for `fields` (from `described`): each field's code, then
+    each code negated, SLOTS of each, so that max over ranks gives both max and min."""
+    codes = [_code(v) for v in fields.values()]
+    codes += [0] * (SLOTS - len(codes))  # fixed length: see SLOTS
+    return codes + [-c for c in codes]
+
+
+def judge(where: str, me: int, fields: dict, settings: dict, combined: list[int],
+          problem: Exception | None) -> None:
+    """Raise what an agreement found, given `combined`: the max over every rank's `encode`d
+    fields (so the max of each field, then minus its min). `me`: this rank's group rank."""
     k = len(fields)
-    out = buf.tolist()
-    out = out[:k] + out[SLOTS:SLOTS + k]
-    highs, lows = out[:k], [-v for v in out[k:]]
+    highs, lows = combined[:k], [-v for v in combined[SLOTS:SLOTS + k]]
     if problem is not None:
         raise problem
     if highs[0]:
@@ -128,7 +149,7 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     if "call" in differ:
         raise MicroDDPError(
             f"{where}: the ranks of the group called different collectives at this point (this "
-            f"rank, group rank {peers.me}, called {where}); every rank of the group must call "
+            f"rank, group rank {me}, called {where}); every rank of the group must call "
             "the same collectives, in the same order")
     if differ:
         # Every argument, but a setting only when it is what differs: otherwise it is noise.
@@ -136,7 +157,7 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
         mine = ", ".join(f"{name}={fields[name]}" for name in shown)
         raise MicroDDPError(
             f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
-            f"{peers.me}: {mine}); every rank of the group must call it with the same "
+            f"{me}: {mine}); every rank of the group must call it with the same "
             f"{', '.join(differ)}")
 
 
@@ -147,6 +168,20 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
     across ranks on shape, dtype, op and any `settings` the algorithm needs the same on every
     rank. `problem`: the caller's own complaint about its other arguments, shared like the
     rest. Returns (peers, op name), or None off the group."""
+    local = check_all_reduce(tensor, op, group, where, problem)
+    if local is None:
+        return None
+    peers, name, problem = local
+    agree(peers, where, home(tensor, peers), problem, check, settings, **describe_tensor(tensor),
+          op=name)
+    return (peers, name) if peers.size > 1 else None
+
+
+def check_all_reduce(tensor: torch.Tensor, op: str, group, where: str,
+                     problem: MicroDDPError | None = None
+                     ) -> tuple[Peers, str, MicroDDPError | None] | None:
+    """The local half of begin_all_reduce: (peers, op name, this rank's problem or None), or
+    None off the group; the problem is still to be shared (agree, or a header: _carried.py)."""
     peers = Peers(group)
     if not peers.member:
         check_tensor(tensor, where)
@@ -156,9 +191,7 @@ def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
     if problem is None:
         name, problem = try_op(op, tensor, where)
         problem = problem or try_layout(tensor, where)
-    agree(peers, where, home(tensor, peers), problem, check, settings, **describe_tensor(tensor),
-          op=name)
-    return (peers, name) if peers.size > 1 else None
+    return peers, name, problem
 
 
 def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name: str,

@@ -48,6 +48,12 @@ def duplex_enabled() -> bool:
     return os.environ.get("MICRODDP_DUPLEX", "1").strip() not in ("0", "false", "no", "off")
 
 
+def duplex_decided(peers: Peers) -> bool:
+    """Whether this group's connections are settled (by its first ring call), so that `duplex`
+    only looks them up: no exchange, nothing to agree on first."""
+    return peers.pg in _backs
+
+
 def duplex(peers: Peers) -> Peers:
     """`peers`, with messages from group rank 1 to 0 on a connection of their own, if this is
     a 2-rank gloo group and the feature is on; opened on first use, which is collective."""

@@ -133,6 +133,17 @@ class Peers:
         pg = self.back if self.back is not None and peer > self.me else self.pg
         return pg.recv([_wire(tensor)], peer, 0 if self.nccl else tag)
 
+    def isend_main(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        """isend on the group's own connection, even to a lower rank when there is a second
+        one: where every collective's agreement travels (_carried.py)."""
+        if _counters:
+            _count(tensor)
+        return self.pg.send([tensor], peer, tag)
+
+    def irecv_main(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        """irecv on the group's own connection (see isend_main)."""
+        return self.pg.recv([tensor], peer, tag)
+
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
         self.isend(tensor, peer, tag).wait()
 

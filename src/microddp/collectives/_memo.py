@@ -1,7 +1,9 @@
 """What the ring keeps per tensor object, for as long as that tensor lives.
 
 Two things: the views a ring all-reduce of the tensor needs (its plan, _plan.py), and, for
-repeat calls with `check=False`, the whole call ready to run again (`recall`).
+repeat calls, the whole call ready to run again (`recall`): with `check=False` the bare loop;
+with `check=True` on 2 gloo ranks the loop that carries the check beside the data
+(_carried.py), its header encoded once.
 
 Why keep a whole call? Everything a rank does before its first send delays the ring, and on
 this 2-core host each microsecond there cost several (a 50 us sleep there made a 64 KiB
@@ -10,8 +12,9 @@ waking it is slower than the delay). Measured interleaved on 2 ranks (`/tmp` scr
 runs of 300 calls), the ~10 us of checks and set-up in front of the ring's loop made a 64 KiB
 all-reduce 1.19-1.53x as slow as the bare loop, and 1-4 MiB ones 0.99-1.14x (chapter 4).
 
-A repeat call may skip them because nothing they checked can have changed: the caller
-vouched for agreement across ranks (`check=False`), and what this rank's own checks looked
+A repeat call may skip them because nothing they checked can have changed: agreement across
+ranks is vouched for by the caller (`check=False`) or checked by the header each call still
+sends (`check=True`), and what this rank's own checks looked
 at (the op, the dtype, the memory layout, the group) is in the call's signature, compared
 on every call. The memory's address is a safe test of "the same memory": the kept plan's
 views keep the old storage alive, so memory swapped in later (`t.set_(...)`, `t.data =
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._duplex import duplex_enabled
 from ._group import Peers
 
 MAX_ENTRIES = 64  # per kind, oldest dropped first: a bound for code that makes endless tensors
@@ -71,9 +75,10 @@ class PerTensor:
 
 
 _calls = PerTensor()
+_checked = PerTensor()  # calls with check=True: their loop carries the check (_carried.py)
 
 
-def _signature(tensor: torch.Tensor, op, group) -> tuple | None:
+def _signature(tensor: torch.Tensor, op, group, check: bool = False) -> tuple | None:
     """What a call's checks and set-up depend on, besides what check=False vouches for, or
     None for a call that is not kept. Only an op given as a str (the default) is kept, so
     that comparing it with whatever a caller passes next is plain string equality. The group
@@ -85,25 +90,31 @@ def _signature(tensor: torch.Tensor, op, group) -> tuple | None:
     pg = group if group is not None else dist.group.WORLD
     if not isinstance(pg, dist.ProcessGroup):
         return None  # no world, or this process is off the group (new_group gave an int)
-    return (tensor.data_ptr(), tensor.numel(), tensor.dtype, tensor.device,
-            tensor.is_contiguous(), op, weakref.ref(pg))
+    key = (tensor.data_ptr(), tensor.numel(), tensor.dtype, tensor.device,
+           tensor.is_contiguous(), op, weakref.ref(pg))
+    # A checked call's header holds the shape and the setting too: a repeat must send them
+    # as they are now.
+    return key + (tuple(tensor.shape), duplex_enabled()) if check else key
 
 
-def recall(tensor: torch.Tensor, op, group) -> Callable[[Peers], object] | None:
-    """The loop `remember`ed for this tensor, op and group, if nothing it depends on changed:
-    call it with the group's Peers."""
-    if not _calls.holds(tensor):
+def recall(tensor: torch.Tensor, op, group, check: bool = False
+           ) -> Callable[[Peers], object] | None:
+    """The loop `remember`ed for this tensor, op, group and `check`, if nothing it depends on
+    changed: call it with the group's Peers."""
+    store = _checked if check else _calls
+    if not store.holds(tensor):
         return None
-    key = _signature(tensor, op, group)
-    return None if key is None else _calls.get(tensor, key)
+    key = _signature(tensor, op, group, check)
+    return None if key is None else store.get(tensor, key)
 
 
-def remember(tensor: torch.Tensor, op, group, loop: Callable[[Peers], object]) -> None:
+def remember(tensor: torch.Tensor, op, group, loop: Callable[[Peers], object],
+             check: bool = False) -> None:
     """Keep `loop` to redo this call on a contiguous `tensor`. It must hold neither the
     tensor nor the group: it is given the group's Peers on every call."""
-    key = _signature(tensor, op, group)
+    key = _signature(tensor, op, group, check)
     if key is not None:
-        _calls.put(tensor, key, loop)
+        (_checked if check else _calls).put(tensor, key, loop)
 
 
 def remembered_calls() -> int:

@@ -13,9 +13,10 @@ from functools import partial
 import torch
 
 from ..errors import MicroDDPError
-from ._agree import agree, begin_all_reduce, describe_tensor, home
+from ._agree import agree, check_all_reduce, describe_tensor, home
+from ._carried import Header, carried_ring_all_reduce_
 from ._checks import check_tensor, try_layout, try_list, try_op, try_tensor
-from ._duplex import duplex, duplex_enabled
+from ._duplex import duplex, duplex_decided, duplex_enabled
 from ._group import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
 from ._memo import recall, remember
 from ._pair import pair_all_reduce_
@@ -181,8 +182,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
                     segment_bytes: int | None = None) -> torch.Tensor:
     """In place, every rank ends with op over all ranks' `tensor`; returns `tensor`.
 
-    `check=False` skips the metadata agreement (one small exchange per round of log2 p) when
-    the caller already knows every rank passes the same shape, dtype and op.
+    `check=False` skips the metadata agreement (one small exchange per round of log2 p; on 2
+    gloo ranks, after the group's first call, one header sent beside the data: _carried.py)
+    when the caller already knows every rank passes the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
     through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
     internally). By default chunks go whole, except on more than 2 ranks, where chunks of
@@ -194,29 +196,37 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     posts up to PIPELINE_WINDOW receives ahead and keeps a scratch segment for each
     reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
-    A repeat call with `check=False` on a tensor whose chunks go whole (the same tensor
-    object, memory, dtype, op and group) skips the local checks and set-up as well: it runs
-    the loop kept from its last such call (_memo.py).
+    A repeat call on a tensor whose chunks go whole (the same tensor object, memory, dtype, op
+    and group), with `check=False`, or with check=True where the check is carried, skips the
+    local checks and set-up as well: it runs the loop kept from its last such call (_memo.py).
     """
     where = "ring_all_reduce"
     bad_segment = (MicroDDPError(f"{where}: segment_bytes must be positive, got {segment_bytes}")
                    if segment_bytes is not None and segment_bytes < 1 else None)
-    if not check and segment_bytes is None:
-        loop = recall(tensor, op, group)  # this very call before: nothing to check or set up
+    if segment_bytes is None:
+        loop = recall(tensor, op, group, check)  # this very call before: nothing to set up
         if loop is not None:
             loop(duplex(Peers(group)))
             written(tensor)
             return tensor
+    local = check_all_reduce(tensor, op, group, where, bad_segment)
+    if local is None:
+        return tensor
+    peers, name, problem = local
     # MICRODDP_DUPLEX and segment_bytes are agreed on too: ranks that disagree would wait for
     # each other on different connections until the timeout, or send messages of different
     # sizes (which gloo answers by aborting the process).
-    started = begin_all_reduce(tensor, op, group, check, where, bad_segment,
-                               MICRODDP_DUPLEX=int(duplex_enabled()),
-                               segment_bytes=segment_bytes or 0)
-    if started is None:
-        return tensor
-    peers, name = started
-    peers = duplex(peers)  # on 2 gloo ranks, opens a connection per direction on first use
+    settings = {"MICRODDP_DUPLEX": int(duplex_enabled()), "segment_bytes": segment_bytes or 0}
+    # On 2 gloo ranks whose connections are settled (the group's first ring call settles
+    # them, after agreeing on MICRODDP_DUPLEX), the check travels beside the data.
+    carried = (check and problem is None and segment_bytes is None and peers.size == 2
+               and not peers.nccl and duplex_decided(peers) and duplex(peers).back is not None)
+    if not carried:
+        agree(peers, where, home(tensor, peers), problem, check, settings,
+              **describe_tensor(tensor), op=name)
+        if peers.size <= 1:
+            return tensor
+        peers = duplex(peers)  # on 2 gloo ranks, opens a connection per direction on first use
     flat = Flat(tensor)
     chunk_bytes = widest_chunk_bytes(flat.data.numel(), peers.size, flat.data.element_size())
     how = ("batched" if peers.nccl else
@@ -234,11 +244,16 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     preposted = how == "prepost"
     plan = (plan_for(tensor, flat.data, peers.size, peers.me, preposted)
             if flat.in_place else make_plan(flat.data, peers.size, peers.me, preposted))
-    loop = (partial(preposted_ring_all_reduce_, plan=plan, name=name) if preposted
-            else partial(planned_ring_all_reduce_, plan=plan, name=name, how=how))
+    if carried:  # receive-first, with the header (posting picks it for 2 duplex ranks)
+        header = Header(where, {**describe_tensor(tensor), "op": name}, settings)
+        loop = partial(carried_ring_all_reduce_, plan=plan, name=name, header=header)
+    elif preposted:
+        loop = partial(preposted_ring_all_reduce_, plan=plan, name=name)
+    else:
+        loop = partial(planned_ring_all_reduce_, plan=plan, name=name, how=how)
     loop(peers)
-    if not check and flat.in_place and segment_bytes is None:  # only these recall
-        remember(tensor, op, group, loop)  # holds the plan, whose views alias, not `tensor`
+    if (carried or not check) and flat.in_place and segment_bytes is None:  # only these recall
+        remember(tensor, op, group, loop, check)  # holds the plan, whose views alias, not `tensor`
     return flat.done()
 
 
