@@ -53,7 +53,7 @@ def claim(out: str | None, command: str) -> tuple[Path, bool]:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise MicroDDPError(f"--out {path} cannot be created ({e.strerror}); choose a folder "
+        raise MicroDDPError(f"--out {path} is not writable ({e.strerror}); choose a folder "
                             "you can write to") from None
     return path, not existed
 
@@ -61,10 +61,10 @@ def claim(out: str | None, command: str) -> tuple[Path, bool]:
 def holds_nothing(path: Path) -> bool:
     """True if `path` has no file with content anywhere inside it (empty files and empty
     sub-folders are what an interrupted start leaves, and nothing worth keeping)."""
-    for _, _, files in os.walk(path):
+    for folder, _, files in os.walk(path):
         for name in files:
             with contextlib.suppress(OSError):
-                if (Path(_) / name).stat().st_size > 0:
+                if (Path(folder) / name).stat().st_size > 0:
                     return False
     return True
 

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                                     "give the folder of the run to continue")
     folder, created = outputs.claim(cfg.out, "train")
     cfg.out = str(folder)
-    code = 1
+    code, announced = 1, False
     try:
         check_folder(cfg.out, "--out")
         if cfg.checkpoint_dir:
@@ -117,13 +117,14 @@ def run(args: argparse.Namespace) -> int:
         from ..launch import run as launch
 
         print(f"microddp train: run folder {cfg.out}", flush=True)
+        announced = True
         code = launch(argparse.Namespace(nproc=cfg.nproc, max_restarts=cfg.max_restarts,
                                          master_port=0, module=True, script="microddp.train",
                                          script_args=cfg.to_argv()))
         return code
     finally:
         # A run stopped or failed before it wrote anything leaves no empty folder behind.
-        if code != 0 and created and outputs.discard_if_empty(folder):
+        if code != 0 and created and outputs.discard_if_empty(folder) and announced:
             print(f"microddp train: removed {folder}: the run wrote nothing into it",
                   file=sys.stderr, flush=True)
 
