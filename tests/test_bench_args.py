@@ -83,15 +83,33 @@ def test_strong_scaling_says_where_the_global_batch_shrinks():
     assert scaling.strong_batch_notes(["weak"], [1, 2, 4], 63) == []
 
 
-def test_scaling_prints_the_shrunk_batch_and_the_steps_it_times(tmp_path, capsys):
+def test_scaling_prints_the_shrunk_batch_and_the_steps_it_times(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no --out: a new folder under runs/
     assert cli.main(["bench", "scaling", "--ranks", "1", "2", "--modes", "strong", "--batch", "5",
                      "--dim", "8", "--depth", "1", "--repeats", "2", "--rounds", "2",
-                     "--warmup", "0", "--engines", "torch", "--out", str(tmp_path)]) == 0
+                     "--warmup", "0", "--engines", "torch"]) == 0
     out = capsys.readouterr().out.splitlines()
+    [run] = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("bench-scaling-2")
+    assert out[-1] == f"wrote {run.relative_to(tmp_path) / 'scaling.csv'}, " \
+                      f"{run.relative_to(tmp_path) / 'scaling.png'}"
+    assert {p.name for p in run.iterdir()} == {"scaling.csv", "scaling.png"}  # no temporaries
     assert "2 interleaved steps per engine in 2 rounds" in out[0]
     assert out[1].startswith("note: strong scaling keeps the global batch of 5 only where it "
                              "splits evenly; elsewhere a step trains fewer samples: 2 ranks 4 "
                              "(2 each)")
-    rows = (tmp_path / "scaling.csv").read_text().splitlines()
+    rows = (run / "scaling.csv").read_text().splitlines()
     assert [r.split(",")[:4] for r in rows[1:]] == [["strong", "1", "1 process", "5"],
                                                      ["strong", "2", "torch", "2"]]
+
+
+def test_an_interrupted_benchmark_leaves_no_empty_folder(tmp_path, monkeypatch):
+    from microddp.bench import allreduce
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(allreduce, "spawn", interrupted)
+    assert cli.main(["bench", "allreduce", "--sizes", "4K"]) == 130
+    assert list((tmp_path / "runs").iterdir()) == []

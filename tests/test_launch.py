@@ -137,7 +137,7 @@ def test_taken_master_port_is_one_line_and_exit_2(tmp_path):
 def test_module_mode_and_help():
     out = microddp("run", "--help")
     assert out.returncode == 0 and "torchrun --nnodes 2" in out.stdout
-    assert "microddp run -n 2 train.py" in out.stdout
+    assert "microddp run -n 2 -m microddp.hello" in out.stdout  # an example that runs
     for command in ("doctor", "hello", "run"):
         assert command in microddp("--help").stdout
     out = microddp("run", "-n", "2", "-m", "json.tool", "--help")

@@ -279,3 +279,44 @@ def test_scaling_bench_names_sizes_for_people():
     # FullMLP(16, 2): two 16x16 layers and a 16->2 head, with biases, in float32
     assert scaling.gradient_bytes(16, 2) == (2 * 272 + 34) * 4
     assert scaling.size_text(scaling.gradient_bytes(16, 2)) == "2.3 KB"
+
+
+def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path, monkeypatch,
+                                                                       capsys):
+    from microddp.bench import calibrate
+
+    rates = iter([(1e10, 4e10), (3e10, 4e10), (2e10, 4e10)])  # a host whose load changed
+    monkeypatch.setattr(calibrate, "host_rates", lambda *a: next(rates))
+    monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
+    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5))
+    path = tmp_path / "cal.json"
+    assert cli.main(["predict", "--calibrate", "--calibration", str(path), "--dim", "64",
+                     "--depth", "2", "--world", "1", "2"]) == 0
+    out = capsys.readouterr().out
+    compute = next(line.split() for line in out.splitlines() if line.startswith("  compute"))
+    assert compute == ["compute", "1e+10", "/", "2e+10", "/", "3e+10", "FLOP/s", "spread",
+                       "3.00x"]
+    assert "spread 1.00x" in next(line for line in out.splitlines() if "one rank alone" in line)
+    warning = next(line for line in out.splitlines() if line.startswith("warning:"))
+    assert warning.startswith("warning: compute varied by more than 1.5x between rounds")
+    # ... and then the prediction, on the median figures just measured
+    assert "assumed hardware: this host, measured by microddp predict --calibrate: 2e+10 FLOP/s" \
+        in out
+    rows = [line.split()[0] for line in out.splitlines()[-3:-1]]
+    assert rows == ["1", "2"]
+
+
+def test_a_steady_calibration_gives_no_warning(tmp_path, monkeypatch, capsys):
+    from microddp.bench import calibrate
+
+    monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 4e10))
+    monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
+    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5))
+    assert cli.main(["predict", "--calibrate", "--calibration", str(tmp_path / "c.json"),
+                     "--world", "4"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_calibrate_refuses_another_hardware_preset(capsys):
+    assert cli.main(["predict", "--calibrate", "--hardware", "a100-ib"]) == 2
+    assert "drop --hardware a100-ib" in capsys.readouterr().err

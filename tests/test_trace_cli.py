@@ -3,7 +3,7 @@
 import json
 import re
 
-from microddp import cli, trace_report
+from microddp import cli, trace_cli, trace_report
 from microddp.trace import Span
 
 
@@ -32,8 +32,9 @@ def test_traced_run_end_to_end(tmp_path, capsys):
     assert "overlap" in out and (tmp_path / "trace.json").is_file()
     # the run drew its timeline once, and says so once: not "redrawn" as for an old trace
     assert "redrawn" not in out
-    assert out.rstrip().endswith(f"wrote {tmp_path / 'trace.json'} (open in "
-                                 f"https://ui.perfetto.dev) and {tmp_path / 'timeline.png'}")
+    assert out.rstrip().endswith(f"wrote {tmp_path / 'trace.json'}, {tmp_path / 'timeline.png'}"
+                                 f", {tmp_path / 'metrics.jsonl'} (open trace.json in "
+                                 "https://ui.perfetto.dev)")
     assert (tmp_path / "timeline.png").is_file()
     doc = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in doc["traceEvents"]} == {0, 1}
@@ -57,3 +58,22 @@ def test_overhead_names_its_rows(capsys):
         "traced", "monitored", "control"]
     assert out.rstrip().endswith("control = plain timed again (A/A): a gap no larger than "
                                  "control's is noise")
+
+
+def test_each_run_gets_a_new_dated_folder_and_an_interrupted_one_leaves_none(tmp_path, capsys,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = ["trace", "-n", "1", "--steps", "2", "--dim", "16", "--depth", "1", "--batch", "4"]
+    assert cli.main(small) == 0 and cli.main(small) == 0
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all(r.name.startswith("trace-2") for r in runs)
+    assert all({p.name for p in r.iterdir()} == {"trace.json", "timeline.png", "metrics.jsonl"}
+               for r in runs)
+    assert f"wrote {runs[1].relative_to(tmp_path) / 'trace.json'}, " in capsys.readouterr().out
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trace_cli, "spawn", interrupted)
+    assert cli.main(small) == 130
+    assert sorted((tmp_path / "runs").iterdir()) == runs  # no third, empty folder

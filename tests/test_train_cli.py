@@ -181,3 +181,46 @@ def test_help_shows_examples(flag, capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     assert "torchrun" in text and "--max-restarts" in text and "--accumulate" in text
+
+
+def test_a_run_stopped_before_it_wrote_anything_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    import microddp.launch
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    outcomes = iter([KeyboardInterrupt, 1])
+
+    def launch(args):  # what the workers leave after an early interrupt or failure
+        out = tmp_path / args.script_args[args.script_args.index("--out") + 1]
+        (out / "checkpoints").mkdir()
+        (out / "metrics.jsonl").write_text("")
+        outcome = next(outcomes)
+        if outcome is KeyboardInterrupt:
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(microddp.launch, "run", launch)
+    assert main(["train", "--dataset", "synthetic"]) == 130
+    assert main(["train", "--dataset", "synthetic"]) == 1
+    assert list((tmp_path / "runs").iterdir()) == []
+    err = capsys.readouterr().err
+    assert err.count("the run wrote nothing into it") == 2 and "interrupted" in err
+
+
+def test_done_lists_every_file_the_run_wrote(tmp_path, capsys):
+    from microddp import comms
+    from microddp.train import train
+
+    cfg = TrainConfig(nproc=1, dataset="synthetic", epochs=1, max_steps=2, hidden=8, depth=1,
+                      trace=True, out=str(tmp_path / "run"))
+    try:
+        train(comms.init(), cfg)
+    finally:
+        comms.shutdown()
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    run = tmp_path / "run"
+    assert done[0].endswith(
+        f"wrote {run / 'model.pt'}, {run / 'metrics.jsonl'}, {run / 'curves.png'}, "
+        f"{run / 'trace.json'}, {run / 'timeline.png'}, {run / 'checkpoints'}/")
+    assert {p.name for p in run.iterdir()} == {"model.pt", "metrics.jsonl", "curves.png",
+                                               "trace.json", "timeline.png", "checkpoints"}

@@ -37,12 +37,14 @@ def add_commands(sub, table: dict[str, tuple[str, str]], argv: list[str]) -> Non
         if not _available(path):
             continue  # not part of this installation (yet)
         if name != chosen:
-            sub.add_parser(name, help=summary)
+            sub.add_parser(name, help=summary, allow_abbrev=False)
             continue
         module = importlib.import_module(path)
         p = sub.add_parser(name, help=summary, description=module.__doc__,
-                           epilog=getattr(module, "EPILOG", None),
+                           epilog=getattr(module, "EPILOG", None), allow_abbrev=False,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        # A mistake is reported with the usage of the command it was made in (see main)
+        p.set_defaults(_parser=p)
         if getattr(module, "NESTED", False):  # a command with commands of its own
             module.add_arguments(p, argv[argv.index(name) + 1:])
         else:
@@ -55,6 +57,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         prog="microddp",
         description="Data parallelism from scratch: launcher, training job, benchmarks, tools.",
         epilog="example: microddp hello -n 4     (each command has --help with examples)",
+        allow_abbrev=False,  # `--epoch 1` must be an error, never quietly `--epochs 1`
     )
     add_commands(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS, argv)
     return parser
@@ -63,7 +66,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    # argparse reports an unknown flag from the top-level parser, with its usage; the user
+    # needs the usage of the command they typed it in.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

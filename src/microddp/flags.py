@@ -8,7 +8,6 @@ line naming the flag, and exit code 2.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 
 from .errors import MicroDDPError
@@ -45,14 +44,3 @@ def engines(names: list[str]) -> None:
     if bad:
         raise MicroDDPError(f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINES)}")
     distinct("engines", names)
-
-
-def out_folder(path: str) -> None:
-    """Create --out now: a bad folder must fail before the run, not after minutes of it."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise MicroDDPError(f"--out {path} is a file, not a folder; give a folder path")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise MicroDDPError(f"--out {path} cannot be created ({e.strerror}); choose a folder "
-                            "you can write to") from None

@@ -37,12 +37,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 EPILOG = """\
 examples:
-  microddp run -n 2 train.py --epochs 3        # 2 local workers
-  microddp run -n 4 --max-restarts 2 job.py    # restart all workers if one dies
+  microddp run -n 2 -m microddp.hello                 # 2 local workers of a module
+  microddp run -n 2 -m microddp.train --epochs 1      # the training job, one worker per rank
+  microddp run -n 2 --max-restarts 2 -m microddp.train --epochs 2 --out runs/restartable
+SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
+init_process_group); the course scripts start their own ranks: run them with plain python.
 
 many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hosts
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank R \\
-           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 train.py
+           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 -m microddp.hello
 """
 
 

@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import outputs
 from .collectives.cost import CostModel
 from .errors import MicroDDPError
 
@@ -196,4 +197,4 @@ def table(rows: list[dict]) -> str:
 
 def save_calibration(hw: Hardware, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(asdict(hw)))
+    outputs.write_text(path, json.dumps(asdict(hw)))

@@ -32,38 +32,45 @@ presets are assumptions, not measurements: override any figure with --flops, --b
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=sorted(MODELS), help="a model preset")
+    p.add_argument("--model", choices=sorted(MODELS),
+                   help="a model preset (default: FullMLP of --dim and --depth)")
     p.add_argument("--params", type=float, help="parameter count (instead of --model); a sample "
                    "is then one token (6 x params FLOPs) unless --tokens or --flops-per-sample "
-                   "says otherwise")
+                   "says otherwise (default: --model, else FullMLP)")
     p.add_argument("--tokens", type=float, help="with --params: tokens per sample (sequence "
-                   "length), so a sample costs 6 x params x tokens FLOPs")
+                   "length), so a sample costs 6 x params x tokens FLOPs (default 1)")
     p.add_argument("--flops-per-sample", type=float, help="with --params: training FLOPs per "
                    "sample (default 6 x params x tokens)")
-    p.add_argument("--dim", type=int, default=512, help="FullMLP width when no model is given")
-    p.add_argument("--depth", type=int, default=8, help="FullMLP depth when no model is given")
-    p.add_argument("--hardware", default="a100-ib", help="hardware preset (see --list) or "
-                   "'calibrated' for the figures saved by --calibrate")
-    p.add_argument("--flops", type=float, help="sustained FLOP/s per device (overrides preset)")
-    p.add_argument("--bandwidth", type=float, help="link bytes/s per device, 1/beta (overrides "
-                   "preset)")
-    p.add_argument("--latency", type=float, help="seconds per message, alpha (overrides preset)")
-    p.add_argument("--memory", type=float, help="memory bytes/s (overrides preset)")
+    p.add_argument("--dim", type=int, default=512,
+                   help="FullMLP width when no model is given (default 512)")
+    p.add_argument("--depth", type=int, default=8,
+                   help="FullMLP depth when no model is given (default 8)")
+    p.add_argument("--hardware", default=None, help="hardware preset (see --list) or "
+                   "'calibrated' for the figures saved by --calibrate (default a100-ib; with "
+                   "--calibrate, calibrated)")
+    p.add_argument("--flops", type=float, help="sustained FLOP/s per device (default: the "
+                   "preset's)")
+    p.add_argument("--bandwidth", type=float, help="link bytes/s per device, 1/beta (default: "
+                   "the preset's)")
+    p.add_argument("--latency", type=float, help="seconds per message, alpha (default: the "
+                   "preset's)")
+    p.add_argument("--memory", type=float, help="memory bytes/s (default: the preset's)")
     p.add_argument("--batch", type=float, default=32, help="samples per rank (weak scaling) "
                    "or global batch with --strong (default 32)")
     p.add_argument("--strong", action="store_true", help="fixed global batch (strong scaling)")
     p.add_argument("--world", type=int, nargs="+", help="world sizes (default 1, 2, 4 .. 4096)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="ring",
                    help="all-reduce algorithm (default ring)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size (default 25)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MB (default 25)")
     p.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient value (4 fp32, "
-                   "2 bf16)")
+                   "2 bf16; default 4)")
     p.add_argument("--no-overlap", action="store_true", help="all-reduce after backward only")
-    p.add_argument("--local-ranks", type=int, default=1, help="ranks sharing one host's compute")
+    p.add_argument("--local-ranks", type=int, default=1, help="ranks sharing one host's compute "
+                   "(default 1)")
     p.add_argument("--calibrate", action="store_true", help="measure this host's compute rate, "
-                   "latency and bandwidth first (saved to --calibration)")
+                   "latency and bandwidth (saved to --calibration), then predict with them")
     p.add_argument("--verify", type=int, nargs="*", help="with --calibrate: measure real step "
-                   "times at these local world sizes and compare")
+                   "times at these local world sizes and compare (default: none)")
     p.add_argument("--calibration", default=str(Path.home() / ".cache/microddp/calibration.json"),
                    metavar="FILE", help="where --calibrate saves its figures and --hardware "
                    "calibrated reads them (default ~/.cache/microddp/calibration.json)")
@@ -129,11 +136,17 @@ def run(args: argparse.Namespace) -> int:
                   f"{m.note}")
         return 0
     if args.calibrate:
+        if args.hardware not in (None, "calibrated"):
+            raise MicroDDPError(f"--calibrate predicts with the figures it measures here; drop "
+                                f"--hardware {args.hardware} (or drop --calibrate)")
         from .bench.calibrate import calibrate_and_verify
 
-        return calibrate_and_verify(args)
-    if args.verify is not None:
+        calibrate_and_verify(args)
+        args.hardware = "calibrated"  # then predict, on the figures just measured
+        print()
+    elif args.verify is not None:
         raise MicroDDPError("--verify needs --calibrate")
+    args.hardware = args.hardware or "a100-ib"
     model, hw = _model(args), _hardware(args)
     worlds = args.world or [2**i for i in range(13)]
     if any(n < 1 for n in worlds):

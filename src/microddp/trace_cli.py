@@ -1,9 +1,9 @@
 """Trace a few DDP steps on N ranks (or read a trace.json): where does the time go?
 
 Writes trace.json (open it in https://ui.perfetto.dev or chrome://tracing: one track per rank
-for compute, one for communication), timeline.png and per-step rows in metrics.jsonl (each run
-replaces the last one's), and prints per-step compute, communication, exposed communication
-and overlap.
+for compute, one for communication), timeline.png and per-step rows in metrics.jsonl into a new
+folder runs/trace-DATE-TIME (or --out), and prints per-step compute, communication, exposed
+communication and overlap.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import flags, trace, trace_report
+from . import flags, outputs, trace, trace_report
 from .errors import MicroDDPError
 from .spawn import spawn
 from .world import World
 
 EPILOG = """\
 examples:
-  microddp trace                          # 2 ranks, overlap engine, 10 steps -> runs/trace/
+  microddp trace                          # 2 ranks, overlap engine, 10 steps -> runs/trace-*/
   microddp trace -n 4 --engine torch --dim 1024 --depth 8 --out runs/torch-trace
-  microddp trace runs/trace/trace.json    # summarise an existing trace (and redraw the PNG)
+  microddp trace runs/torch-trace/trace.json   # summarise that trace again (and redraw the PNG)
   microddp trace --overhead --steps 200   # what recording spans and logging collectives cost
 """
 
@@ -179,12 +179,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DDP engine to trace (default overlap; torch = PyTorch's DDP)")
     p.add_argument("--dim", type=int, default=256, help="FullMLP width (default 256)")
     p.add_argument("--depth", type=int, default=8, help="FullMLP layers (default 8)")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--batch", type=int, default=64,
+                   help="samples per rank per step (default 64)")
     p.add_argument("--steps", type=int, default=10, help="steps to trace (default 10)")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="bucket size (default 1)")
-    p.add_argument("--out", default="runs/trace", help="directory for trace.json, timeline.png "
-                   "and metrics.jsonl (each run replaces the last one's)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument("--out", default=None, help="folder for trace.json, timeline.png and "
+                   "metrics.jsonl (default: a new runs/trace-DATE-TIME)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds before giving up (default 300)")
     p.add_argument("--overhead", action="store_true", help="measure what tracing and the "
                    "collective monitor cost per step instead (--steps interleaved steps each)")
 
@@ -210,7 +212,7 @@ def _summarise(path: str, redraw: bool = True) -> int:
         return 0
     png = Path(path).with_name("timeline.png")
     trace_report.plot_timeline(by_rank, png)
-    print(f"{len(by_rank)} rank(s); timeline redrawn in {png}")
+    print(f"{len(by_rank)} rank(s); " + outputs.wrote([png], "timeline redrawn:"))
     return 0
 
 
@@ -227,10 +229,11 @@ def run(args: argparse.Namespace) -> int:
               "batch": args.batch, "steps": args.steps, "bucket_cap_mb": args.bucket_cap_mb}
     if args.overhead:
         return overhead(args, kwargs)
-    print(f"tracing {args.steps} steps of FullMLP({args.dim}, depth {args.depth}) on "
-          f"{args.nproc} rank(s), engine {args.engine}, batch {args.batch} per rank")
-    summary = spawn(_run_job, args.nproc, args=(args.out, kwargs), timeout=args.timeout)[0]
+    with outputs.run_folder(args.out, "trace") as out:
+        print(f"tracing {args.steps} steps of FullMLP({args.dim}, depth {args.depth}) on "
+              f"{args.nproc} rank(s), engine {args.engine}, batch {args.batch} per rank")
+        summary = spawn(_run_job, args.nproc, args=(str(out), kwargs), timeout=args.timeout)[0]
     _summarise(summary["trace_json"], redraw=False)
-    print(f"wrote {summary['trace_json']} (open in https://ui.perfetto.dev) and "
-          f"{summary['timeline_png']}")
+    print(outputs.wrote([summary["trace_json"], summary["timeline_png"], out / "metrics.jsonl"])
+          + " (open trace.json in https://ui.perfetto.dev)")
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import trace
+from . import outputs, trace
 from .errors import MicroDDPError
 from .trace import Span
 from .world import World, get_world
@@ -198,7 +198,8 @@ def plot_timeline(by_rank: dict[int, list[Span]], path: str | os.PathLike,
     if seen:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with outputs.atomic(path) as tmp:  # a reader never sees half a PNG
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return shown
 
@@ -230,7 +231,7 @@ def _replace_trace_rows(path: Path, rows: list[dict]) -> None:
     kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
             if line.strip() and not _is_trace_row(line)]
     new = [json.dumps({"kind": "trace_step", **in_ms(row)}) for row in rows]
-    path.write_text("".join(line + "\n" for line in kept + new))
+    outputs.write_text(path, "".join(line + "\n" for line in kept + new))
 
 
 def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
@@ -242,7 +243,7 @@ def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
     """
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "trace.json").write_text(json.dumps(chrome_trace(by_rank)))
+    outputs.write_text(out / "trace.json", json.dumps(chrome_trace(by_rank)))
     plot_timeline(by_rank, out / "timeline.png")
     rows = per_step(by_rank)
     if metrics:

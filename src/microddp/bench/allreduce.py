@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import flags
+from .. import flags, outputs
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
 from ..collectives._duplex import duplex
 from ..collectives._group import Peers
@@ -40,9 +40,9 @@ EPILOG = """\
 examples:
   microddp bench allreduce                      # 2 ranks, 1 KiB .. 64 MiB
   microddp bench allreduce -n 4 --repeats 100 --min-repeats 40   # 4 ranks, tighter medians
-  microddp bench allreduce --sizes 1M,8M,32M --algorithms ring --out results/
+  microddp bench allreduce --sizes 1M,8M,32M --algorithms ring --out runs/ring
   microddp bench allreduce --sizes 2M --algorithms ring --control   # is a 5% gap real here?
-writes allreduce_<N>ranks.png and .json into --out.
+writes allreduce_<N>ranks.png and .json into a new runs/bench-allreduce-DATE-TIME (or --out).
 """
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"tensor sizes in bytes, K/M suffixes allowed (default {DEFAULT_SIZES})")
     p.add_argument("--algorithms", default="ring,tree,naive",
-                   help="comma-separated subset of ring,tree,naive (gloo is always timed)")
+                   help="comma-separated subset of ring,tree,naive (gloo is always timed; "
+                        "default ring,tree,naive)")
     p.add_argument("--repeats", type=int, default=30,
                    help="timed calls per contender at <= 1 MiB; fewer for larger sizes "
                         "(never below --min-repeats) (default 30)")
@@ -63,8 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed calls per contender at any size, at least (default 9)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed rounds of every contender before timing (default 2)")
-    p.add_argument("--out", default="bench-out", help="folder for the PNG plot and JSON")
-    p.add_argument("--timeout", type=float, default=1800.0, help="deadline for the whole run, s")
+    p.add_argument("--out", default=None, help="folder for the PNG plot and JSON "
+                   "(default: a new runs/bench-allreduce-DATE-TIME)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="deadline for the whole run, s (default 1800)")
     p.add_argument("--control", action="store_true",
                    help="also time gloo's all_reduce a second time (gloo-2) and print its ratio "
                         "to the first (A/A): how far apart this run puts two equal contenders")
@@ -219,7 +222,11 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise MicroDDPError(f"--warmup must be 0 or more, got {args.warmup}")
     flags.positive("timeout", args.timeout)
-    flags.out_folder(args.out)
+    with outputs.run_folder(args.out, "bench-allreduce") as folder:
+        return _run(args, sizes, algos, folder)
+
+
+def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -> int:
     p = args.world_size
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
           "contenders interleaved call by call")
@@ -234,10 +241,10 @@ def run(args: argparse.Namespace) -> int:
     report = table(out["rows"], shown, model, p, out["duplex"])
     for line in report["lines"]:
         print(line)
-    stem = os.path.join(args.out, f"allreduce_{p}ranks")
-    with open(stem + ".json", "w") as f:
-        json.dump({"world_size": p, "duplex": out["duplex"], "calibration": cal,
-                   "rows": report["records"]}, f, indent=1)
+    stem = os.path.join(folder, f"allreduce_{p}ranks")
+    outputs.write_text(stem + ".json", json.dumps({
+        "world_size": p, "duplex": out["duplex"], "calibration": cal,
+        "rows": report["records"]}, indent=1))
     plot(report["records"], shown, p, stem + ".png")
     print("mean = after dropping a tenth of the calls at each end; the model predicts it, since "
           "times add up\n  and medians do not (model err = predicted / mean - 1); x gloo time = "
@@ -248,5 +255,6 @@ def run(args: argparse.Namespace) -> int:
     print("90% interval = where the ratio lands when this run's rounds are drawn again (a "
           "bootstrap);\n  load that lasted the whole run does not show in it: compare runs "
           "for that")
-    print(f"wrote {stem}.png and {stem}.json in {time.perf_counter() - start:.0f} s")
+    print(outputs.wrote([f"{stem}.png", f"{stem}.json"])
+          + f" in {time.perf_counter() - start:.0f} s")
     return 0

@@ -4,6 +4,7 @@ of medians to gloo with its interval), the JSON records and the plot."""
 
 from __future__ import annotations
 
+from .. import outputs
 from ..collectives.cost import CostModel
 from ..collectives.ring import ring_segments
 from .timing import compare, median, trimmed_mean
@@ -105,5 +106,6 @@ def plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with outputs.atomic(path) as tmp:  # a reader never sees half a PNG
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)

@@ -140,6 +140,40 @@ def measured_step(world: int, engine: str, dim: int, depth: int, batch: int,
     return statistics.median(statistics.median(t) for t in per_rank)
 
 
+# Above this max/min ratio between rounds a figure is reported as unsteady: the host's load
+# changed while it was measured, and a prediction from it is uncertain by as much.
+WIDE_SPREAD = 1.5
+SPREAD_NAMES = {"flops": ("compute", "FLOP/s"), "rank_flops": ("one rank alone", "FLOP/s"),
+                "memory": ("memory", "B/s"), "alpha": ("latency (alpha)", "s"),
+                "bandwidth": ("bandwidth (1/beta)", "B/s")}
+
+
+def spread(values: list[float]) -> float:
+    """max / min of positive measurements of one figure (1.0 = all the same)."""
+    low = min(values)
+    return max(values) / low if low > 0 else float("inf")
+
+
+def report_spread(got: dict[str, list[float]], rounds: int) -> list[str]:
+    """Print min / median / max over the rounds of each figure, and warn for every figure
+    whose rounds differ by more than WIDE_SPREAD; returns the names of those figures."""
+    print(f"measured over {rounds} rounds: min / median / max (spread = max / min)")
+    wide = []
+    for key, (name, unit) in SPREAD_NAMES.items():
+        v = got[key]
+        s = spread(v)
+        print(f"  {name:19} {min(v):9.3g} / {statistics.median(v):9.3g} / {max(v):9.3g} {unit:6} "
+              f"spread {s:.2f}x")
+        if s > WIDE_SPREAD:
+            wide.append(name)
+    if wide:
+        print(f"warning: {', '.join(wide)} varied by more than {WIDE_SPREAD:g}x between rounds: "
+              "this host's load changed while it was measured, so predictions made from these "
+              "figures are uncertain by as much; calibrate again when the machine is quiet",
+              flush=True)
+    return wide
+
+
 def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     """Measure, save, and with --verify compare predictions with real step times.
 
@@ -165,6 +199,7 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
         for n in worlds:
             steps[n].append(measured_step(n, "overlap", dim, depth, batch, args.bucket_mb))
     med = {k: statistics.median(v) for k, v in got.items()}
+    report_spread(got, rounds)
     hw = Hardware(med["flops"], med["bandwidth"], med["alpha"],
                   "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
                   memory=med["memory"], comm_cpu=med["busy"], rank_flops=med["rank_flops"])

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=30, help="timed steps per contender (default: 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: 5)")
     p.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES),
-                   help="contenders: microddp torch naive hooks buckets overlap")
+                   help="contenders: microddp torch naive hooks buckets overlap (default: "
+                        f"{' '.join(DEFAULT_ENGINES)})")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="bucket size for every contender (default: each one's default, 25 MiB)")
     p.add_argument("--control", action="store_true",

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import flags, trace, trace_report
+from .. import flags, outputs, trace, trace_report
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..spawn import spawn
@@ -30,7 +30,8 @@ examples:
   microddp bench scaling                            # 1, 2, 4 ranks; overlap engine vs torch
   microddp bench scaling --ranks 1 2 --dim 1024 --depth 4 --repeats 30
   microddp bench scaling --engines microddp torch --out runs/scaling
-writes scaling.csv and scaling.png into --out; a table and a verdict on stdout.
+writes scaling.csv and scaling.png into a new runs/bench-scaling-DATE-TIME (or --out); a table
+and a verdict on stdout.
 """
 
 
@@ -224,27 +225,33 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[2].tick_params(axis="x", rotation=45)
     axes[2].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with outputs.atomic(path) as tmp:  # a reader never sees half a PNG
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="world sizes")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4],
+                   help="world sizes (default 1 2 4)")
     p.add_argument("--engines", nargs="+", default=["overlap", "torch"],
-                   help="DDP engines to compare (naive hooks buckets overlap microddp torch)")
+                   help="DDP engines to compare: naive hooks buckets overlap microddp torch "
+                        "(default overlap torch)")
     p.add_argument("--dim", type=int, default=512, help="FullMLP width (default 512)")
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth (default 8)")
-    p.add_argument("--batch", type=int, default=64, help="weak: per rank; strong: global")
+    p.add_argument("--batch", type=int, default=64, help="weak: per rank; strong: global "
+                   "(default 64)")
     p.add_argument("--modes", nargs="+", choices=("strong", "weak"), default=["strong", "weak"],
                    help="strong: a fixed global batch split over the ranks; weak: a fixed batch "
-                   "per rank (default both)")
+                   "per rank (default strong weak: both)")
     p.add_argument("--repeats", type=int, default=20,
                    help="timed steps per engine and world size, all rounds together (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--rounds", type=int, default=3, help="passes over all configurations")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="passes over all configurations "
+                   "(default 3)")
     p.add_argument("--threads", type=int, default=1, help="threads per rank, the same at every "
                    "world size (one 'device' per rank, as with GPUs; default 1)")
-    p.add_argument("--out", default="runs/scaling", help="directory for scaling.csv/.png")
+    p.add_argument("--out", default=None, help="folder for scaling.csv and scaling.png "
+                   "(default: a new runs/bench-scaling-DATE-TIME)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -258,7 +265,11 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError(f"strong scaling splits --batch {args.batch} over up to "
                             f"{max(args.ranks)} ranks: make it at least that large")
     round_repeats(args.repeats, args.rounds)  # refuses too few repeats now, not mid-sweep
-    flags.out_folder(args.out)
+    with outputs.run_folder(args.out, "bench-scaling") as out:
+        return _run(args, out)
+
+
+def _run(args: argparse.Namespace, out: Path) -> int:
     ranks = sorted(set(args.ranks))
     grad_bytes = gradient_bytes(args.dim, args.depth)
     print(f"FullMLP({args.dim}, depth {args.depth}): {size_text(grad_bytes)} of gradients; "
@@ -280,12 +291,10 @@ def run(args: argparse.Namespace) -> int:
     print(table(rows))
     for line in verdicts(rows, grad_bytes / 2**20, os.cpu_count() or 1):
         print(line)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "scaling.csv").open("w", newline="") as f:
+    with outputs.atomic(out / "scaling.csv") as tmp, tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     plot(rows, out / "scaling.png")
-    print(f"wrote {out / 'scaling.csv'} and {out / 'scaling.png'}")
+    print(outputs.wrote([out / "scaling.csv", out / "scaling.png"]))
     return 0

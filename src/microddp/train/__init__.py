@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
 from pathlib import Path
 
+from .. import outputs
 from ..errors import MicroDDPError
 from .config import AMP, ENGINES, OPTIMIZERS, TrainConfig, check_folder, from_args, validate
 
@@ -22,9 +23,9 @@ EPILOG = """\
 examples:
   microddp train                                  # 2 CPU ranks, digits, >90% in seconds
   microddp train --nproc 4 --epochs 5 --engine torch
-  microddp train --batch-size 32 --accumulate 4 --amp bf16
-  microddp train --out runs/a --checkpoint-every 10 --max-restarts 2
-  microddp train --out runs/a --resume --epochs 12   # continue run a for longer
+  microddp train --batch-size 32 --accumulate 4 --amp bf16 --epochs 2
+  microddp train --out runs/a --epochs 2 --checkpoint-every 10 --max-restarts 2
+  microddp train --out runs/a --resume --epochs 4   # continue run a for longer
 
 one host, under torchrun instead of the built-in launcher:
   torchrun --nproc-per-node 4 --max-restarts 2 -m microddp.train --out runs/b
@@ -37,45 +38,51 @@ many hosts (the run folder must be on a shared file system), on each host:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     a = p.add_argument
-    a("-n", "--nproc", type=int, default=d.nproc, help="local ranks to start (default 2)")
+    a("-n", "--nproc", type=int, default=d.nproc, help=f"local ranks to start (default {d.nproc})")
     a("--epochs", type=int, default=d.epochs, help=f"passes over the data (default {d.epochs})")
     a("--batch-size", type=int, default=d.batch_size,
       help=f"global batch per micro-step, split over ranks (default {d.batch_size})")
     a("--lr", type=float, default=None, help="learning rate (default 0.05 sgd, 0.002 adam)")
-    a("--optimizer", default=d.optimizer, help=f"{' | '.join(OPTIMIZERS)} (default sgd)")
+    a("--optimizer", default=d.optimizer,
+      help=f"{' | '.join(OPTIMIZERS)} (default {d.optimizer})")
     a("--engine", default=d.engine,
-      help=f"data-parallel engine: {' | '.join(ENGINES)} (torch = PyTorch's DDP)")
-    a("--dataset", default=d.dataset, help="digits (real, bundled) | synthetic")
-    a("--accumulate", type=int, default=1, help="micro-steps per optimizer step, with no_sync")
-    a("--amp", default=None, help=f"mixed precision: {' | '.join(AMP)} (fp16 needs CUDA)")
+      help=f"data-parallel engine: {' | '.join(ENGINES)} (torch = PyTorch's DDP; "
+           f"default {d.engine})")
+    a("--dataset", default=d.dataset,
+      help=f"digits (real, bundled) | synthetic (default {d.dataset})")
+    a("--accumulate", type=int, default=d.accumulate,
+      help=f"micro-steps per optimizer step, with no_sync (default {d.accumulate})")
+    a("--amp", default=None,
+      help=f"mixed precision: {' | '.join(AMP)} (fp16 needs CUDA; default: off, float32)")
     a("--hidden", type=int, default=d.hidden, help=f"MLP width (default {d.hidden})")
     a("--depth", type=int, default=d.depth, help=f"hidden layers (default {d.depth})")
-    a("--out", default=None, help="run folder (default runs/train-DATE-TIME)")
+    a("--out", default=None, help="run folder (default: a new runs/train-DATE-TIME)")
     a("--checkpoint-dir", default=None, help="checkpoint folder (default OUT/checkpoints)")
-    a("--checkpoint-every", type=int, default=0,
+    a("--checkpoint-every", type=int, default=d.checkpoint_every,
       help="save every N optimizer steps (default 0: after every epoch)")
     a("--keep", type=int, default=d.keep, help=f"checkpoints to keep (default {d.keep})")
     a("--resume", action="store_true", help="continue from the newest checkpoint in the folder")
-    a("--max-restarts", type=int, default=0,
-      help="restart all ranks up to K times if one dies; they resume from the last checkpoint")
-    a("--max-steps", type=int, default=0, help="stop after N optimizer steps (default: all)")
-    a("--seed", type=int, default=d.seed, help="seed of the weights and the shuffling")
-    a("--log-every", type=int, default=0, help="steps between progress lines (default: auto)")
+    a("--max-restarts", type=int, default=d.max_restarts,
+      help="restart all ranks up to K times if one dies; they resume from the last checkpoint "
+           f"(default {d.max_restarts})")
+    a("--max-steps", type=int, default=d.max_steps,
+      help="stop after N optimizer steps (default 0: all)")
+    a("--seed", type=int, default=d.seed,
+      help=f"seed of the weights and the shuffling (default {d.seed})")
+    a("--log-every", type=int, default=d.log_every,
+      help="steps between progress lines (default 0: about five per epoch)")
     a("--trace", action="store_true", help="record a timeline of every step (Chrome trace and summary)")
     a("--monitor-timeout", type=float, default=d.monitor_timeout,
       help="seconds a collective may stall before every rank reports where it is "
            f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off)")
-    a("--drift-every", type=int, default=0,
+    a("--drift-every", type=int, default=d.drift_every,
       help="every K steps check that all replicas hold the same parameters (default 0: off)")
     a("--no-plot", dest="plot", action="store_false", help="skip curves.png")
 
 
 def default_out() -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, i = Path("runs") / f"train-{stamp}", 1
-    while path.exists():
-        path, i = Path("runs") / f"train-{stamp}-{i}", i + 1
-    return str(path)
+    """A new, empty run folder of this job's own (see microddp.outputs)."""
+    return str(outputs.new_run_dir("train"))
 
 
 def _check_checkpoints(cfg: TrainConfig) -> None:
@@ -99,17 +106,27 @@ def run(args: argparse.Namespace) -> int:
             if value and not Path(value).is_dir():
                 raise MicroDDPError(f"--resume: {flag} {value} does not exist; "
                                     "give the folder of the run to continue")
-    cfg.out = cfg.out or default_out()
-    check_folder(cfg.out, "--out")
-    if cfg.checkpoint_dir:
-        check_folder(cfg.checkpoint_dir, "--checkpoint-dir")
-    _check_checkpoints(cfg)
-    from ..launch import run as launch
+    folder, created = outputs.claim(cfg.out, "train")
+    cfg.out = str(folder)
+    code, announced = 1, False
+    try:
+        check_folder(cfg.out, "--out")
+        if cfg.checkpoint_dir:
+            check_folder(cfg.checkpoint_dir, "--checkpoint-dir")
+        _check_checkpoints(cfg)
+        from ..launch import run as launch
 
-    print(f"microddp train: run folder {cfg.out}", flush=True)
-    return launch(argparse.Namespace(nproc=cfg.nproc, max_restarts=cfg.max_restarts,
-                                     master_port=0, module=True, script="microddp.train",
-                                     script_args=cfg.to_argv()))
+        print(f"microddp train: run folder {cfg.out}", flush=True)
+        announced = True
+        code = launch(argparse.Namespace(nproc=cfg.nproc, max_restarts=cfg.max_restarts,
+                                         master_port=0, module=True, script="microddp.train",
+                                         script_args=cfg.to_argv()))
+        return code
+    finally:
+        # A run stopped or failed before it wrote anything leaves no empty folder behind.
+        if code != 0 and created and outputs.discard_if_empty(folder) and announced:
+            print(f"microddp train: removed {folder}: the run wrote nothing into it",
+                  file=sys.stderr, flush=True)
 
 
 def worker(cfg: TrainConfig) -> int:

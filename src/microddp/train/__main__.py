@@ -8,7 +8,7 @@ from . import add_arguments, from_args, worker
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m microddp.train")
+    parser = argparse.ArgumentParser(prog="python -m microddp.train", allow_abbrev=False)
     add_arguments(parser)
     try:
         return worker(from_args(parser.parse_args(argv)))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import checkpoint, monitor, trace, trace_report
+from .. import checkpoint, monitor, outputs, trace, trace_report
 from ..data import ShardedBatchSampler, evaluate, load_dataset
 from ..world import World
 from . import resume
@@ -197,8 +197,12 @@ def _finish(world: World, cfg: TrainConfig, model, out: Path, rep: Reporter, ste
         png = plot_curves(rep.metrics_path, out / "curves.png") if cfg.plot else None
         if cfg.plot and png is None:
             rep.say("no curves.png: matplotlib is not installed (pip install 'microddp[train]')")
+        ckpts = cfg.ckpt_dir if cfg.ckpt_dir.is_dir() and any(cfg.ckpt_dir.iterdir()) else None
+        files = [out / "model.pt", rep.metrics_path, png,
+                 *((stats["trace_json"], stats["timeline_png"]) if stats else ()),
+                 f"{ckpts}/" if ckpts else None]
         rep.say(f"done: test accuracy {100 * evaluated['accuracy']:.2f}% after {step} steps; "
-                f"wrote {out / 'model.pt'}, {rep.metrics_path}" + (f", {png}" if png else ""))
+                + outputs.wrote(files))
         if stats:
             rep.say(trace_report.format_summary(stats))
     params = {k: v.detach().cpu().clone() for k, v in bare(model).state_dict().items()}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .. import comms
+from .. import comms, outputs
 
 BAR_WIDTH = 20
 
@@ -100,7 +100,7 @@ class Reporter:
         rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines()
                 if line.strip()]
         kept = [json.dumps(r) for r in rows if r["step"] <= step and r["kind"] != "final"]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        outputs.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def say(self, text: str) -> None:
         if self.enabled:
@@ -151,6 +151,7 @@ def plot_curves(metrics_path: Path, png_path: Path) -> Path | None:
     ax_acc.grid(True, alpha=0.3)
     ax_loss.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    with outputs.atomic(png_path) as tmp:  # a reader never sees half a PNG
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return png_path
