@@ -19,8 +19,16 @@ _LAZY = {
     "DistributedDataParallel": ("microddp.dp.ddp", "DistributedDataParallel"),
     "DDP": ("microddp.dp.ddp", "DistributedDataParallel"),
     "FullMLP": ("microddp.model", "FullMLP"),
+    # Sub-packages and tools the README and the docs name as microddp.X.
+    "bench": ("microddp.bench", None),
     "collectives": ("microddp.collectives", None),
+    "data": ("microddp.data", None),
+    "dp": ("microddp.dp", None),
+    "monitor": ("microddp.monitor", None),
+    "predict": ("microddp.predict", None),
     "trace": ("microddp.trace", None),
+    "trace_report": ("microddp.trace_report", None),
+    "train": ("microddp.train", None),
 }
 
 

@@ -178,12 +178,34 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
 def _report(first: _Worker, workers: list[_Worker]) -> None:
     for w in workers:
         w.reader.join(timeout=2)  # let the failing rank's last lines reach the screen first
+    failed = f"microddp run: rank {first.rank} failed ({describe_exit(first.proc.returncode)})"
     # Often only rank 0 prints: then say so rather than promise lines that never come.
     tail = "Its last lines:" if first.tail else "It printed nothing."
-    print(f"microddp run: rank {first.rank} failed ({describe_exit(first.proc.returncode)}); "
-          f"stopped the other ranks. {tail}", file=sys.stderr)
+    hang = _hang_report(first, workers)
+    if hang:
+        # After a hang, the monitor's report says where every rank is; the failing rank's
+        # traceback (often from gloo's C++) only says that its wait ended: it comes second.
+        print(f"{failed} after a hang; stopped the other ranks. The monitor's report:",
+              file=sys.stderr)
+        for line in hang:
+            print(f"  {line}", file=sys.stderr)
+        print(f"microddp run: rank {first.rank}'s output. {tail}", file=sys.stderr)
+    else:
+        print(f"{failed}; stopped the other ranks. {tail}", file=sys.stderr)
     for line in first.tail:
         print(f"  [rank {first.rank}] {line}", file=sys.stderr)
+
+
+def _hang_report(first: _Worker, workers: list[_Worker]) -> list[str]:
+    """The monitor's hang report from the failing rank's output, else from another rank's (the
+    rank that reported may not be the one that failed first)."""
+    from .monitor.hang import find_report  # noqa: PLC0415 (only after a failure)
+
+    for w in [first, *(w for w in workers if w is not first)]:
+        found = find_report(list(w.tail))
+        if found:
+            return found
+    return []
 
 
 def _on_signal(signum: int, _frame) -> None:

@@ -7,7 +7,9 @@ process group at all.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -128,12 +130,19 @@ def init(
     rank: int | None = None,
     world_size: int | None = None,
     store: dist.Store | None = None,
+    monitor: bool | None = None,
 ) -> World:
     """Join the job and return who we are.
 
     Rank and world size come from the arguments, else from RANK / WORLD_SIZE (torchrun,
     `microddp run`), else this is a world of one process, which needs no process group.
+    When this call forms the process group it also starts microddp.monitor, so a hang ends
+    in a report of where every rank is rather than in the backend's bare timeout; `monitor`
+    False (or MICRODDP_MONITOR=0) leaves it off.
     """
+    from .monitor.default import wanted  # noqa: PLC0415 (monitor imports this module)
+
+    monitor_on = wanted(monitor)  # a bad MICRODDP_MONITOR fails before any rendezvous
     global _world
     if _world is not None:
         return _world
@@ -164,6 +173,15 @@ def init(
     except (RuntimeError, ValueError) as e:
         raise MicroDDPError(f"could not form the process group (rank {rank}): {e}") from None
     _world = World(rank, world_size, local_rank, device, chosen)
+    if chosen == "gloo":
+        # A script that never calls shutdown() would exit with gloo's threads still running,
+        # which aborts the process at exit now and then (teardown.py). Leaving a gloo group
+        # is local to this rank, so it is safe at exit; NCCL's may wait for the other ranks.
+        atexit.register(_leave_at_exit, _world)
+    if monitor_on:
+        from . import monitor as mon  # noqa: PLC0415
+
+        mon.enable(timeout=mon.stall_seconds(td.total_seconds()))
     return _world
 
 
@@ -205,10 +223,20 @@ def is_initialized() -> bool:
     return _world is not None
 
 
+def _leave_at_exit(world: World) -> None:
+    if _world is world:  # still in the job this init() formed: the script never left it
+        shutdown()
+
+
 def shutdown() -> None:
-    """Leave the job: destroy the process groups (if any) so the next `init` starts afresh,
-    and free them now, while Python can still run their threads' last steps (teardown.py)."""
+    """Leave the job: stop the monitor (its thread joined), destroy the process groups (if
+    any) so the next `init` starts afresh, and free them now, while Python can still run
+    their threads' last steps (teardown.py)."""
     global _world
+    monitor = sys.modules.get("microddp.monitor")  # never imported: nothing to stop
+    if monitor is not None:
+        # First: its watchdog polls the store, which the process group's end takes away.
+        monitor.disable()
     if dist.is_available() and dist.is_initialized():
         groups = watch()
         dist.destroy_process_group()

@@ -5,6 +5,9 @@
     monitor.enable(timeout=60, debug=True)   # also compare every collective across ranks first
     monitor.check_replicas(model)       # the first parameter that differs between ranks
 
+microddp.init() turns it on by default (see default.py); init(monitor=False) or
+MICRODDP_MONITOR=0 leaves it off, and microddp.shutdown() stops it before the process group.
+
 Logged: torch.distributed's collectives (so mdp.comms, DDP and user calls) and microddp's
 own (microddp.collectives.ring_all_reduce, ...: called through the module, see patch.py).
 
@@ -15,6 +18,7 @@ backend, in one report a person can read.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from datetime import timedelta
 
@@ -23,13 +27,15 @@ import torch.distributed as dist
 from ..errors import MicroDDPError
 from ..world import get_world
 from . import patch
+from .default import stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum
 from .hang import Monitor, format_report
 
 __all__ = ["enable", "disable", "active", "check_replicas", "DriftCheck", "checksum",
-           "Monitor", "format_report"]
+           "Monitor", "format_report", "wanted", "stall_seconds"]
 
 _generation = itertools.count()  # every rank enables the same number of times: fresh keys each
+_exit_hook = False
 
 
 def _seconds(timeout: float | timedelta) -> float:
@@ -63,11 +69,20 @@ def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
     mon = Monitor(store, world.rank, world.world_size, _seconds(timeout), debug,
                   f"microddp/monitor/{next(_generation)}/", answer_timeout, log_size, abort)
     patch.install(mon)
+    global _exit_hook
+    if not _exit_hook:
+        # A script that never calls shutdown(): stop the watchdog while the interpreter is
+        # whole. Left running into finalization, a daemon thread inside torch's C++ (a store
+        # call) is ended by pthread_exit, which can abort the process ("terminate called
+        # without an active exception").
+        atexit.register(disable)
+        _exit_hook = True
     return mon
 
 
 def disable() -> None:
-    """Stop logging and restore torch.distributed's functions."""
+    """Stop logging, restore torch.distributed's functions, and end the watchdog thread
+    (joined: once this returns, the monitor touches neither torch nor the store)."""
     mon = patch.uninstall()
     if mon is not None:
         mon.close()

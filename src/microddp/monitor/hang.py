@@ -20,6 +20,7 @@ from typing import Any
 from .log import CollectiveLog, Entry, main_thread_where
 
 POLL_S = 0.1  # at a few ranks; more ranks poll the shared store less often (see Monitor)
+HEAD = "microddp hang report:"
 
 
 class Monitor:
@@ -47,8 +48,18 @@ class Monitor:
         return self.prefix + "/".join(map(str, parts))
 
     def close(self) -> None:
+        """Stop the watchdog and wait for it: after this, it calls neither torch nor the store
+        (shutdown destroys the process group next; at exit the interpreter tears down)."""
         self._stop.set()
-        self._thread.join(timeout=2)
+        if self._thread is threading.current_thread():
+            return
+        # Between two polls it sees the flag at once; in the middle of a report it may wait
+        # for the other ranks' answers first (answer_s, twice at most).
+        self._thread.join(timeout=2 * self.answer_s + 5)
+        if self._thread.is_alive():
+            print(f"[rank {self.rank}] microddp monitor: the watchdog thread did not stop "
+                  "within its time (a store call hangs?); the process goes on without it",
+                  file=sys.stderr, flush=True)
 
     # -- what this rank says about itself --------------------------------------------------
     def status(self) -> dict:
@@ -79,6 +90,8 @@ class Monitor:
                 # NCCL (whose waits do not give up) and for async ops nobody waits on.
                 limit = self.timeout_s * (2 if entry is not None and entry.escapable else 1)
                 if entry is not None and time.monotonic() - entry.started > limit:
+                    if self._stop.is_set():
+                        return  # shutdown began: no new store traffic
                     text = self.collect(entry)
                     print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
                     if self.abort:
@@ -160,7 +173,7 @@ def format_report(rank: int, stalled: Entry | None, statuses: dict[int, dict],
             last = f"; last collective {st['last']}" if st["last"] else "; no collective yet"
             line = f"in {st['where']} (not in a collective{last})"
         groups.setdefault(line, []).append(r)
-    lines = [f"microddp hang report: {head}" + (f" ({why})" if why else "")]
+    lines = [f"{HEAD} {head}" + (f" ({why})" if why else "")]
     for line, rs in groups.items():
         verb = "is" if len(rs) == 1 else "are"
         lines.append(f"  {_ranks(rs)} {verb} {line}")
@@ -171,3 +184,31 @@ def format_report(rank: int, stalled: Entry | None, statuses: dict[int, dict],
     lines.append("fix: every rank must call the same collectives in the same order; look at "
                  "the rank that is elsewhere")
     return "\n".join(lines)
+
+
+_LEAD = re.compile(r"\[rank ?\d+\]:? ?")  # torch's "[rank0]: " or the watchdog's "[rank 0] "
+
+
+def find_report(lines: list[str]) -> list[str]:
+    """The last hang report in a process's output, as the lines format_report made.
+
+    It may be the message of an uncaught MicroDDPError (after a traceback, each line prefixed
+    by torch with "[rank0]: ") or the watchdog's print (prefixed on its first line only).
+    Returns [] if there is none.
+    """
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        at = line.find(HEAD)
+        if at < 0:
+            continue
+        m = _LEAD.match(line)
+        lead = m.group(0) if m else ""
+        found = [line[at:]]
+        for nxt in lines[i + 1:]:
+            body = nxt[len(lead):] if lead and nxt.startswith(lead) else nxt
+            if not body.startswith(("  ", "fix:")):
+                break
+            found.append(body)
+            if body.startswith("fix:"):
+                break
+    return found

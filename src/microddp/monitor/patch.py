@@ -130,21 +130,26 @@ def _wrap(name: str, fn: Callable) -> Callable:
                               where(sys._getframe(1), user=True))
         if mon.debug:
             desync.check(mon, entry, a.get("group"))
-        if a.get("async_op"):
-            entry.work = fn(*args, **kwargs)
-            if entry.work is None:
+        gloo = _backend(a.get("group")) == "gloo"
+        if a.get("async_op") or (at >= 0 and gloo):
+            try:  # a call refused at launch (bad arguments) is the caller's error, not a hang
+                work = fn(*args, **kwargs) if a.get("async_op") else as_async(args, kwargs)
+            except BaseException:
+                mon.log.end(entry)  # left open, the watchdog would report it as a stall
+                raise
+            if work is None:
                 mon.log.end(entry)
                 return None
-            if _backend(a.get("group")) != "gloo":
-                return entry.work
+            if a.get("async_op"):
+                entry.work = work
+                if not gloo:
+                    return work
+                entry.escapable = True
+                return MonitoredWork(work, entry, mon)
             entry.escapable = True
-            return MonitoredWork(entry.work, entry, mon)
         try:
-            if at >= 0 and _backend(a.get("group")) == "gloo":
-                work = as_async(args, kwargs)
-                if work is not None:
-                    entry.escapable = True
-                    work.wait(timedelta(seconds=mon.timeout_s))
+            if entry.escapable:  # a blocking gloo call, launched async above: wait for it here
+                work.wait(timedelta(seconds=mon.timeout_s))
                 return None
             return fn(*args, **kwargs)
         except RuntimeError as e:

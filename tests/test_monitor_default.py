@@ -1,0 +1,144 @@
+"""The monitor microddp.init() starts by default: on, off, its threshold, its clean stop, and
+the report a plain script gets from `microddp run` when it hangs."""
+
+import pytest
+
+import microddp as mdp
+from launch_helpers import microddp, write
+from microddp import monitor
+from microddp.monitor.hang import find_report
+
+
+def _state(rank, flag):
+    import os
+
+    import torch
+
+    world = mdp.init(timeout=20, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                     monitor=flag)
+    mon = monitor.active()
+    seen = None if mon is None else (mon.timeout_s, mon._thread.is_alive())
+    mdp.comms.all_reduce(torch.ones(1))
+    mdp.shutdown()
+    stopped = mon is None or not mon._thread.is_alive()
+    return world.rank, seen, monitor.active() is None, stopped
+
+
+@pytest.mark.parametrize("flag", [None, False])
+def test_init_starts_the_monitor_unless_told_not_to_and_shutdown_joins_it(flag):
+    out = mdp.spawn(_state, 2, args=(flag,), join=False, timeout=90)
+    seen = (16.0, True) if flag is None else None  # 20 s process group: asked at 16 s
+    assert out == [(0, seen, True, True), (1, seen, True, True)]
+
+
+def test_the_switch_and_the_threshold(monkeypatch):
+    monkeypatch.delenv("MICRODDP_MONITOR", raising=False)
+    assert monitor.wanted(None) is True
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("MICRODDP_MONITOR", off)
+        assert monitor.wanted(None) is False
+        assert monitor.wanted(True) is True  # the argument wins
+    monkeypatch.setenv("MICRODDP_MONITOR", "maybe")
+    with pytest.raises(mdp.MicroDDPError, match="MICRODDP_MONITOR='maybe' is neither on nor off"):
+        monitor.wanted(None)
+    # 8 s below the process group's timeout, or a fifth of a short one
+    assert [monitor.stall_seconds(t) for t in (10, 40, 60, 120, 1800)] == [8, 32, 52, 112, 1792]
+
+
+REPORT = [
+    "microddp hang report: collective all_reduce #2 on rank 0 did not complete within 8 s",
+    "  rank 0 is in all_reduce #2 (float32[4] sum) called from <module> at hang.py:17",
+    "  rank 1 is in save_checkpoint_slowly at hang.py:9 (not in a collective)",
+    "fix: every rank must call the same collectives in the same order",
+]
+
+
+def test_find_report_in_a_traceback_and_in_the_watchdogs_print():
+    traceback = ["[rank0]: Traceback (most recent call last):",
+                 '[rank0]:   File "hang.py", line 17, in <module>',
+                 f"[rank0]: microddp.errors.MicroDDPError: {REPORT[0]}",
+                 *(f"[rank0]: {line}" for line in REPORT[1:]),
+                 "[rank0]: something after"]
+    assert find_report(traceback) == REPORT
+    watchdog = ["step 3", f"[rank 0] {REPORT[0]}", *REPORT[1:], "[rank 0] ending this process"]
+    assert find_report(watchdog) == REPORT
+    assert find_report(["Timed out waiting 10000ms for recv operation"]) == []
+
+
+HANG = """
+    import time
+
+    import torch
+
+    import microddp as mdp
+
+
+    def save_checkpoint_slowly():
+        time.sleep(40)  # LINE-SLEEP
+
+
+    world = mdp.init(timeout=10)
+    t = torch.ones(4)
+    mdp.comms.all_reduce(t)
+    if world.rank == 1:
+        save_checkpoint_slowly()
+    mdp.comms.all_reduce(t)  # LINE-STUCK
+    mdp.shutdown()
+"""
+
+
+def _line(marker):
+    return next(i for i, line in enumerate(HANG.splitlines(), 1) if marker in line)
+
+
+def test_a_plain_script_that_hangs_gets_the_report_first(tmp_path):
+    script = write(tmp_path, "hang.py", HANG)
+    out = microddp("run", "-n", "2", script, timeout=90)
+    assert out.returncode == 1, out.stderr
+    summary = out.stderr[out.stderr.index("microddp run: rank"):].splitlines()
+    assert summary[0].endswith("after a hang; stopped the other ranks. The monitor's report:")
+    assert summary[1].startswith("  microddp hang report: collective all_reduce #2 on rank 0 "
+                                 "did not complete within 8 s")
+    assert summary[2:4] == [
+        f"    rank 0 is in all_reduce #2 (float32[4] sum) called from <module> at "
+        f"hang.py:{_line('LINE-STUCK')}",
+        f"    rank 1 is in save_checkpoint_slowly at hang.py:{_line('LINE-SLEEP')} (not in a "
+        "collective; last collective all_reduce #1)"]
+    assert summary[4].startswith("  fix: ")
+    assert summary[5] == "microddp run: rank 0's output. Its last lines:"  # the traceback: after
+
+
+CLEAN = """
+    import torch
+
+    import microddp as mdp
+
+    world = mdp.init(timeout=30)
+    t = torch.ones(1024) * world.rank
+    for _ in range(3):
+        mdp.comms.all_reduce(t)
+    assert mdp.monitor.active() is not None
+    print("sum", t[0].item())
+    mdp.shutdown()
+"""
+
+
+def _back_to_back(tmp_path, runs):
+    script = write(tmp_path, "clean.py", CLEAN)
+    bad = []
+    for i in range(runs):
+        out = microddp("run", "-n", "2", script, timeout=120)
+        if out.returncode != 0 or sorted(out.stdout.splitlines()) != [
+                "[rank 0] sum 4.0", "[rank 1] sum 4.0"]:
+            bad.append((i, out.returncode, out.stdout[-300:], out.stderr[-600:]))
+    assert bad == []
+
+
+def test_back_to_back_runs_with_the_monitor_on_exit_0(tmp_path):
+    _back_to_back(tmp_path, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 10 s a run on a busy 2-core machine
+def test_30_back_to_back_runs_with_the_monitor_on_exit_0(tmp_path):
+    _back_to_back(tmp_path, 30)
