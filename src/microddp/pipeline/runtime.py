@@ -12,6 +12,7 @@ gradients accumulated over the micro-batches are the gradients of one process on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from .. import comms
 from ..errors import MicroDDPError
-from .schedules import Action, Schedule, message_key
+from .schedules import COMPUTE, Action, Schedule, message_key
 
 
 def microbatch_sizes(batch: int, m: int) -> list[int]:
@@ -88,14 +89,16 @@ class _Step:
 
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
                  y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 *, group=None) -> float | None:
+                 *, group=None, record: list | None = None) -> float | None:
     """Run this rank's program of `schedule` for one step; gradients accumulate into the
     parameters of `stages` ({stage index: module}, the stages this rank holds).
 
     `x`, `y` are the whole global batch (only the first stage reads x, only the last reads y);
     `loss_fn` reduces by the mean, like nn.functional.cross_entropy. Returns the batch's loss
     on the rank holding the last stage, None elsewhere. `group`: the pipeline's process group
-    (default: the world), in which rank r runs program r.
+    (default: the world), in which rank r runs program r. `record`, if given, receives
+    (action, start, end) for every compute action, in time.perf_counter() seconds, which one
+    host's processes share: the timeline the course and the benchmarks draw.
     """
     rank = comms.group_rank(group)
     p = schedule.ranks
@@ -105,52 +108,61 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     if sorted(stages) != schedule.stages_of(rank):
         raise MicroDDPError(f"rank {rank} holds stages {sorted(stages)}, but schedule "
                             f"{schedule.name} gives it stages {schedule.stages_of(rank)}")
-    m, last, n = schedule.microbatches, schedule.stages - 1, len(x)
+    m, n = schedule.microbatches, len(x)
     xs, ys = x.tensor_split(m), y.tensor_split(m)
     if any(len(part) == 0 for part in xs):
         microbatch_sizes(n, m)  # raises, saying what to do
     st = _Step(schedule, stages, group, rank)
     for a in schedule.actions[rank]:
-        key = (a.stage, a.mb)
-        module = stages[a.stage]
-        if a.kind == "RECV_ACT":
-            like = xs[a.mb].new_empty(len(xs[a.mb]), _input_width(module))
-            st.inputs[key] = st.recv(a, like.to(next(module.parameters()).dtype))
-        elif a.kind == "F":
-            inp = xs[a.mb] if a.stage == 0 else st.inputs[key].requires_grad_()
-            out = module(inp)
-            if a.stage == last:
-                out = loss_fn(out, ys[a.mb]) * (len(ys[a.mb]) / n)
-                st.loss += out.item()
-            elif schedule.rank_of(a.stage + 1) == rank:
-                # the next stage starts its own graph, so that B runs stage by stage
-                st.inputs[(a.stage + 1, a.mb)] = out.detach()
-            st.outputs[key] = out
-        elif a.kind == "SEND_ACT":
-            st.send(a, st.outputs[key])
-        elif a.kind == "RECV_GRAD":
-            st.out_grads[key] = st.recv(a, st.outputs[key])
-        elif a.kind == "B":
-            torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None))
-            st.input_grad(key)
-            st.inputs.pop(key, None)
-        elif a.kind == "I":
-            # Zero-bubble's split, the simple way: I asks autograd for the input's gradient
-            # only and keeps the graph; W later walks the same graph again for the weights.
-            # W repeats the chain of activation gradients (it costs about a backward), but it
-            # works for any stage module and needs nothing saved beside autograd's own graph.
-            if a.stage > 0:
-                out, inp = st.outputs[key], st.inputs[key]
-                (inp.grad,) = torch.autograd.grad(out, inp, st.out_grads.get(key),
-                                                  retain_graph=True)
-                st.input_grad(key)
-        elif a.kind == "W":
-            params = [q for q in module.parameters() if q.requires_grad]
-            torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None),
-                                    inputs=params)
-            st.inputs.pop(key, None)
-        elif a.kind == "SEND_GRAD":
-            st.send(a, st.in_grads.pop(key))
+        start = time.perf_counter()
+        _perform(st, a, xs, ys, loss_fn, n)
+        if record is not None and a.kind in COMPUTE:
+            record.append((a, start, time.perf_counter()))
     for handle in st.sends:
         handle.wait()
-    return st.loss if last in stages else None
+    return st.loss if schedule.stages - 1 in stages else None
+
+
+def _perform(st: _Step, a: Action, xs, ys, loss_fn, n: int) -> None:
+    """One action of this rank's program."""
+    schedule, rank, last = st.schedule, st.rank, st.schedule.stages - 1
+    key = (a.stage, a.mb)
+    module = st.stages[a.stage]
+    if a.kind == "RECV_ACT":
+        like = xs[a.mb].new_empty(len(xs[a.mb]), _input_width(module))
+        st.inputs[key] = st.recv(a, like.to(next(module.parameters()).dtype))
+    elif a.kind == "F":
+        inp = xs[a.mb] if a.stage == 0 else st.inputs[key].requires_grad_()
+        out = module(inp)
+        if a.stage == last:
+            out = loss_fn(out, ys[a.mb]) * (len(ys[a.mb]) / n)
+            st.loss += out.item()
+        elif schedule.rank_of(a.stage + 1) == rank:
+            # the next stage starts its own graph, so that B runs stage by stage
+            st.inputs[(a.stage + 1, a.mb)] = out.detach()
+        st.outputs[key] = out
+    elif a.kind == "SEND_ACT":
+        st.send(a, st.outputs[key])
+    elif a.kind == "RECV_GRAD":
+        st.out_grads[key] = st.recv(a, st.outputs[key])
+    elif a.kind == "B":
+        torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None))
+        st.input_grad(key)
+        st.inputs.pop(key, None)
+    elif a.kind == "I":
+        # Zero-bubble's split, the simple way: I asks autograd for the input's gradient
+        # only and keeps the graph; W later walks the same graph again for the weights.
+        # W repeats the chain of activation gradients (it costs about a backward), but it
+        # works for any stage module and needs nothing saved beside autograd's own graph.
+        if a.stage > 0:
+            out, inp = st.outputs[key], st.inputs[key]
+            (inp.grad,) = torch.autograd.grad(out, inp, st.out_grads.get(key),
+                                              retain_graph=True)
+            st.input_grad(key)
+    elif a.kind == "W":
+        params = [q for q in module.parameters() if q.requires_grad]
+        torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None),
+                                inputs=params)
+        st.inputs.pop(key, None)
+    elif a.kind == "SEND_GRAD":
+        st.send(a, st.in_grads.pop(key))
