@@ -30,7 +30,7 @@ if __name__ == "__main__":
     n, ms = args.world_size, args.microbatches
     if not 2 <= 2 * n <= DEPTH or min(ms) < 1:
         p.error(f"-n {n} -m {ms}: use 1 to {DEPTH // 2} ranks (interleaving puts 2 stages on "
-                "each, of the model's {DEPTH} blocks) and at least 1 micro-batch")
+                f"each, of the model's {DEPTH} blocks) and at least 1 micro-batch")
     for m in ms:
         for name in pipeline.BUILDERS:
             schedule = pipeline.build(name, n, m)
