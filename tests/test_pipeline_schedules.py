@@ -190,3 +190,11 @@ def test_previous_stage_first_is_checked_on_the_played_timeline():
     with pytest.raises(MicroDDPError, match=r"rank 1, action 1 F\(stage 1, micro-batch 0\): "
                                             r"rule 'previous stage first' broken"):
         _check_causality(s, timeline)
+
+
+def test_micro_batches_of_an_uneven_batch_are_never_larger_at_the_end():
+    assert pipeline.microbatch_sizes(11, 5) == [3, 2, 2, 2, 2]
+    assert pipeline.microbatch_sizes(11, 2) == [6, 5]
+    assert pipeline.microbatch_sizes(12, 4) == [3, 3, 3, 3]
+    with pytest.raises(MicroDDPError, match="cannot cut a batch of 3 samples into 5"):
+        pipeline.microbatch_sizes(3, 5)
