@@ -1,0 +1,29 @@
+"""Pipeline parallelism: a model cut into stages, schedules as data, and one interpreter.
+
+    from microddp import pipeline
+    stages = pipeline.split_model(model, p)              # one slice of layers per stage
+    schedule = pipeline.build("1f1b", p, m)              # every rank's program, as data
+    pipeline.validate(schedule)                          # checked before anything runs
+    print(pipeline.grid(schedule))                       # the rank x time picture
+    loss = pipeline.run_schedule(schedule, {rank: stages[rank]}, x, y, loss_fn)
+"""
+
+from .runtime import microbatch_sizes, run_schedule
+from .schedules import (
+    BUILDERS,
+    Action,
+    Schedule,
+    build,
+    gpipe,
+           interleaved_1f1b,
+    one_f_one_b,
+           zero_bubble_h1,
+)
+from .simulate import Timeline, grid, simulate, theory_bubble
+from .split import blocks_per_stage, split_model, stage_bounds, stage_parameter_names
+from .validate import validate
+
+__all__ = ["BUILDERS", "Action", "Schedule", "Timeline", "blocks_per_stage", "build", "gpipe",
+           "grid", "interleaved_1f1b", "microbatch_sizes", "one_f_one_b", "run_schedule",
+           "simulate", "split_model", "stage_bounds", "stage_parameter_names", "theory_bubble",
+           "validate", "zero_bubble_h1"]

@@ -1,0 +1,168 @@
+"""The interpreter: run any schedule's program for this rank's stages, with send and recv.
+
+Sends are posted with isend and waited for at the end of the step, receives block: exactly
+the model under which `validate` proved the schedule free of deadlock. Messages carry a tag
+made from (ACT or GRAD, boundary, micro-batch), so two messages between the same two ranks
+(interleaving sends both ways) can never be mistaken for each other.
+
+The loss is the whole batch's: micro-batch i's loss is `loss_fn(out_i, y_i) * n_i / n`, the
+mean over its n_i samples turned into their sum over the whole batch's n samples, so the
+gradients accumulated over the micro-batches are the gradients of one process on the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .. import comms
+from ..errors import MicroDDPError
+from .schedules import COMPUTE, Action, Schedule, message_key
+
+
+def microbatch_sizes(batch: int, m: int) -> list[int]:
+    """Sizes of the m micro-batches of a batch of `batch` samples, as torch.tensor_split cuts
+    it: they differ by at most one sample, the larger first, so the last is never larger."""
+    if m < 1 or batch < m:
+        raise MicroDDPError(f"cannot cut a batch of {batch} samples into {m} micro-batches: "
+                            "use between 1 and the batch size micro-batches")
+    base, extra = divmod(batch, m)
+    return [base + (1 if i < extra else 0) for i in range(m)]
+
+
+def _input_width(module: nn.Module) -> int:
+    first = next((mod for mod in module.modules() if isinstance(mod, nn.Linear)), None)
+    if first is None:
+        raise MicroDDPError("a pipeline stage must start with an nn.Linear, so that a rank "
+                            "knows the shape of the activations it receives; split a FullMLP "
+                            "with microddp.pipeline.split_model")
+    return first.in_features
+
+
+def _tag(key: tuple[str, int, int], m: int) -> int:
+    kind, boundary, mb = key
+    return (2 * boundary + (kind == "GRAD")) * m + mb
+
+
+class _Step:
+    """One rank's state during one step: what each action leaves for the next ones."""
+
+    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], group, rank: int):
+        self.schedule, self.stages, self.group, self.rank = schedule, stages, group, rank
+        self.inputs: dict = {}     # (stage, mb) -> the stage's input (a leaf needing grad)
+        self.outputs: dict = {}    # (stage, mb) -> the stage's output, or the loss last
+        self.out_grads: dict = {}  # (stage, mb) -> gradient of that output (None for a loss)
+        self.in_grads: dict = {}   # (stage, mb) -> gradient of the input, to send down
+        self.sends: list = []
+        self.loss = 0.0
+
+    def send(self, a: Action, tensor: torch.Tensor) -> None:
+        peer = self.schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
+        where = {"dst": peer} if self.group is None else {"group_dst": peer}
+        tag = _tag(message_key(a), self.schedule.microbatches)
+        self.sends.append(comms.isend(tensor.detach().contiguous(), group=self.group, tag=tag,
+                                      **where))
+
+    def recv(self, a: Action, like: torch.Tensor) -> torch.Tensor:
+        peer = self.schedule.rank_of(a.stage + (-1 if a.kind == "RECV_ACT" else 1))
+        where = {"src": peer} if self.group is None else {"group_src": peer}
+        buf = torch.empty_like(like)
+        comms.recv(buf, group=self.group, tag=_tag(message_key(a), self.schedule.microbatches),
+                   **where)
+        return buf
+
+    def input_grad(self, key: tuple[int, int]) -> None:
+        """Hand the gradient of a stage's input to the stage below: kept here if that stage is
+        on this rank (its B or I reads it), else left for SEND_GRAD."""
+        s, mb = key
+        if s == 0:
+            return
+        grad = self.inputs[key].grad
+        if self.schedule.rank_of(s - 1) == self.rank:
+            self.out_grads[(s - 1, mb)] = grad
+        else:
+            self.in_grads[key] = grad
+
+
+def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
+                 y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 *, group=None, record: list | None = None) -> float | None:
+    """Run this rank's program of `schedule` for one step; gradients accumulate into the
+    parameters of `stages` ({stage index: module}, the stages this rank holds).
+
+    `x`, `y` are the whole global batch (only the first stage reads x, only the last reads y);
+    `loss_fn` reduces by the mean, like nn.functional.cross_entropy. Returns the batch's loss
+    on the rank holding the last stage, None elsewhere. `group`: the pipeline's process group
+    (default: the world), in which rank r runs program r. `record`, if given, receives
+    (action, start, end) for every compute action, in time.perf_counter() seconds, which one
+    host's processes share: the timeline the course and the benchmarks draw.
+    """
+    rank = comms.group_rank(group)
+    p = schedule.ranks
+    if comms.group_size(group) != p:
+        raise MicroDDPError(f"schedule {schedule.name} is for {p} ranks but the group has "
+                            f"{comms.group_size(group)}; build it with p = the number of stages' ranks")
+    if sorted(stages) != schedule.stages_of(rank):
+        raise MicroDDPError(f"rank {rank} holds stages {sorted(stages)}, but schedule "
+                            f"{schedule.name} gives it stages {schedule.stages_of(rank)}")
+    m, n = schedule.microbatches, len(x)
+    xs, ys = x.tensor_split(m), y.tensor_split(m)
+    if any(len(part) == 0 for part in xs):
+        microbatch_sizes(n, m)  # raises, saying what to do
+    st = _Step(schedule, stages, group, rank)
+    for a in schedule.actions[rank]:
+        start = time.perf_counter()
+        _perform(st, a, xs, ys, loss_fn, n)
+        if record is not None and a.kind in COMPUTE:
+            record.append((a, start, time.perf_counter()))
+    for handle in st.sends:
+        handle.wait()
+    return st.loss if schedule.stages - 1 in stages else None
+
+
+def _perform(st: _Step, a: Action, xs, ys, loss_fn, n: int) -> None:
+    """One action of this rank's program."""
+    schedule, rank, last = st.schedule, st.rank, st.schedule.stages - 1
+    key = (a.stage, a.mb)
+    module = st.stages[a.stage]
+    if a.kind == "RECV_ACT":
+        like = xs[a.mb].new_empty(len(xs[a.mb]), _input_width(module))
+        st.inputs[key] = st.recv(a, like.to(next(module.parameters()).dtype))
+    elif a.kind == "F":
+        inp = xs[a.mb] if a.stage == 0 else st.inputs[key].requires_grad_()
+        out = module(inp)
+        if a.stage == last:
+            out = loss_fn(out, ys[a.mb]) * (len(ys[a.mb]) / n)
+            st.loss += out.item()
+        elif schedule.rank_of(a.stage + 1) == rank:
+            # the next stage starts its own graph, so that B runs stage by stage
+            st.inputs[(a.stage + 1, a.mb)] = out.detach()
+        st.outputs[key] = out
+    elif a.kind == "SEND_ACT":
+        st.send(a, st.outputs[key])
+    elif a.kind == "RECV_GRAD":
+        st.out_grads[key] = st.recv(a, st.outputs[key])
+    elif a.kind == "B":
+        torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None))
+        st.input_grad(key)
+        st.inputs.pop(key, None)
+    elif a.kind == "I":
+        # Zero-bubble's split, the simple way: I asks autograd for the input's gradient
+        # only and keeps the graph; W later walks the same graph again for the weights.
+        # W repeats the chain of activation gradients (it costs about a backward), but it
+        # works for any stage module and needs nothing saved beside autograd's own graph.
+        if a.stage > 0:
+            out, inp = st.outputs[key], st.inputs[key]
+            (inp.grad,) = torch.autograd.grad(out, inp, st.out_grads.get(key),
+                                              retain_graph=True)
+            st.input_grad(key)
+    elif a.kind == "W":
+        params = [q for q in module.parameters() if q.requires_grad]
+        torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None),
+                                inputs=params)
+        st.inputs.pop(key, None)
+    elif a.kind == "SEND_GRAD":
+        st.send(a, st.in_grads.pop(key))

@@ -1,0 +1,103 @@
+"""Play a schedule on paper: when each rank would start and finish each action.
+
+Sends never block (the interpreter posts them with isend); a receive blocks until its send has
+been posted. Compute takes a fixed cost (F = 1, B = 2, I = W = 1: a backward costs about two
+forwards), messages take no time. The result is the classic rank x time picture, the bubble
+on paper, and, if the ranks end up all waiting on each other, the deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MicroDDPError
+from .schedules import RECVS, SENDS, Action, Schedule, message_key
+
+COSTS = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+@dataclass
+class Timeline:
+    """Per rank, (start, end, action) of every compute action; `makespan`: the step's length."""
+
+    spans: list[list[tuple[float, float, Action]]]
+    makespan: float
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of the ranks' time spent idle during the step."""
+        busy = sum(end - start for spans in self.spans for start, end, _ in spans)
+        total = self.makespan * len(self.spans)
+        return 1 - busy / total if total else 0.0
+
+
+def simulate(schedule: Schedule, costs: dict[str, float] | None = None) -> Timeline:
+    """Run every rank's program in order; raise MicroDDPError naming the stuck ranks if the
+    programs deadlock (each rank waits for a receive whose send never comes first)."""
+    costs = COSTS if costs is None else costs
+    p = schedule.ranks
+    pos, clock = [0] * p, [0.0] * p
+    posted: dict[tuple, float] = {}  # message key -> when its send was posted
+    spans: list[list] = [[] for _ in range(p)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            program = schedule.actions[r]
+            while pos[r] < len(program):
+                a = program[pos[r]]
+                if a.kind in RECVS:
+                    key = message_key(a)
+                    if key not in posted:
+                        break  # blocked until the sender gets there
+                    clock[r] = max(clock[r], posted[key])
+                elif a.kind in SENDS:
+                    posted[message_key(a)] = clock[r]
+                else:
+                    spans[r].append((clock[r], clock[r] + costs[a.kind], a))
+                    clock[r] += costs[a.kind]
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(p) if pos[r] < len(schedule.actions[r])]
+    if stuck:
+        waits = "; ".join(f"rank {r} at action {pos[r]} {schedule.actions[r][pos[r]]}"
+                          for r in stuck)
+        raise MicroDDPError(f"schedule {schedule.name}: rule 'no deadlock' broken: every "
+                            f"unfinished rank waits for a message not yet sent: {waits}; "
+                            "reorder the programs so each receive's send comes first")
+    return Timeline(spans, max(clock, default=0.0))
+
+
+def theory_bubble(schedule: Schedule) -> float:
+    """The textbook bubble fraction: (p-1)/(v*m+p-1) for GPipe, 1F1B and interleaved (v = 1
+    for the first two; exact for interleaved when p divides m), (p-1)/(3m+p-1) for ZB-H1 with
+    F = I = W (its idle time shrinks from (p-1)(F+B) to (p-1)(F+I-W))."""
+    p, m, v = schedule.ranks, schedule.microbatches, schedule.virtual
+    if schedule.name == "zero-bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (v * m + p - 1)
+
+
+def _label(a: Action, virtual: int) -> str:
+    suffix = "abcdefghijklmnopqrstuvwxyz"[a.virtual] if virtual > 1 else ""
+    return f"{a.kind}{a.mb}{suffix}"
+
+
+def grid(schedule: Schedule, costs: dict[str, float] | None = None) -> str:
+    """The rank x time picture: one column per time unit, '.' where a rank is idle.
+
+    With interleaving, a letter names the rank's stage (a: its first, b: its second, ...).
+    """
+    timeline = simulate(schedule, costs)
+    units = int(round(timeline.makespan))
+    rows = []
+    for spans in timeline.spans:
+        cells = ["."] * units
+        for start, end, a in spans:
+            for t in range(int(round(start)), int(round(end))):
+                cells[t] = _label(a, schedule.virtual)
+        rows.append(cells)
+    width = max((len(c) for row in rows for c in row), default=1)
+    lines = [f"rank {r} | " + " ".join(c.ljust(width) for c in row).rstrip()
+             for r, row in enumerate(rows)]
+    return "\n".join(lines)

@@ -1,0 +1,45 @@
+"""Every schedule, run for real on 2, 3 and 4 ranks, trains exactly as one process does: the
+same gradients at the last of 3 SGD steps and the same parameters after them, for 1, 2, 3 and
+5 micro-batches of a batch of 11 (which none of 2, 3, 5 divides; m = 1 and 2 are fewer
+micro-batches than stages on 3 and 4 ranks).
+
+Tolerance: float32 with atol 1e-6 and rtol 1e-5. The pipeline sums each micro-batch's share
+of the loss's gradient, where one process sums all samples in one matmul, so the two
+round differently, by a few units in the last place.
+"""
+
+import pytest
+import torch
+
+import microddp as mdp
+from microddp import pipeline
+from pipeline_helpers import one_process, pipelined
+
+MICROBATCHES = (1, 2, 3, 5)
+TOL = {"atol": 1e-6, "rtol": 1e-5}
+
+
+def every_schedule(world):
+    return {(name, m): pipelined(world, name, m) for name in pipeline.BUILDERS
+            for m in MICROBATCHES}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return one_process()
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_every_schedule_equals_one_process(p, reference):
+    ranks = mdp.spawn(every_schedule, p, backend="gloo", timeout=240)
+    params, grads, losses = reference
+    for case in ranks[0]:
+        got_params = {n: t for r in ranks for n, t in r[case][0].items()}
+        got_grads = {n: t for r in ranks for n, t in r[case][1].items()}
+        assert sorted(got_params) == sorted(params), case  # every layer on exactly one rank
+        for n in params:
+            torch.testing.assert_close(got_grads[n], grads[n], **TOL, msg=f"{case} grad {n}")
+            torch.testing.assert_close(got_params[n], params[n], **TOL, msg=f"{case} {n}")
+        last = [r[case][2] for r in ranks][p - 1]  # the last stage's rank reports the loss
+        assert last == pytest.approx(losses, rel=1e-5), case
+        assert all(loss is None for r in ranks[:p - 1] for loss in r[case][2]), case
