@@ -25,6 +25,7 @@ _LAZY = {
     "data": ("microddp.data", None),
     "dp": ("microddp.dp", None),
     "monitor": ("microddp.monitor", None),
+    "pipeline": ("microddp.pipeline", None),
     "predict": ("microddp.predict", None),
     "trace": ("microddp.trace", None),
     "trace_report": ("microddp.trace_report", None),
