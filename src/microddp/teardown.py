@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import types
 import warnings
 import weakref
 
@@ -70,12 +71,17 @@ def _forget_defaults(groups: list) -> None:
         if not name.startswith("torch.distributed") or module is None:
             continue
         for obj in list(vars(module).values()):
-            members = vars(obj).values() if isinstance(obj, type) else (obj,)
+            # type(), not isinstance(): some objects (torch.distributed.reduce_op) warn on any
+            # attribute access, __class__ included.
+            members = vars(obj).values() if issubclass(type(obj), type) else (obj,)
             for fn in members:
-                fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
-                defaults = getattr(fn, "__defaults__", None)
+                if type(fn) in (staticmethod, classmethod):
+                    fn = fn.__func__
+                if type(fn) is not types.FunctionType:
+                    continue
+                defaults = fn.__defaults__
                 if defaults and any(id(d) in ids for d in defaults):
                     fn.__defaults__ = tuple(None if id(d) in ids else d for d in defaults)
-                kw = getattr(fn, "__kwdefaults__", None)
+                kw = fn.__kwdefaults__
                 if kw and any(id(d) in ids for d in kw.values()):
                     fn.__kwdefaults__ = {k: None if id(d) in ids else d for k, d in kw.items()}
