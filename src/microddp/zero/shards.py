@@ -73,7 +73,7 @@ class Shards:
                                                                        strict=True)]
         try:
             self.optimizer = optimizer_class(groups, **defaults)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise MicroDDPError(f"could not build {getattr(optimizer_class, '__name__', optimizer_class)}"
                                 f" over the shards: {e}; pass a torch.optim optimizer class and "
                                 "its options, e.g. zero.Zero(model, torch.optim.Adam, lr=1e-3)"
