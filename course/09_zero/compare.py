@@ -5,7 +5,7 @@ check that each trains to plain data parallelism's parameters.
     python course/09_zero/compare.py -n 4
 """
 
-from problem import HEADER, NAMES, row, train, world_size_from_args
+from problem import HEADER, NAMES, row, same, train, world_size_from_args
 
 import microddp as mdp
 
@@ -14,12 +14,11 @@ def main(world: mdp.World) -> None:
     results = {stage: train(world, stage) for stage in NAMES}
     if world.rank != 0:
         return
-    dp_sum = results[0][1]
+    dp_params = results[0][1]
     print(f"rank 0 of {world.world_size}, Adam, fp32, measured at the optimizer step")
     print(HEADER)
-    for stage, (memory, total) in results.items():
-        same = "-" if stage == 0 else str(abs(total - dp_sum) <= 1e-6 * abs(dp_sum))
-        print(row(NAMES[stage], memory, same))
+    for stage, (memory, params) in results.items():
+        print(row(NAMES[stage], memory, "-" if stage == 0 else same(params, dp_params)))
 
 
 if __name__ == "__main__":
