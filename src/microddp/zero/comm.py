@@ -1,0 +1,48 @@
+"""The two collectives ZeRO needs, on one bucket at a time, counting the bytes each rank sends.
+
+The count is what a ring sends (the algorithm gloo's and NCCL's collectives use for large
+tensors): for a bucket of `N` slots, `N - 1` slots leave each rank in a reduce-scatter, and
+`N - 1` more in an all-gather. Counted per call, on the sending rank, so a test can check the
+ZeRO paper's arithmetic (2x the parameter bytes per step for ZeRO-1/2, 3x for ZeRO-3) against
+what actually went out rather than against a formula.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comms
+from .plan import Bucket
+
+
+class Sent:
+    """Bytes this rank sent through ZeRO's collectives, in total and over the last step."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.last_step = 0
+        self._at_step = 0
+
+    def add(self, bucket: Bucket, element_size: int) -> None:
+        self.total += (bucket.world_size - 1) * bucket.cap * element_size
+
+    def end_step(self) -> None:
+        """Close the step's window: what went out since the previous step ended."""
+        self.last_step, self._at_step = self.total - self._at_step, self.total
+
+
+def reduce_scatter(bucket: Bucket, slots: torch.Tensor, sent: Sent):
+    """Start averaging `slots` over ranks; this rank's slot (`cap` elements) arrives in the
+    returned tensor once the returned handle is waited."""
+    out = torch.empty(bucket.cap, dtype=slots.dtype, device=slots.device)
+    sent.add(bucket, slots.element_size())
+    handle = comms.reduce_scatter(out, list(slots.chunk(bucket.world_size)), op="avg",
+                                  async_op=True)
+    return handle, out
+
+
+def all_gather(bucket: Bucket, mine: torch.Tensor, slots: torch.Tensor, sent: Sent):
+    """Start filling every slot of `slots` with its owner's `mine` (one slot, `cap` elements);
+    returns the handle to wait."""
+    sent.add(bucket, slots.element_size())
+    return comms.all_gather(list(slots.chunk(bucket.world_size)), mine, async_op=True)

@@ -1,0 +1,187 @@
+"""`Zero`: data parallelism with sharded model state, stages 1, 2 and 3 of the ZeRO paper.
+
+    model = zero.Zero(mdp.FullMLP(128, 16), torch.optim.Adam, stage=2, lr=1e-3)
+    loss_fn(model(x), y).backward()
+    model.step()
+    model.zero_grad()
+
+Stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too.
+Every stage computes what plain data parallelism computes (averaged gradients, one optimizer
+step on every element), so the trained parameters are the same to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import comms
+from ..errors import MicroDDPError
+from .comm import Sent, all_gather
+from .flat import from_slots, padded
+from .grads import GradReducer
+from .memory import measure
+from .params import ParamSharder
+from .plan import build, by_size
+from .shards import Shards, trainable_groups
+
+STAGES = (1, 2, 3)
+
+
+class Zero(nn.Module):
+    """Wrap `module` for ZeRO stage `stage`; `optimizer_class(**defaults)` steps this rank's
+    shard. `param_groups` are torch's (lists or dicts of the module's parameters, with their
+    own options); by default every parameter is in one group.
+
+    Parameters and buffers start as rank 0's, as with DDP. Gradients are averaged over ranks.
+    `bucket_cap_mb` sizes the gradient buckets of stages 1 and 2; stage 3 uses one bucket
+    per module (per parameter group within it).
+    """
+
+    def __init__(self, module: nn.Module, optimizer_class: type, stage: int = 1,
+                 param_groups: Iterable[Any] | None = None, bucket_cap_mb: float = 25.0,
+                 **defaults: Any) -> None:
+        super().__init__()
+        if stage not in STAGES:
+            raise MicroDDPError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+        if not isinstance(optimizer_class, type) or not issubclass(optimizer_class,
+                                                                   torch.optim.Optimizer):
+            raise MicroDDPError(f"Zero needs a torch.optim.Optimizer class, got "
+                                f"{optimizer_class!r}; e.g. Zero(model, torch.optim.Adam, lr=1e-3)")
+        if optimizer_class is torch.optim.LBFGS:
+            raise MicroDDPError("LBFGS needs the whole gradient at once (a line search over "
+                                "all parameters), so it cannot step a shard; use an element-wise "
+                                "optimizer such as SGD, Adam or AdamW")
+        self.module, self.stage = module, stage
+        self.world_size, self.rank = comms.group_size(), comms.group_rank()
+        self._sync_initial_state()
+        params, groups, options = trainable_groups(module, param_groups)
+        if not params:
+            raise MicroDDPError("the module has no parameter that requires grad; "
+                                "there is nothing to train or shard")
+        self.sharded = params
+        numels = [p.numel() for p in params]
+        if stage == 3:
+            units, bucket_params = self._units(module, params, groups)
+        else:
+            cap = max(1, int(bucket_cap_mb * 2**20) // params[0].element_size())
+            bucket_params = by_size(numels, groups, cap)
+        self.plan = build(numels, groups, bucket_params, self.world_size)
+        self.shards = Shards(self.plan, self.rank, params, options, optimizer_class, defaults)
+        self.optimizer = self.shards.optimizer
+        self.sent = Sent()
+        self._in_no_sync = False
+        self._memory: dict[str, int] = {}
+        self.sharder = None
+        on_reduced = None
+        if stage == 3:
+            self.sharder = ParamSharder(self.plan, params, units, self.shards, self.sent)
+            on_reduced = self.sharder.after_reduce
+        self.reducer = GradReducer(self.plan, params, self.shards, self.sent, on_reduced)
+        if stage >= 2:
+            self._hooks = self.reducer.attach_hooks()
+        if self.sharder is not None:
+            self.reducer.on_end = self.sharder.free_all
+
+    def _sync_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            comms.broadcast(t.data, src=0)
+
+    @staticmethod
+    def _units(module: nn.Module, params: list, groups: list[int]):
+        """Stage 3's units: each module owning sharded parameters, one bucket per group."""
+        index = {id(p): i for i, p in enumerate(params)}
+        units, bucket_params = [], []
+        for sub in module.modules():
+            own = [index[id(p)] for p in sub.parameters(recurse=False) if id(p) in index]
+            if not own:
+                continue
+            ids = []
+            for g in dict.fromkeys(groups[i] for i in own):
+                ids.append(len(bucket_params))
+                bucket_params.append([i for i in own if groups[i] == g])
+            units.append((sub, ids))
+        return units, bucket_params
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication, until the block ends; the
+        backward after it (the last micro-step) averages them all. Stage 3 keeps the
+        parameters gathered meanwhile, so only the first micro-step's forward gathers them."""
+        before = (self.reducer.sync, self._in_no_sync)
+        self.reducer.sync, self._in_no_sync = False, True
+        if self.sharder is not None:
+            self.sharder.keep = True
+        try:
+            yield
+        finally:
+            self.reducer.sync, self._in_no_sync = before
+            if self.sharder is not None:
+                self.sharder.keep = self._in_no_sync
+
+    def step(self) -> None:
+        """Average the gradients into the shards (stage 1), step the shards, and (stages 1
+        and 2) all-gather the updated parameters into every rank's full copy."""
+        if self._in_no_sync:
+            raise MicroDDPError("step() was called inside no_sync(): the gradients are not "
+                                "averaged yet; run the last micro-step's forward and backward "
+                                "after the block, then call step()")
+        self._memory = self.measure_now()
+        if self.stage == 1:
+            self.reducer.reduce_all()
+        self.optimizer.step()
+        if self.stage < 3:
+            self._all_gather_params()
+        self.sent.end_step()
+
+    def _all_gather_params(self) -> None:
+        pending = []
+        for b in self.plan.buckets:
+            if b.cap:
+                slots = padded(b, self.sharded[b.params[0]])
+                pending.append((b, all_gather(b, self.shards.slot(b), slots, self.sent), slots))
+        for b, handle, slots in pending:
+            handle.wait()
+            from_slots(b, slots, self.sharded)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the shard gradients and any full gradients still held."""
+        self.shards.zero_grad()
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    @contextmanager
+    def gathered(self) -> Iterator[nn.Module]:
+        """The module with its full parameters (stage 3 gathers them, then frees them)."""
+        if self.sharder is None:
+            yield self.module
+            return
+        self.sharder.gather_all()
+        try:
+            yield self.module
+        finally:
+            self.sharder.free_all()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole module's state_dict, on every rank (copies, so they outlive stage 3's
+        freeing)."""
+        with self.gathered() as module:
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def measure_now(self) -> dict[str, int]:
+        """Bytes of the live tensors of this rank now (see memory.measure)."""
+        return measure([*self.module.parameters(), *self.shards.params], self.optimizer)
+
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes at the start of the last step() (gradients ready, optimizer
+        state from the step before), and the bytes it sent during that step."""
+        if not self._memory:
+            raise MicroDDPError("memory() is measured at step(): call it after a step")
+        return {**self._memory, "sent_per_step": self.sent.last_step}

@@ -1,0 +1,98 @@
+"""Gradient sharding: each bucket's gradients are reduce-scattered into the owners' shards.
+
+ZeRO-1 calls `reduce_all()` at the optimizer step. ZeRO-2 and ZeRO-3 call `attach_hooks()`:
+a post-accumulate-grad hook counts each bucket's ready gradients and starts the bucket's
+reduce-scatter as soon as the last one arrives, asynchronously, so the communication runs
+while backward computes the earlier layers (as DDP's buckets do). The full gradients of a
+bucket are dropped as soon as they are copied out, so no rank ever holds the whole model's
+gradient. One end-of-backward callback waits for every bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .comm import Sent, reduce_scatter
+from .flat import padded, to_slots
+from .plan import Bucket, ShardPlan
+from .shards import Shards
+
+
+class GradReducer:
+    """Reduce-scatters buckets of `params`' gradients into `shards`."""
+
+    def __init__(self, plan: ShardPlan, params: Sequence[torch.Tensor], shards: Shards,
+                 sent: Sent, on_reduced: Callable[[Bucket], None] | None = None) -> None:
+        self.plan, self.params, self.shards, self.sent = plan, list(params), shards, sent
+        self.on_reduced = on_reduced  # ZeRO-3 frees a layer once its gradients are sent
+        self.sync = True  # False inside no_sync(): gradients accumulate locally
+        self.on_end: Callable[[], None] | None = None  # ZeRO-3 frees what is still gathered
+        self._bucket_of = {p: b.index for b in plan.buckets for p in b.params}
+        self._pending: list[tuple[Bucket, object, torch.Tensor]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self.plan.buckets)
+        self._launched = [False] * len(self.plan.buckets)
+        self._queued = False
+
+    def launch(self, bucket: Bucket) -> None:
+        """Start reducing `bucket`; its parameters' full gradients are freed at once."""
+        self._launched[bucket.index] = True
+        grads = [None] * len(self.params)
+        for i in bucket.params:
+            grads[i] = self.params[i].grad
+        if bucket.cap:
+            slots = padded(bucket, self.params[bucket.params[0]])
+            to_slots(bucket, grads, slots)
+            handle, out = reduce_scatter(bucket, slots, self.sent)
+            self._pending.append((bucket, handle, out))
+        for i in bucket.params:
+            self.params[i].grad = None
+        if self.on_reduced is not None:
+            self.on_reduced(bucket)
+
+    def wait(self) -> None:
+        """Wait for every started bucket and add its averaged slot to the shard gradient."""
+        for bucket, handle, out in self._pending:
+            handle.wait()
+            self.shards.add_grad(bucket, out)
+        self._pending.clear()
+
+    def reduce_all(self) -> None:
+        """ZeRO-1: reduce every bucket now (gradients made by a plain backward)."""
+        for bucket in self.plan.buckets:
+            self.launch(bucket)
+        self.wait()
+        self._reset()
+
+    def attach_hooks(self) -> list:
+        """ZeRO-2/3: reduce each bucket during backward, as soon as it is complete."""
+        return [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                for i, p in enumerate(self.params)]
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            if not self.sync:
+                return
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            b = self._bucket_of[i]
+            self._ready[b] += 1
+            if self._ready[b] == len(self.plan.buckets[b].params):
+                self.launch(self.plan.buckets[b])
+        return hook
+
+    def _end_of_backward(self) -> None:
+        # A parameter this backward did not reach still owes its bucket: send zeros for it,
+        # in bucket order, so every rank issues the same collectives.
+        for bucket in self.plan.buckets:
+            if not self._launched[bucket.index]:
+                self.launch(bucket)
+        self.wait()
+        self._reset()
+        if self.on_end is not None:
+            self.on_end()

@@ -1,0 +1,162 @@
+"""Parameter sharding (ZeRO-3): a layer's parameters exist in full only while it computes.
+
+Each module that owns parameters is a unit. Its parameters become views of one flat buffer per
+bucket whose storage is emptied (resized to zero bytes) between uses, so between steps a rank
+holds only its shard. A forward pre-hook all-gathers the unit's parameters just before its
+forward and a forward hook frees them after; a hook on the unit's output gathers them again
+just before its backward, and the gradient reducer frees them once their gradients are sent.
+Each gather also starts the next unit's gather (in the order the first forward ran them, and
+in reverse for backward), so communication overlaps the current unit's compute.
+
+The views never change, only their storage's size, so tensors autograd saved during forward
+are the same tensors backward finds, refilled with the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .comm import Sent, all_gather
+from .flat import from_slots, padded
+from .plan import Bucket, ShardPlan
+from .shards import Shards
+
+FREE, GATHERING, FULL = "free", "gathering", "full"
+
+
+class Unit:
+    """One module's sharded parameters: its buckets, their flat buffers, and its state."""
+
+    def __init__(self, index: int, module: nn.Module, buckets: list[Bucket]) -> None:
+        self.index, self.module, self.buckets = index, module, buckets
+        self.flats: list[torch.Tensor] = []
+        self.state = FREE
+        self.pending: list = []
+        self.reduced = 0  # buckets whose gradients were sent in this backward
+
+
+class ParamSharder:
+    """Gathers and frees units around their forward and backward."""
+
+    def __init__(self, plan: ShardPlan, params: Sequence[nn.Parameter],
+                 units: Sequence[tuple[nn.Module, list[int]]], shards: Shards,
+                 sent: Sent) -> None:
+        self.plan, self.params, self.shards, self.sent = plan, list(params), shards, sent
+        self.keep = False  # True inside no_sync(): stay gathered until the last micro-step
+        self.units: list[Unit] = []
+        self._unit_of_bucket: dict[int, Unit] = {}
+        for index, (module, bucket_ids) in enumerate(units):
+            unit = Unit(index, module, [plan.buckets[b] for b in bucket_ids])
+            for b in unit.buckets:
+                flat = torch.zeros(b.numel, dtype=self.params[b.params[0]].dtype,
+                                   device=self.params[b.params[0]].device)
+                at = 0
+                for i, n in zip(b.params, b.numels, strict=True):
+                    p = self.params[i]
+                    # The parameter becomes a view of the flat buffer, for good.
+                    p.data = flat.narrow(0, at, n).view_as(p)
+                    at += n
+                unit.flats.append(flat)
+                self._unit_of_bucket[b.index] = unit
+            self._free(unit)
+            self.units.append(unit)
+        self.order: list[Unit] = []  # as the first forward ran them
+        self._recording = True
+        self._handles = []
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._post_forward(unit)))
+
+    # gathering and freeing
+
+    def _free(self, unit: Unit) -> None:
+        for flat in unit.flats:
+            flat.untyped_storage().resize_(0)
+        unit.state = FREE
+
+    def start_gather(self, unit: Unit) -> None:
+        if unit.state != FREE:
+            return
+        unit.pending = []
+        for b, flat in zip(unit.buckets, unit.flats, strict=True):
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            if b.cap:
+                slots = padded(b, flat)
+                handle = all_gather(b, self.shards.slot(b), slots, self.sent)
+                unit.pending.append((b, handle, slots))
+        unit.state = GATHERING
+
+    def ensure_full(self, unit: Unit) -> None:
+        self.start_gather(unit)
+        if unit.state == GATHERING:
+            for b, handle, slots in unit.pending:
+                handle.wait()
+                from_slots(b, slots, self.params)
+            unit.pending = []
+            unit.state = FULL
+
+    def gather_all(self) -> None:
+        for unit in self.units:
+            self.ensure_full(unit)
+
+    def free_all(self) -> None:
+        for unit in self.units:
+            if unit.state == GATHERING:
+                self.ensure_full(unit)  # a started gather must finish on every rank
+            self._free(unit)
+
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        if unit not in self.order:
+            return None
+        j = self.order.index(unit) + step
+        return self.order[j] if 0 <= j < len(self.order) else None
+
+    # hooks
+
+    def _pre_forward(self, unit: Unit):
+        def hook(_module, _args) -> None:
+            if self._recording and unit not in self.order:
+                self.order.append(unit)
+            self.ensure_full(unit)
+            nxt = self._neighbour(unit, +1)
+            if nxt is not None and not self._recording:
+                self.start_gather(nxt)
+        return hook
+
+    def _post_forward(self, unit: Unit):
+        def hook(_module, _args, output):
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            needs_grad = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            for t in needs_grad:
+                t.register_hook(self._pre_backward(unit))
+            if not self.keep:
+                self._free(unit)
+            return None
+        return hook
+
+    def _pre_backward(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            self._recording = False
+            self.ensure_full(unit)
+            prev = self._neighbour(unit, -1)
+            if prev is not None:
+                self.start_gather(prev)
+        return hook
+
+    def after_reduce(self, bucket: Bucket) -> None:
+        """Called by the gradient reducer: free a unit once all its buckets are sent."""
+        unit = self._unit_of_bucket[bucket.index]
+        unit.reduced += 1
+        if unit.reduced == len(unit.buckets):
+            unit.reduced = 0
+            if not self.keep:
+                if unit.state == GATHERING:
+                    self.ensure_full(unit)
+                self._free(unit)
+
+    def end_forward_pass(self) -> None:
+        """The first forward has run: its order is the prefetch order from now on."""
+        self._recording = False

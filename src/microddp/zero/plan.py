@@ -1,0 +1,157 @@
+"""The sharding plan: which elements of which parameters each rank owns.
+
+Parameters are laid end to end in flat buckets, and each bucket is cut by elements, not by
+whole parameters: every rank owns `numel // N` or one more, so shards are balanced to within
+one element whatever the parameter sizes (torch's ZeroRedundancyOptimizer hands out whole
+parameters greedily, so one large tensor can leave a rank with most of the state). The rank
+that gets a bucket's spare element rotates from bucket to bucket, so the totals over the whole
+model are balanced to within one element too.
+
+Collectives want equal chunks, so on the wire a bucket is `N` slots of `cap = ceil(numel / N)`
+elements: rank r's elements fill the start of slot r, the rest of the slot is padding. A
+parameter may straddle two ranks; `pieces` says which part of it lands in which slot. The plan
+is plain data: it can be built, printed and tested without any process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import MicroDDPError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`length` elements of parameter `param` (from element `start` of its flat view) live in
+    rank `rank`'s slot, from element `offset` of that slot."""
+
+    param: int
+    start: int
+    rank: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters flattened together and cut into one slot per rank.
+
+    `params` index the plan's parameter list; `sizes[r]` is how many real elements rank r owns;
+    `shard_offset[r]` is where they sit in rank r's shard of the bucket's parameter group.
+    """
+
+    index: int
+    group: int
+    params: tuple[int, ...]
+    numels: tuple[int, ...]
+    sizes: tuple[int, ...]
+    cap: int
+    pieces: tuple[Piece, ...]
+    shard_offset: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.sizes)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Buckets over `numels` (one entry per sharded parameter) for `world_size` ranks;
+    `shard_numel[g][r]` is the size of rank r's shard of parameter group g."""
+
+    world_size: int
+    numels: tuple[int, ...]
+    groups: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    shard_numel: tuple[tuple[int, ...], ...]
+
+    def owned(self, rank: int) -> int:
+        """Elements rank `rank` owns over all buckets."""
+        return sum(b.sizes[rank] for b in self.buckets)
+
+    def describe(self) -> str:
+        """One line per bucket: its parameters and each rank's share (for the course)."""
+        lines = []
+        for b in self.buckets:
+            shares = " ".join(f"r{r}:{s}" for r, s in enumerate(b.sizes))
+            lines.append(f"bucket {b.index} (group {b.group}): params {list(b.params)}, "
+                         f"{b.numel} elements, slot {b.cap} -> {shares}")
+        return "\n".join(lines)
+
+
+def split(numel: int, world_size: int, first: int) -> list[int]:
+    """`numel` elements over `world_size` ranks, within one element; the spare ones go to
+    ranks first, first+1, ... (mod world_size)."""
+    base, spare = divmod(numel, world_size)
+    sizes = [base] * world_size
+    for j in range(spare):
+        sizes[(first + j) % world_size] += 1
+    return sizes
+
+
+def _pieces(params: Sequence[int], numels: Sequence[int], sizes: Sequence[int]) -> list[Piece]:
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    out, at = [], 0
+    for p, n in zip(params, numels, strict=True):
+        for r, (s, z) in enumerate(zip(starts, sizes, strict=True)):
+            lo, hi = max(at, s), min(at + n, s + z)
+            if lo < hi:
+                out.append(Piece(param=p, start=lo - at, rank=r, offset=lo - s, length=hi - lo))
+        at += n
+    return out
+
+
+def build(numels: Sequence[int], groups: Sequence[int], bucket_params: Sequence[Sequence[int]],
+          world_size: int) -> ShardPlan:
+    """A plan for parameters of sizes `numels` in parameter groups `groups`, bucketed as
+    `bucket_params` (lists of parameter indices, each from one group, each parameter once)."""
+    if world_size < 1:
+        raise MicroDDPError(f"world size must be at least 1, got {world_size}")
+    seen = [i for b in bucket_params for i in b]
+    if sorted(seen) != list(range(len(numels))):
+        raise MicroDDPError("a sharding plan needs every parameter in exactly one bucket; got "
+                            f"buckets {list(map(list, bucket_params))} for {len(numels)} "
+                            "parameters")
+    n_groups = max(groups, default=-1) + 1
+    shard_numel = [[0] * world_size for _ in range(n_groups)]
+    buckets, spare_so_far = [], 0
+    for index, params in enumerate(bucket_params):
+        group_ids = {groups[i] for i in params}
+        if len(group_ids) > 1:
+            raise MicroDDPError(f"bucket {index} mixes parameter groups {sorted(group_ids)}; "
+                                "a bucket must hold parameters of one group")
+        group = group_ids.pop() if group_ids else 0
+        sizes_numel = tuple(numels[i] for i in params)
+        total = sum(sizes_numel)
+        sizes = split(total, world_size, spare_so_far % world_size)
+        spare_so_far += total % world_size
+        offsets = tuple(shard_numel[group][r] for r in range(world_size))
+        for r in range(world_size):
+            shard_numel[group][r] += sizes[r]
+        buckets.append(Bucket(index=index, group=group, params=tuple(params),
+                              numels=sizes_numel, sizes=tuple(sizes), cap=max(sizes),
+                              pieces=tuple(_pieces(params, sizes_numel, sizes)),
+                              shard_offset=offsets))
+    return ShardPlan(world_size=world_size, numels=tuple(numels), groups=tuple(groups),
+                     buckets=tuple(buckets), shard_numel=tuple(map(tuple, shard_numel)))
+
+
+def by_size(numels: Sequence[int], groups: Sequence[int], cap_elements: int) -> list[list[int]]:
+    """Buckets for gradient reduction: parameters in reverse order (the order backward makes
+    their gradients ready, as DDP assumes), a new bucket when one would pass `cap_elements`
+    or the parameter group changes."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(numels))):
+        if (not buckets or size + numels[i] > cap_elements and buckets[-1]
+                or groups[buckets[-1][0]] != groups[i]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += numels[i]
+    return buckets

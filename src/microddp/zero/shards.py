@@ -1,0 +1,104 @@
+"""This rank's shard of the parameters, and the optimizer that steps only that shard.
+
+One flat shard parameter per parameter group: the rank's elements of every bucket of the group,
+end to end. The user's optimizer class is built over these shard parameters with the group's
+own options (lr, weight decay, ...), so any torch.optim optimizer whose update is element-wise
+(SGD, Adam, AdamW, ...) gives the same numbers as on the full parameters, and its state (Adam's
+two moments) exists for 1/N of the elements only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import MicroDDPError
+from .flat import take_own
+from .plan import Bucket, ShardPlan
+
+
+def trainable_groups(module: nn.Module, param_groups: Iterable[Any] | None
+                     ) -> tuple[list[nn.Parameter], list[int], list[dict]]:
+    """The parameters to shard (those that require grad), the group of each, and each group's
+    options without its parameters. Parameters that are frozen are left out: they are never
+    stepped, so they need neither gradients nor optimizer state."""
+    if param_groups is None:
+        param_groups = [{"params": list(module.parameters())}]
+    groups = list(param_groups)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    owned = {id(p): name for name, p in module.named_parameters()}
+    params, group_of, options, seen = [], [], [], set()
+    for g, group in enumerate(groups):
+        group_params = group["params"]
+        group_params = [group_params] if isinstance(group_params, torch.Tensor) else list(group_params)
+        for p in group_params:
+            if id(p) not in owned:
+                raise MicroDDPError(f"parameter group {g} holds a tensor of shape "
+                                    f"{tuple(p.shape)} that is not a parameter of the module; "
+                                    "ZeRO shards the module's own parameters: pass those")
+            if id(p) in seen:
+                raise MicroDDPError(f"parameter {owned[id(p)]!r} appears in two parameter "
+                                    "groups; put each parameter in one group")
+            seen.add(id(p))
+            if p.requires_grad:
+                params.append(p)
+                group_of.append(g)
+        options.append({k: v for k, v in group.items() if k != "params"})
+    missing = [name for name, p in module.named_parameters() if p.requires_grad
+               and id(p) not in seen]
+    if missing:
+        raise MicroDDPError(f"parameters {missing} require grad but are in no parameter group; "
+                            "add them to a group, or set requires_grad=False to freeze them")
+    return params, group_of, options
+
+
+class Shards:
+    """This rank's shard parameters (one per group), views of them per bucket, and the inner
+    optimizer over them."""
+
+    def __init__(self, plan: ShardPlan, rank: int, params: Sequence[torch.Tensor],
+                 options: Sequence[dict], optimizer_class: type, defaults: dict) -> None:
+        self.plan, self.rank = plan, rank
+        like = params[0] if params else torch.empty(0)
+        self.params = [nn.Parameter(torch.zeros(plan.shard_numel[g][rank], dtype=like.dtype,
+                                                device=like.device))
+                       for g in range(len(options))]
+        for b in plan.buckets:
+            take_own(b, rank, params, self.view(b))
+        groups = [{**opts, "params": [shard]} for opts, shard in zip(options, self.params,
+                                                                       strict=True)]
+        try:
+            self.optimizer = optimizer_class(groups, **defaults)
+        except (TypeError, ValueError) as e:
+            raise MicroDDPError(f"could not build {getattr(optimizer_class, '__name__', optimizer_class)}"
+                                f" over the shards: {e}; pass a torch.optim optimizer class and "
+                                "its options, e.g. zero.Zero(model, torch.optim.Adam, lr=1e-3)"
+                                ) from e
+
+    def view(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's elements of `bucket` inside its group's shard parameter."""
+        return self.params[bucket.group].data.narrow(0, bucket.shard_offset[self.rank],
+                                                     bucket.sizes[self.rank])
+
+    def add_grad(self, bucket: Bucket, reduced: torch.Tensor) -> None:
+        """Accumulate a bucket's averaged slot into this rank's shard gradient."""
+        shard = self.params[bucket.group]
+        if shard.grad is None:
+            shard.grad = torch.zeros_like(shard)
+        shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank]).add_(
+            reduced.narrow(0, 0, bucket.sizes[self.rank]))
+
+    def slot(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's slot of `bucket` for an all-gather: its elements, then padding."""
+        out = torch.zeros(bucket.cap, dtype=self.params[bucket.group].dtype,
+                          device=self.params[bucket.group].device)
+        out.narrow(0, 0, bucket.sizes[self.rank]).copy_(self.view(bucket))
+        return out
+
+    def zero_grad(self) -> None:
+        for shard in self.params:
+            shard.grad = None

@@ -1,0 +1,93 @@
+"""The sharding plan is plain data: every element of every parameter is owned by exactly one
+rank, shards are balanced to within one element, and padding fills only the slots' ends."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from microddp import MicroDDPError, zero
+from microddp.zero.flat import from_slots, padded, take_own, to_slots
+
+
+def owners(plan):
+    """Per parameter, per element: the (rank, slot offset) that holds it."""
+    where = [[None] * n for n in plan.numels]
+    for b in plan.buckets:
+        for piece in b.pieces:
+            for k in range(piece.length):
+                assert where[piece.param][piece.start + k] is None, "an element owned twice"
+                where[piece.param][piece.start + k] = (b.index, piece.rank, piece.offset + k)
+    return where
+
+
+@settings(max_examples=60, deadline=None)
+@given(numels=st.lists(st.integers(0, 40), min_size=1, max_size=9),
+       world_size=st.integers(1, 5), cap=st.integers(1, 60), two_groups=st.booleans())
+def test_every_element_owned_once_and_shards_balanced_within_one(numels, world_size, cap,
+                                                                 two_groups):
+    groups = [i % 2 if two_groups else 0 for i in range(len(numels))]
+    plan = zero.build(numels, groups, zero.by_size(numels, groups, cap), world_size)
+    where = owners(plan)
+    assert all(None not in w for w in where)
+    for b in plan.buckets:
+        assert max(b.sizes) - min(b.sizes) <= 1 and sum(b.sizes) == b.numel
+        assert b.cap == max(b.sizes)
+        assert len({groups[i] for i in b.params}) <= 1
+    owned = [plan.owned(r) for r in range(world_size)]
+    assert max(owned) - min(owned) <= 1 and sum(owned) == sum(numels)
+    # each rank's shard of a group is its pieces of the group's buckets, end to end
+    for g, per_rank in enumerate(plan.shard_numel):
+        for r in range(world_size):
+            assert per_rank[r] == sum(b.sizes[r] for b in plan.buckets if b.group == g)
+
+
+def test_a_parameter_straddling_ranks_is_split_by_elements_not_given_whole():
+    # torch's ZeroRedundancyOptimizer would give the 10-element tensor to one rank whole
+    plan = zero.build([10, 1, 1], [0, 0, 0], [[0, 1, 2]], 3)
+    assert plan.buckets[0].sizes == (4, 4, 4)
+    assert [(p.param, p.start, p.rank, p.length) for p in plan.buckets[0].pieces] == [
+        (0, 0, 0, 4), (0, 4, 1, 4), (0, 8, 2, 2), (1, 0, 2, 1), (2, 0, 2, 1)]
+
+
+def test_the_spare_element_rotates_so_the_totals_stay_balanced():
+    plan = zero.build([4, 4, 4], [0, 0, 0], [[0], [1], [2]], 3)
+    assert [b.sizes for b in plan.buckets] == [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+    assert [plan.owned(r) for r in range(3)] == [4, 4, 4]
+    assert "slot 2 -> r0:2 r1:1 r2:1" in plan.describe()
+
+
+def test_slots_round_trip_and_padding_is_zero():
+    torch.manual_seed(0)
+    tensors = [torch.randn(2, 3), torch.randn(0), torch.randn(5)]
+    plan = zero.build([6, 0, 5], [0, 0, 0], [[2, 0, 1]], 4)
+    (b,) = plan.buckets
+    slots = padded(b, tensors[0])
+    to_slots(b, tensors, slots)
+    assert slots.numel() == 4 * b.cap == 12
+    back = [torch.zeros_like(t) for t in tensors]
+    from_slots(b, slots, back)
+    assert all(torch.equal(x, y) for x, y in zip(tensors, back, strict=True))
+    for r in range(4):  # padding after each rank's real elements stays zero
+        assert slots[r * b.cap + b.sizes[r]:(r + 1) * b.cap].abs().sum() == 0
+        mine = torch.empty(b.sizes[r])
+        take_own(b, r, tensors, mine)
+        assert torch.equal(mine, slots[r * b.cap:r * b.cap + b.sizes[r]])
+    missing = padded(b, slots)
+    missing += 1
+    to_slots(b, [None, None, None], missing)  # a gradient backward never made counts as zero
+    for r in range(4):
+        assert missing[r * b.cap:r * b.cap + b.sizes[r]].abs().sum() == 0
+
+
+def test_buckets_follow_backward_order_and_split_at_the_cap_and_at_groups():
+    assert zero.by_size([4, 4, 4, 4], [0, 0, 0, 0], 8) == [[3, 2], [1, 0]]
+    assert zero.by_size([4, 4, 4, 4], [0, 0, 1, 1], 100) == [[3, 2], [1, 0]]
+    assert zero.by_size([50, 1], [0, 0], 8) == [[1], [0]]  # a big tensor gets its own bucket
+
+
+def test_a_bad_plan_is_one_clear_error():
+    with pytest.raises(MicroDDPError, match="exactly one bucket"):
+        zero.build([1, 2], [0, 0], [[0]], 2)
+    with pytest.raises(MicroDDPError, match="mixes parameter groups"):
+        zero.build([1, 2], [0, 1], [[0, 1]], 2)
