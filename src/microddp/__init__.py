@@ -30,6 +30,7 @@ _LAZY = {
     "trace": ("microddp.trace", None),
     "trace_report": ("microddp.trace_report", None),
     "train": ("microddp.train", None),
+    "zero": ("microddp.zero", None),
 }
 
 
