@@ -100,6 +100,7 @@ def test_ratio_interval_pairs_the_rounds():
     assert hi - lo < (uhi - ulo) / 1.5
 
 
+@pytest.mark.slow  # many repeated trials to estimate a rate: for CI's slow run
 def test_ratio_interval_of_equal_contenders_holds_1_about_as_often_as_its_level():
     # An A/A comparison with independent, skewed call times: over many simulated runs, a 90%
     # interval should miss 1 about 1 time in 10; far fewer misses would mean it is uselessly

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 TIMEOUT = 120
 
 
@@ -21,6 +23,7 @@ def test_verify_setup_reports_backends_and_a_live_all_reduce():
         in out.stdout
 
 
+@pytest.mark.slow  # eight ranks on a few cores: a stress test, for CI's slow run
 def test_hello_distributed_with_eight_processes():
     # Unbuffered, as under many launchers: each line must still arrive whole, never two ranks'
     # text on one line (print() would write text and newline separately)

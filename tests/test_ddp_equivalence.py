@@ -154,7 +154,7 @@ def test_bit_identical_to_torch_ddp_on_two_ranks():
         assert {name: same for name, (same, _) in rank_result.items()} == dict.fromkeys(CASES, True)
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_torch_ddp_on_three_and_four_ranks(world_size):
     for rank_result in mdp.spawn(compare_all, world_size, timeout=240):
         worst = {name: rel for name, (_, rel) in rank_result.items() if not rel <= 1e-6}

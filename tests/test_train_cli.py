@@ -138,6 +138,7 @@ def _rank_pid(launcher: psutil.Process, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # a full job, a killed rank and a restart: a stress test, for CI's slow run
 def test_default_job_learns_and_survives_a_killed_rank(tmp_path):
     ref = subprocess.run(_train("--out", str(tmp_path / "ref")), capture_output=True,
                          text=True, timeout=240)

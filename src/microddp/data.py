@@ -251,31 +251,39 @@ def evaluate(module: nn.Module, split: Split, world: World | None = None,
              batch_size: int = 1024) -> dict:
     """Loss and accuracy over the whole split, each sample counted exactly once.
 
-    Every rank scores its own contiguous shard (no padding, no duplicates) and one all_reduce
-    adds up (loss sum, correct, count), so the result equals a single process scoring it all,
-    bit for bit: each sample's loss is added in float64, where sums of float32 losses are
-    exact, so how the split is cut into shards and batches does not change the total.
+    The split is cut into the same micro-batches whatever the world size (samples
+    [0, batch_size), [batch_size, 2 * batch_size), ...) and each rank scores a contiguous run of
+    whole micro-batches. A float32 matmul rounds a row differently in a batch of another shape,
+    so scoring each sample in the same batch on any world size, and adding the per-batch sums in
+    one fixed order, gives the world size no way to change the result: it is a single process's
+    bit for bit, when both use the same number of intra-op threads (how a batch is split among
+    threads changes the rounding too, by a few units in the last place).
     """
     from . import comms
 
     world = world or comms.get_world()
-    part = shard_range(len(split), world.rank, world.world_size)
+    if batch_size < 1:
+        raise MicroDDPError(f"evaluation batch size must be at least 1, got {batch_size}")
+    n_batches = -(-len(split) // batch_size)
+    mine = shard_range(n_batches, world.rank, world.world_size)
     was_training = module.training
     module.eval()
     device = next(module.parameters()).device
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for lo in range(part.start, part.stop, batch_size):
-        hi = min(lo + batch_size, part.stop)
+    # One loss sum per micro-batch, zero for the others' batches: the all_reduce then adds
+    # exact zeros, and every rank adds the sums in batch order, as a single process does.
+    loss_sums = torch.zeros(n_batches, dtype=torch.float64, device=device)
+    counts = torch.zeros(2, dtype=torch.float64, device=device)  # correct, count: integers
+    for b in mine:
+        lo, hi = b * batch_size, min((b + 1) * batch_size, len(split))
         x, y = split.x[lo:hi].to(device), split.y[lo:hi].to(device)
         logits = module(x).float()
-        # Each sample's loss in float64 before adding: a float32 sum would round differently
-        # for each way of cutting the split into shards, and the result would depend on the
-        # world size.
-        totals[0] += F.cross_entropy(logits, y, reduction="none").double().sum()
-        totals[1] += (logits.argmax(dim=1) == y).sum()
-        totals[2] += hi - lo
+        loss_sums[b] = F.cross_entropy(logits, y, reduction="none").double().sum()
+        counts[0] += (logits.argmax(dim=1) == y).sum()
+        counts[1] += hi - lo
     module.train(was_training)
+    totals = torch.cat([loss_sums, counts])
     comms.all_reduce(totals, "sum")
-    loss_sum, correct, count = totals.tolist()
+    loss_sum = sum(totals[:n_batches].tolist())  # in batch order, on every world size
+    correct, count = totals[n_batches:].tolist()
     return {"loss": loss_sum / count, "accuracy": correct / count,
             "correct": int(correct), "count": int(count)}
