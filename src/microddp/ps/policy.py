@@ -1,0 +1,93 @@
+"""Bounded staleness (stale synchronous parallel) as pure bookkeeping, no communication, so the
+rule can be tested on any order of arrivals.
+
+The server's version v counts its updates. A worker computes on the parameters of the version
+it was last sent (q). A gradient computed on version p and applied while the server is at
+version v has staleness v - p. The rule keeps every applied staleness <= S:
+
+- gradients that arrive are *held*, and their workers wait for new parameters;
+- the held gradients are applied together, as one averaged update, only when that update would
+  leave every worker still computing within the bound (v + 1 - q <= S);
+- so S = 0 waits for every worker: one update per step, the average of all its gradients, which
+  is synchronous SGD; S = inf applies each gradient as it arrives: fully asynchronous SGD.
+
+With backup workers (S = 0 only) the update goes as soon as N - b gradients are held; a late
+gradient is then one version old and is discarded, and its worker gets the new parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Held:
+    """A gradient received and not yet applied: who sent it, from which version."""
+
+    worker: int
+    version: int
+    grad: torch.Tensor
+    samples: int
+
+
+@dataclass
+class Staleness:
+    """The server's side of SSP: version, who computes on what, what is held."""
+
+    bound: float
+    backup_workers: int = 0
+    version: int = 0
+    computing: dict[int, int] = field(default_factory=dict)  # worker -> version it computes on
+    held: list[Held] = field(default_factory=list)
+
+    def sent(self, worker: int) -> None:
+        """`worker` was just sent the current parameters and computes on them."""
+        self.computing[worker] = self.version
+
+    def arrived(self, g: Held) -> bool:
+        """Record a gradient; False if it is too stale to apply (it is then dropped and its
+        worker must be sent fresh parameters), True if it is held for the next update."""
+        self.computing.pop(g.worker, None)
+        if self.version - g.version > self.bound:
+            return False
+        self.held.append(g)
+        return True
+
+    def lost(self, worker: int) -> None:
+        """`worker` is gone: stop waiting for it (a gradient it already sent stays held)."""
+        self.computing.pop(worker, None)
+
+    def may_update(self, live_workers: int) -> bool:
+        """Whether the held gradients can be applied now without breaking the bound."""
+        if not self.held:
+            return False
+        if self.backup_workers and len(self.held) >= max(1, live_workers - self.backup_workers):
+            return True
+        return all(self.version + 1 - q <= self.bound for q in self.computing.values())
+
+    def take(self, staleness_lr: bool = False) -> tuple[torch.Tensor, list[Held], list[int]]:
+        """The update to apply now: the mean of the held gradients (each divided by its
+        staleness if `staleness_lr`), the gradients used and their staleness; v advances."""
+        used, self.held = self.held, []
+        stale = [self.version - g.version for g in used]
+        weights = [1.0 / max(1, s) if staleness_lr else 1.0 for s in stale]
+        total = torch.zeros_like(used[0].grad)
+        for w, g in zip(weights, used, strict=True):
+            total.add_(g.grad, alpha=w)
+        self.version += 1
+        return total.div_(len(used)), used, stale
+
+
+def is_sync(bound: float) -> bool:
+    """S = 0: every step waits for every worker."""
+    return bound == 0
+
+
+def describe(bound: float, backup_workers: int = 0) -> str:
+    """A short name for a run's consistency model, for tables."""
+    if bound == 0:
+        return f"sync, {backup_workers} backup" if backup_workers else "sync (S=0)"
+    return "async (S=inf)" if bound == math.inf else f"SSP S={bound:g}"

@@ -1,0 +1,151 @@
+"""The parameter server (rank 0): owns the parameters and the optimizer, applies the workers'
+gradients under the staleness rule (policy.py), and keeps going when a worker is lost."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MicroDDPError
+from .config import SERVER, PSConfig
+from .policy import Held, Staleness
+from .protocol import BYE, GRAD, LOST, PARAMS, STOP, Inbox, flat_params, header, load_flat, send
+from .task import Task, accuracy
+
+# A receive that outlives this is abandoned by its thread; the server's own worker_timeout,
+# applied only to workers that owe it a gradient, decides much earlier who is lost.
+_BACKSTOP_S = 3600.0
+
+
+@dataclass
+class ServerReport:
+    """What the server saw: every applied gradient's staleness, how many gradients each update
+    averaged, which worker was lost at which version and why, throughput and accuracy."""
+
+    workers: int
+    updates: int = 0
+    applied: int = 0
+    discarded: int = 0  # too stale to apply (late backup gradients)
+    staleness: list[int] = field(default_factory=list)
+    per_update: list[int] = field(default_factory=list)
+    lost: list[tuple[int, int]] = field(default_factory=list)  # (worker rank, version)
+    lost_reasons: dict[int, str] = field(default_factory=dict)
+    samples: int = 0
+    seconds: float = 0.0
+    test_accuracy: float | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        """Staleness -> number of applied gradients."""
+        return dict(sorted(Counter(self.staleness).items()))
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Server:
+    def __init__(self, world_size: int, task: Task, config: PSConfig) -> None:
+        self.task, self.config = task, config
+        self.model = task.make_model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=config.lr,
+                                   momentum=config.momentum)
+        self.params = flat_params(self.model)
+        workers = list(range(1, world_size))
+        self.live = set(workers)  # neither lost nor gone after its goodbye
+        self.ssp = Staleness(config.staleness, config.backup_workers)
+        self.sent_at: dict[int, float] = {}
+        self.stopping = False
+        self.report = ServerReport(workers=len(workers))
+        self.budget = config.steps * len(workers)  # gradients: `steps` global batches' worth
+        self.inbox = Inbox(workers, self.params.numel(), _BACKSTOP_S)
+
+    def give(self, worker: int, kind: int = PARAMS) -> None:
+        """Send the current parameters (or STOP); a worker we cannot reach is lost."""
+        try:
+            send(header(kind, SERVER, self.ssp.version), worker,
+                 self.params if kind == PARAMS else None)
+        except RuntimeError as e:
+            self.drop(worker, f"could not send to it: {str(e).splitlines()[0][:160]}")
+            return
+        if kind == PARAMS:
+            self.ssp.sent(worker)
+            self.sent_at[worker] = time.perf_counter()
+
+    def drop(self, worker: int, reason: str) -> None:
+        if worker not in self.live:
+            return
+        self.live.discard(worker)
+        self.ssp.lost(worker)
+        self.report.lost.append((worker, self.ssp.version))
+        self.report.lost_reasons[worker] = reason
+
+    def on_gradient(self, worker: int, version: int, grad: torch.Tensor, samples: int) -> None:
+        if self.stopping:  # the budget is spent: this one is not needed
+            self.ssp.lost(worker)
+            self.give(worker, STOP)
+        elif not self.ssp.arrived(Held(worker, version, grad, samples)):
+            self.report.discarded += 1
+            self.give(worker)
+
+    def update(self) -> None:
+        grad, used, stale = self.ssp.take(self.config.staleness_lr)
+        load_flat(self.model, grad, into_grad=True)
+        self.opt.step()
+        self.params = flat_params(self.model)
+        r = self.report
+        r.updates += 1
+        r.applied += len(used)
+        r.staleness += stale
+        r.per_update.append(len(used))
+        r.samples += sum(g.samples for g in used)
+        if r.applied >= self.budget:
+            self.stopping = True
+            r.seconds = time.perf_counter() - self.start
+        for g in used:
+            self.give(g.worker, STOP if self.stopping else PARAMS)
+
+    def check_silence(self) -> None:
+        now = time.perf_counter()
+        for worker in list(self.ssp.computing):
+            if now - self.sent_at[worker] > self.config.worker_timeout:
+                self.drop(worker, f"sent no gradient for {self.config.worker_timeout:g} s")
+
+    def run(self) -> ServerReport:
+        self.start = time.perf_counter()
+        for worker in sorted(self.live):
+            self.give(worker)
+        while self.live:
+            msg = self.inbox.get(timeout=0.05)
+            if msg is None:
+                self.check_silence()
+            elif msg.worker not in self.live:
+                pass  # a worker already dropped for silence spoke late: ignore it
+            elif msg.kind == LOST:
+                self.drop(msg.worker, msg.error)
+            elif msg.kind == BYE:
+                self.live.discard(msg.worker)
+            elif msg.kind == GRAD:
+                self.on_gradient(msg.worker, msg.version, msg.payload, msg.samples)
+            while not self.stopping and self.ssp.may_update(len(self.live)):
+                self.update()
+            if not self.stopping and not self.live:
+                raise MicroDDPError(
+                    f"parameter server: every worker was lost after {self.report.updates} "
+                    f"updates ({self.report.lost_reasons}); see the workers' output above, "
+                    "fix what killed them and rerun")
+        r = self.report
+        if self.task.test is not None:
+            r.test_accuracy = accuracy(self.model, self.task.test)
+        r.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return r
+
+
+def run_server(world_size: int, task: Task, config: PSConfig) -> ServerReport:
+    """Serve `world_size - 1` workers until `config.steps` global batches' worth of gradients
+    have been applied; return what happened."""
+    return _Server(world_size, task, config).run()

@@ -1,0 +1,56 @@
+"""Chapter 10's scripts run as a learner runs them and print what the chapter claims: S=0 has
+staleness 0 and one update per global batch, async one update per gradient, SSP histograms
+never pass their bound, backup workers use N-b gradients per step and drop the late ones."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTER = ROOT / "course" / "10_async"
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(CHAPTER / script), *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_sync_vs_async_table():
+    out = run("sync_vs_async.py")
+    rows = re.findall(r"^(S=0|async)\s+(none|rank 2 x4)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$",
+                      out, re.M)
+    assert [(m, s) for m, s, *_ in rows] == [("S=0", "none"), ("async", "none"),
+                                             ("S=0", "rank 2 x4"), ("async", "rank 2 x4")]
+    for mode, _, updates, _, acc, stale in rows:
+        assert int(updates) == (150 if mode == "S=0" else 300)
+        # 2 workers: an async gradient is about 1 version old on average (the other worker
+        # pushes once while it computes), whatever their speeds; the first ones are fresher
+        if mode == "S=0":
+            assert float(stale) == 0.0
+        else:
+            assert 0.9 <= float(stale) <= 1.0
+        assert 0.5 < float(acc) <= 1.0
+    assert len(re.findall(r"^async / sync samples/s, .*: \d+\.\d\d$", out, re.M)) == 2
+
+
+def test_staleness_histograms_stay_within_their_bound():
+    out = run("staleness.py")
+    for bound in (1, 3):
+        assert int(re.search(rf"^S={bound}: max staleness (\d+)", out, re.M).group(1)) <= bound
+    blocks = re.split(r"^(?=\S)", out, flags=re.M)
+    for block in (b for b in blocks if "max staleness" in b):
+        counts = [int(c) for c in re.findall(r"^\s+\d+ \| #+\s+(\d+)$", block, re.M)]
+        assert sum(counts) == 300  # every applied gradient counted once
+    assert "async + staleness-aware lr: max staleness" in out
+
+
+def test_backup_workers_use_n_minus_b_and_drop_the_late_ones():
+    out = run("backup_workers.py")
+    rows = {int(b): (used, int(updates), int(dropped)) for b, used, updates, dropped in
+            re.findall(r"^\s+(\d)\s+([\d,]+)\s+(\d+)\s+(\d+)\s+\d+\s+[\d.]+$", out, re.M)}
+    assert rows[0] == ("3", 150, 0)
+    used, updates, dropped = rows[1]
+    assert used == "2" and updates == 225 and dropped > 0  # 450 gradients, 2 per update
