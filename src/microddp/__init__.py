@@ -27,6 +27,7 @@ _LAZY = {
     "monitor": ("microddp.monitor", None),
     "pipeline": ("microddp.pipeline", None),
     "predict": ("microddp.predict", None),
+    "ps": ("microddp.ps", None),
     "trace": ("microddp.trace", None),
     "trace_report": ("microddp.trace_report", None),
     "train": ("microddp.train", None),
