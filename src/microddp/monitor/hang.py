@@ -28,8 +28,8 @@ class Monitor:
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
                  debug: bool, prefix: str, answer_s: float, log_size: int = 64,
-                 abort: bool = True) -> None:
-        self.abort = abort
+                 abort: bool = True, interrupt: bool = True) -> None:
+        self.abort, self.interrupt = abort, interrupt
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.debug, self.prefix = timeout_s, debug, prefix
         # Every rank polls the one store: keep the total near 100 requests a second.
@@ -86,15 +86,18 @@ class Monitor:
                 if not self._answered and self.store.check([self.key("request")]):
                     self._answer()
                 entry = self.log.oldest_open()
-                # A waiting caller on gloo raises the report itself; the watchdog speaks for
-                # NCCL (whose waits do not give up) and for async ops nobody waits on.
+                # A caller waiting with the monitor's timeout (interrupt) raises the report
+                # itself; the watchdog speaks for every other wait.
                 limit = self.timeout_s * (2 if entry is not None and entry.escapable else 1)
                 if entry is not None and time.monotonic() - entry.started > limit:
                     if self._stop.is_set():
                         return  # shutdown began: no new store traffic
                     text = self.collect(entry)
                     print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
-                    if self.abort:
+                    # A blocking gloo call ends at the process group's timeout, in a
+                    # MicroDDPError with this report: a Python exception, which unwinds and
+                    # cleans up as os._exit does not.
+                    if self.abort and not entry.ends_itself:
                         self._abort(entry)
                     return
                 failures = 0
