@@ -14,7 +14,7 @@ import sysconfig
 import threading
 import time
 from collections import deque
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
 _COMMS = os.path.normcase(os.path.join(os.path.dirname(os.path.dirname(__file__)), "comms.py"))
 
 
-@functools.lru_cache(maxsize=4096)  # called for every frame of every collective: keep it cheap
+@functools.lru_cache(maxsize=4096)  # once per function (see _kind), and by tests
 def _is_plumbing(filename: str) -> bool:
     f = os.path.normcase(os.path.abspath(filename))
     return f.startswith(_PLUMBING) or f == _COMMS or filename.startswith("<")
@@ -41,8 +41,48 @@ def _in_microddp(filename: str) -> bool:
     return os.path.normcase(os.path.abspath(filename)).startswith(_PACKAGE)
 
 
-def _name(f: FrameType) -> str:
-    return f"{f.f_code.co_name} at {os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+_USER, _OURS, _PLUMBING_KIND = 0, 1, 2
+_kinds: dict[CodeType, int] = {}  # per function: one dict lookup per frame of a walk
+
+
+def _kind(code: CodeType) -> int:
+    k = _kinds.get(code)
+    if k is None:
+        if len(_kinds) > 65536:  # code made on the fly (exec) without end: start afresh
+            _kinds.clear()
+        name = code.co_filename
+        k = _kinds[code] = (_PLUMBING_KIND if _is_plumbing(name) else
+                            _OURS if _in_microddp(name) else _USER)
+    return k
+
+
+Location = tuple  # ((code, line), ...): the frames where() names, not yet put in words
+
+
+def locate(frame: FrameType | None, user: bool = False) -> Location:
+    """The frames where() names, as (code, line) pairs: cheap enough to take on every call
+    (an async call's caller moves on), put in words only when a report asks."""
+    f, kinds = frame, _kinds
+    while f is not None and (kinds.get(f.f_code) or _kind(f.f_code)) == _PLUMBING_KIND:
+        f = f.f_back  # (a known frame costs one dict lookup: this runs on every async call)
+    if f is None:  # nothing but plumbing: name the innermost frame anyway
+        return ((frame.f_code, frame.f_lineno),) if frame is not None else ()
+    here = (f.f_code, f.f_lineno)
+    if not user or _kind(f.f_code) != _OURS:
+        return (here,)
+    u = f.f_back
+    while u is not None and _kind(u.f_code) != _USER:
+        u = u.f_back
+    return (here,) if u is None else (here, (u.f_code, u.f_lineno))
+
+
+def name_location(location: Location) -> str:
+    """'func at file.py:LINE', then ', under func at file.py:LINE' for the user's frame."""
+    if not location:
+        return "no Python frame"
+    names = [f"{code.co_name} at {os.path.basename(code.co_filename)}:{line}"
+             for code, line in location]
+    return names[0] + "".join(f", under {n}" for n in names[1:])
 
 
 def where(frame: FrameType | None, user: bool = False) -> str:
@@ -51,18 +91,7 @@ def where(frame: FrameType | None, user: bool = False) -> str:
     With `user`, also name the innermost frame outside microddp when that is a different one:
     a DDP bucket's all-reduce is called from the reducer, inside the user's backward() call.
     """
-    f = frame
-    while f is not None and _is_plumbing(f.f_code.co_filename):
-        f = f.f_back
-    if f is None:  # nothing but plumbing: name the innermost frame anyway
-        return _name(frame) if frame is not None else "no Python frame"
-    if not user or not _in_microddp(f.f_code.co_filename):
-        return _name(f)
-    u = f.f_back
-    while u is not None and (_is_plumbing(u.f_code.co_filename)
-                             or _in_microddp(u.f_code.co_filename)):
-        u = u.f_back
-    return _name(f) + (f", under {_name(u)}" if u is not None else "")
+    return name_location(locate(frame, user))
 
 
 def main_thread_where() -> str:
@@ -94,7 +123,7 @@ class Entry:
     """
 
     __slots__ = ("seq", "group", "op", "started", "done", "work", "escapable", "ends_itself",
-                 "_shape", "_detail", "_caller", "_call", "_frame")
+                 "_shape", "_detail", "_caller", "_location", "_call", "_frame")
 
     def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
                  frame: FrameType | None = None) -> None:
@@ -110,6 +139,7 @@ class Entry:
         self._shape: str | None = None
         self._detail: str | None = None
         self._caller: str | None = None
+        self._location: Location | None = None
         self._call = call  # (describe(args, kwargs) -> (shape, detail), args, kwargs)
         self._frame = frame  # the caller's frame, while the call runs
 
@@ -126,10 +156,12 @@ class Entry:
     @property
     def caller(self) -> str:
         if self._caller is None:
-            frame = self._frame  # one read: the calling thread may let go of it meanwhile
-            if frame is None:
-                return ""
-            self._caller = where(frame, user=True)
+            if self._location is None:
+                frame = self._frame  # one read: the calling thread may let go of it meanwhile
+                if frame is None:
+                    return ""
+                self._location = locate(frame, user=True)
+            self._caller = name_location(self._location)
         return self._caller
 
     def _describe_call(self) -> None:
@@ -138,14 +170,17 @@ class Entry:
         call = self._call  # one read: the calling thread may let go of it meanwhile
         self._shape, self._detail = call[0](call[1], call[2]) if call is not None else ("", "")
 
-    def name_caller(self) -> None:
-        """Name the caller now: an async call's caller moves on before anyone asks."""
-        _ = self.caller
+    def locate_caller(self) -> None:
+        """Note the caller's line now (in words later): an async call's caller moves on."""
+        frame = self._frame
+        if frame is not None and self._location is None:
+            self._location = locate(frame, user=True)
         self._frame = None
 
     def settle(self) -> None:
         """Work out shape, detail and caller now, and let go of the call's arguments."""
-        self.name_caller()
+        self.locate_caller()
+        _ = self.caller
         self._describe_call()
         self._call = None
 

@@ -250,7 +250,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         # report, the watchdog leaves the ending to it, in a MicroDDPError raised below.
         gloo = entry.ends_itself = torch_own and _gloo(group)
         if sig.async_op(args, kwargs):
-            entry.name_caller()  # the caller moves on; the Work keeps the tensors anyway
+            entry.locate_caller()  # the caller moves on; the Work keeps the tensors anyway
             try:
                 work = fn(*args, **kwargs)
             except BaseException:
