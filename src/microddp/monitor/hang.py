@@ -20,6 +20,7 @@ from typing import Any
 from .log import CollectiveLog, Entry, main_thread_where
 
 POLL_S = 0.1  # at a few ranks; more ranks poll the shared store less often (see Monitor)
+MAX_POLL_S = 1.0
 HEAD = "microddp hang report:"
 
 
@@ -32,8 +33,11 @@ class Monitor:
         self.abort, self.interrupt = abort, interrupt
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.debug, self.prefix = timeout_s, debug, prefix
-        # Every rank polls the one store: keep the total near 100 requests a second.
-        self.poll_s = max(POLL_S, world_size / 100)
+        # Every rank polls the one store: keep the total near 100 requests a second. A long
+        # threshold needs no quick look (a twentieth of it, up to 1 s): each poll wakes this
+        # thread and the store's and takes the GIL, which on a loaded machine measurably slows
+        # small collectives (docs/07-observability.md).
+        self.poll_s = max(POLL_S, world_size / 100, min(timeout_s / 20, MAX_POLL_S))
         self.answer_s = max(answer_s, 3 * self.poll_s)
         self.log = CollectiveLog(log_size)
         self.report: str | None = None

@@ -63,11 +63,18 @@ def _all_reduce(nbytes: int, calls: int) -> Callable[[], None]:
     return run
 
 
+SETTLE_S = 0.02
+
+
 def _switch(state: str, interrupt: bool | None) -> None:
     if state == "on":
         enable(timeout=STALL_S, interrupt=interrupt)
     else:
         disable()
+    # A watchdog thread just started still takes the GIL a few times on its way to its first
+    # wait; on a loaded machine, a thread preempted while holding it stalls the timed calls by
+    # a time slice. In a job it starts once, at init(): let it settle (every state alike).
+    time.sleep(SETTLE_S)
 
 
 def _time(work: Callable[[], None], repeats: int, warmup: int,
