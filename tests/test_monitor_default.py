@@ -17,7 +17,7 @@ def _state(rank, flag):
     world = mdp.init(timeout=20, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                      monitor=flag)
     mon = monitor.active()
-    seen = None if mon is None else (mon.timeout_s, mon._thread.is_alive())
+    seen = None if mon is None else (mon.timeout_s, mon._thread.is_alive(), mon.interrupt)
     mdp.comms.all_reduce(torch.ones(1))
     mdp.shutdown()
     stopped = mon is None or not mon._thread.is_alive()
@@ -27,7 +27,8 @@ def _state(rank, flag):
 @pytest.mark.parametrize("flag", [None, False])
 def test_init_starts_the_monitor_unless_told_not_to_and_shutdown_joins_it(flag):
     out = mdp.spawn(_state, 2, args=(flag,), join=False, timeout=90)
-    seen = (16.0, True) if flag is None else None  # 20 s process group: asked at 16 s
+    # 20 s process group: asked at 16 s; its waits are left to the group (nothing interrupted)
+    seen = (16.0, True, False) if flag is None else None
     assert out == [(0, seen, True, True), (1, seen, True, True)]
 
 
@@ -43,6 +44,84 @@ def test_the_switch_and_the_threshold(monkeypatch):
         monitor.wanted(None)
     # 8 s below the process group's timeout, or a fifth of a short one
     assert [monitor.stall_seconds(t) for t in (10, 40, 60, 120, 1800)] == [8, 32, 52, 112, 1792]
+    # Waiting with the monitor's own timeout pays only far below the group's (or unknown)
+    assert [monitor.interrupt_pays(monitor.stall_seconds(t), t) for t in (10, 41.3, 1800)] == [
+        False, False, False]
+    assert monitor.interrupt_pays(2, 60) and monitor.interrupt_pays(60, None)
+    assert not monitor.interrupt_pays(60, 0.0)  # no gloo side: nothing to interrupt
+
+
+def save_checkpoint(seconds):
+    import time
+
+    time.sleep(seconds)  # LINE-SAVE
+
+
+def _blocking_hang(rank):
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    world = mdp.init(timeout=6, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if world.rank == 1:
+        save_checkpoint(9)  # rank 0 stalls at 4.8 s, gloo ends its wait at 6 s
+        mdp.shutdown()
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(t)  # LINE-BLOCKING: torch's own blocking call, as a torch script has it
+    except mdp.MicroDDPError as e:
+        return str(e), time.monotonic() - t0, monitor.active().interrupt
+    return "no error"
+
+
+def test_a_blocking_torch_call_is_reported_then_ended_by_gloo_in_a_micro_ddp_error():
+    text, took, interrupt = mdp.spawn(_blocking_hang, 2, join=False, timeout=90)[0]
+    assert interrupt is False
+    assert text.startswith("microddp hang report: collective all_reduce #2 on rank 0 did not "
+                           "complete within 4.8 s"), text
+    lines = text.splitlines()
+    assert lines[1] == ("  rank 0 is in all_reduce #2 (float32[4] sum) called from "
+                        f"_blocking_hang at test_monitor_default.py:{_here('LINE-BLOCKING')}")
+    assert lines[2] == (f"  rank 1 is in save_checkpoint at test_monitor_default.py:"
+                        f"{_here('LINE-SAVE')} (not in a collective; last collective all_reduce #1)")
+    assert took >= 5.5  # ended by gloo's own (6 s) timeout, not earlier by the monitor
+
+
+def _here(marker):
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if f"# {marker}" in line)
+
+
+def _leaves_no_tensor_behind(world):
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    mon = monitor.active()
+    refs = []
+    for async_op in (False, True):
+        t = torch.ones(1 << 16)
+        refs.append(weakref.ref(t))
+        work = dist.all_reduce(t, async_op=async_op)
+        if work is not None:
+            work.wait()
+        del t, work
+    gc.collect()
+    return mon.interrupt, [r() is None for r in refs], [e.done is not None for e in
+                                                        list(mon.log.recent)[-2:]]
+
+
+def test_the_log_of_init_s_monitor_keeps_no_tensor_alive_after_its_call():
+    for out in mdp.spawn(_leaves_no_tensor_behind, 2, timeout=60):
+        # spawn's 60 s group and init's 52 s threshold: the monitor init() starts
+        assert out == (False, [True, True], [True, True])
 
 
 REPORT = [

@@ -22,12 +22,13 @@ import atexit
 import itertools
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
 from ..world import get_world
 from . import patch
-from .default import stall_seconds, wanted
+from .default import interrupt_pays, stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum
 from .hang import Monitor, format_report
 
@@ -47,14 +48,19 @@ def _seconds(timeout: float | timedelta) -> float:
 
 def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
            answer_timeout: float = 5.0, log_size: int = 64,
-           abort: bool = True) -> Monitor | None:
+           abort: bool = True, interrupt: bool | None = None) -> Monitor | None:
     """Start logging this rank's collectives; every rank must call it, after init().
 
     `timeout`: how long a collective may take before the ranks are asked where they are (keep
     it below the process group's own timeout). `debug`: compare op, shape and dtype of every
-    collective across ranks before it runs. `abort`: when a stalled rank cannot raise (NCCL,
-    or a wait on a future), end it after the report instead of waiting for the process
-    group's timeout. Returns None in a world of one process.
+    collective across ranks before it runs (a few store round trips per call). `abort`: when
+    a stalled rank cannot raise (NCCL, or a wait on a future), end it after the report instead
+    of waiting for the process group's timeout. `interrupt`: wait on blocking gloo calls with
+    `timeout`, so a stall raises the report in the caller long before the process group's
+    timeout would end the wait; it costs a hand-over to gloo's thread per call (~0.1-0.2 ms on
+    a small one), so by default (None) only when the group's timeout is more than
+    REPORT_MARGIN_S beyond `timeout` (not for init()'s own monitor, which asks just before
+    it). Returns None in a world of one process.
     """
     world = get_world()
     if not world.distributed:
@@ -66,8 +72,12 @@ def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
         except (AttributeError, RuntimeError, ValueError):
             raise MicroDDPError("no rendezvous store found; call microddp.init() first or "
                                 "pass store=") from None
-    mon = Monitor(store, world.rank, world.world_size, _seconds(timeout), debug,
-                  f"microddp/monitor/{next(_generation)}/", answer_timeout, log_size, abort)
+    timeout_s = _seconds(timeout)
+    if interrupt is None:
+        interrupt = interrupt_pays(timeout_s, _group_timeout_s())
+    mon = Monitor(store, world.rank, world.world_size, timeout_s, debug,
+                  f"microddp/monitor/{next(_generation)}/", answer_timeout, log_size, abort,
+                  interrupt)
     patch.install(mon)
     global _exit_hook
     if not _exit_hook:
@@ -78,6 +88,18 @@ def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
         atexit.register(disable)
         _exit_hook = True
     return mon
+
+
+def _group_timeout_s() -> float | None:
+    """The default process group's timeout on gloo (what ends a blocking gloo call's wait);
+    0 if the group has no gloo side (nothing to interrupt); None if torch does not say."""
+    try:
+        if dist.get_backend() == "nccl":
+            return 0.0
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()  # torch's own field: no public getter
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def disable() -> None:

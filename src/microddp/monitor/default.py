@@ -1,7 +1,8 @@
 """The monitor that microddp.init() starts on its own: whether, and with what stall threshold.
 
 On by default because a hang is where a distributed job is hardest to debug and the monitor is
-cheap (docs/07-observability.md has the measured overhead). Off with init(monitor=False) or
+cheap: about a microsecond per collective, since this monitor leaves the waits to the process
+group (interrupt_pays; docs/07-observability.md has the measured overhead). Off with init(monitor=False) or
 MICRODDP_MONITOR=0; the argument wins over the variable.
 """
 
@@ -39,3 +40,12 @@ def stall_seconds(process_group_timeout_s: float) -> float:
     process group's timeout by the time the report needs (a fifth of a short timeout)."""
     t = process_group_timeout_s
     return max(t - REPORT_MARGIN_S, 0.8 * t)
+
+
+def interrupt_pays(monitor_timeout_s: float, group_timeout_s: float | None) -> bool:
+    """Whether to wait on blocking gloo calls with the monitor's timeout (a thread hand-over
+    per call, see patch.py): only if the process group's own timeout would end a stalled wait
+    much later (over twice REPORT_MARGIN_S) than the watchdog's report. Not for init()'s own
+    monitor, which asks REPORT_MARGIN_S (or less) before that timeout. Unknown (None): yes,
+    the safe side."""
+    return group_timeout_s is None or group_timeout_s - monitor_timeout_s > 2 * REPORT_MARGIN_S

@@ -20,6 +20,7 @@ from typing import Any
 from .log import CollectiveLog, Entry, main_thread_where
 
 POLL_S = 0.1  # at a few ranks; more ranks poll the shared store less often (see Monitor)
+MAX_POLL_S = 1.0
 HEAD = "microddp hang report:"
 
 
@@ -28,12 +29,15 @@ class Monitor:
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
                  debug: bool, prefix: str, answer_s: float, log_size: int = 64,
-                 abort: bool = True) -> None:
-        self.abort = abort
+                 abort: bool = True, interrupt: bool = True) -> None:
+        self.abort, self.interrupt = abort, interrupt
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.debug, self.prefix = timeout_s, debug, prefix
-        # Every rank polls the one store: keep the total near 100 requests a second.
-        self.poll_s = max(POLL_S, world_size / 100)
+        # Every rank polls the one store: keep the total near 100 requests a second. A long
+        # threshold needs no quick look (a twentieth of it, up to 1 s): each poll wakes this
+        # thread and the store's and takes the GIL, which on a loaded machine measurably slows
+        # small collectives (docs/07-observability.md).
+        self.poll_s = max(POLL_S, world_size / 100, min(timeout_s / 20, MAX_POLL_S))
         self.answer_s = max(answer_s, 3 * self.poll_s)
         self.log = CollectiveLog(log_size)
         self.report: str | None = None
@@ -86,15 +90,18 @@ class Monitor:
                 if not self._answered and self.store.check([self.key("request")]):
                     self._answer()
                 entry = self.log.oldest_open()
-                # A waiting caller on gloo raises the report itself; the watchdog speaks for
-                # NCCL (whose waits do not give up) and for async ops nobody waits on.
+                # A caller waiting with the monitor's timeout (interrupt) raises the report
+                # itself; the watchdog speaks for every other wait.
                 limit = self.timeout_s * (2 if entry is not None and entry.escapable else 1)
                 if entry is not None and time.monotonic() - entry.started > limit:
                     if self._stop.is_set():
                         return  # shutdown began: no new store traffic
                     text = self.collect(entry)
                     print(f"[rank {self.rank}] {text}", file=sys.stderr, flush=True)
-                    if self.abort:
+                    # A blocking gloo call ends at the process group's timeout, in a
+                    # MicroDDPError with this report: a Python exception, which unwinds and
+                    # cleans up as os._exit does not.
+                    if self.abort and not entry.ends_itself:
                         self._abort(entry)
                     return
                 failures = 0

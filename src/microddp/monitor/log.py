@@ -14,8 +14,7 @@ import sysconfig
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
 _COMMS = os.path.normcase(os.path.join(os.path.dirname(os.path.dirname(__file__)), "comms.py"))
 
 
-@functools.lru_cache(maxsize=4096)  # called for every frame of every collective: keep it cheap
+@functools.lru_cache(maxsize=4096)  # once per function (see _kind), and by tests
 def _is_plumbing(filename: str) -> bool:
     f = os.path.normcase(os.path.abspath(filename))
     return f.startswith(_PLUMBING) or f == _COMMS or filename.startswith("<")
@@ -42,8 +41,48 @@ def _in_microddp(filename: str) -> bool:
     return os.path.normcase(os.path.abspath(filename)).startswith(_PACKAGE)
 
 
-def _name(f: FrameType) -> str:
-    return f"{f.f_code.co_name} at {os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+_USER, _OURS, _PLUMBING_KIND = 0, 1, 2
+_kinds: dict[CodeType, int] = {}  # per function: one dict lookup per frame of a walk
+
+
+def _kind(code: CodeType) -> int:
+    k = _kinds.get(code)
+    if k is None:
+        if len(_kinds) > 65536:  # code made on the fly (exec) without end: start afresh
+            _kinds.clear()
+        name = code.co_filename
+        k = _kinds[code] = (_PLUMBING_KIND if _is_plumbing(name) else
+                            _OURS if _in_microddp(name) else _USER)
+    return k
+
+
+Location = tuple  # ((code, line), ...): the frames where() names, not yet put in words
+
+
+def locate(frame: FrameType | None, user: bool = False) -> Location:
+    """The frames where() names, as (code, line) pairs: cheap enough to take on every call
+    (an async call's caller moves on), put in words only when a report asks."""
+    f, kinds = frame, _kinds
+    while f is not None and (kinds.get(f.f_code) or _kind(f.f_code)) == _PLUMBING_KIND:
+        f = f.f_back  # (a known frame costs one dict lookup: this runs on every async call)
+    if f is None:  # nothing but plumbing: name the innermost frame anyway
+        return ((frame.f_code, frame.f_lineno),) if frame is not None else ()
+    here = (f.f_code, f.f_lineno)
+    if not user or _kind(f.f_code) != _OURS:
+        return (here,)
+    u = f.f_back
+    while u is not None and _kind(u.f_code) != _USER:
+        u = u.f_back
+    return (here,) if u is None else (here, (u.f_code, u.f_lineno))
+
+
+def name_location(location: Location) -> str:
+    """'func at file.py:LINE', then ', under func at file.py:LINE' for the user's frame."""
+    if not location:
+        return "no Python frame"
+    names = [f"{code.co_name} at {os.path.basename(code.co_filename)}:{line}"
+             for code, line in location]
+    return names[0] + "".join(f", under {n}" for n in names[1:])
 
 
 def where(frame: FrameType | None, user: bool = False) -> str:
@@ -52,18 +91,7 @@ def where(frame: FrameType | None, user: bool = False) -> str:
     With `user`, also name the innermost frame outside microddp when that is a different one:
     a DDP bucket's all-reduce is called from the reducer, inside the user's backward() call.
     """
-    f = frame
-    while f is not None and _is_plumbing(f.f_code.co_filename):
-        f = f.f_back
-    if f is None:  # nothing but plumbing: name the innermost frame anyway
-        return _name(frame) if frame is not None else "no Python frame"
-    if not user or not _in_microddp(f.f_code.co_filename):
-        return _name(f)
-    u = f.f_back
-    while u is not None and (_is_plumbing(u.f_code.co_filename)
-                             or _in_microddp(u.f_code.co_filename)):
-        u = u.f_back
-    return _name(f) + (f", under {_name(u)}" if u is not None else "")
+    return name_location(locate(frame, user))
 
 
 def main_thread_where() -> str:
@@ -82,20 +110,83 @@ def describe_tensor(x: Any) -> str:
     return ""
 
 
-@dataclass
 class Entry:
-    """One collective as this rank saw it. `done` is None while it is in flight."""
+    """One collective as this rank saw it. `done` is None while it is in flight.
 
-    seq: int
-    group: str
-    op: str
-    shape: str
-    detail: str  # reduce op, src/dst: what must match across ranks besides the shape
-    caller: str
-    started: float = field(default_factory=time.monotonic)
-    done: float | None = None
-    work: Any = None  # an async op's Work, polled by the watchdog
-    escapable: bool = False  # the caller waits with the monitor's timeout and reports itself
+    What the call was (shape, detail) and which line made it (caller) are worked out when first
+    asked, from the call's arguments and its caller's frame: a report only asks about calls in
+    flight, and the default monitor must cost next to nothing per call. The entry holds those
+    arguments and that frame only while the call is in flight, so it keeps no tensor (nor the
+    caller's locals) alive after; asked later, what was never worked out reads as "".
+    `settle()` works everything out at once (debug mode compares it across ranks before the
+    call; tests and tools read the log after it).
+    """
+
+    __slots__ = ("seq", "group", "op", "started", "done", "work", "escapable", "ends_itself",
+                 "_shape", "_detail", "_caller", "_location", "_call", "_frame")
+
+    def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
+                 frame: FrameType | None = None) -> None:
+        self.seq, self.group, self.op = seq, group, op
+        self.started = time.monotonic()
+        self.done: float | None = None
+        self.work: Any = None  # an async op's Work, polled by the watchdog
+        # The caller waits with the monitor's timeout and reports itself (monitor interrupt).
+        self.escapable = False
+        # The backend ends this wait on its own at the process group's timeout (a blocking
+        # gloo call): after the report, the watchdog leaves the ending to it.
+        self.ends_itself = False
+        self._shape: str | None = None
+        self._detail: str | None = None
+        self._caller: str | None = None
+        self._location: Location | None = None
+        self._call = call  # (describe(args, kwargs) -> (shape, detail), args, kwargs)
+        self._frame = frame  # the caller's frame, while the call runs
+
+    @property
+    def shape(self) -> str:  # e.g. "float32[4]"
+        self._describe_call()
+        return self._shape
+
+    @property
+    def detail(self) -> str:  # reduce op, src/dst: what must match across ranks besides the shape
+        self._describe_call()
+        return self._detail
+
+    @property
+    def caller(self) -> str:
+        if self._caller is None:
+            if self._location is None:
+                frame = self._frame  # one read: the calling thread may let go of it meanwhile
+                if frame is None:
+                    return ""
+                self._location = locate(frame, user=True)
+            self._caller = name_location(self._location)
+        return self._caller
+
+    def _describe_call(self) -> None:
+        if self._shape is not None:
+            return  # described already
+        call = self._call  # one read: the calling thread may let go of it meanwhile
+        self._shape, self._detail = call[0](call[1], call[2]) if call is not None else ("", "")
+
+    def locate_caller(self) -> None:
+        """Note the caller's line now (in words later): an async call's caller moves on."""
+        frame = self._frame
+        if frame is not None and self._location is None:
+            self._location = locate(frame, user=True)
+        self._frame = None
+
+    def settle(self) -> None:
+        """Work out shape, detail and caller now, and let go of the call's arguments."""
+        self.locate_caller()
+        _ = self.caller
+        self._describe_call()
+        self._call = None
+
+    def release(self) -> None:
+        """The call is over: drop what kept its tensors, its Work and its caller alive."""
+        self._call = self._frame = self.work = None
 
     def fingerprint(self) -> dict:
         return {"op": self.op, "shape": self.shape, "detail": self.detail}
@@ -103,13 +194,18 @@ class Entry:
     def describe(self) -> str:
         what = " ".join(x for x in (self.shape, self.detail) if x)
         grp = "" if self.group == "world" else f" on group {self.group}"
-        return f"{self.op} #{self.seq}{grp} ({what}) called from {self.caller}"
+        return f"{self.op} #{self.seq}{grp} ({what}) called from {self.caller or 'an unknown line'}"
 
     def in_flight(self) -> bool:
         if self.done is not None:
             return False
-        if self.work is not None and self.work.is_completed():
+        work = self.work
+        if work is not None and work.is_completed():
+            # Finished, or failed (then a report may still describe it): say what it was
+            # before letting go of its tensors.
+            self._describe_call()
             self.done = time.monotonic()
+            self.release()
             return False
         return True
 
@@ -119,30 +215,40 @@ class CollectiveLog:
 
     def __init__(self, size: int = 64) -> None:
         self.recent: deque[Entry] = deque(maxlen=size)
-        self.open: list[Entry] = []
+        self.open: dict[Entry, None] = {}  # in call order; a dict: ending one is O(1)
+        self._size = size
         self._seq: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def begin(self, group: str, op: str, shape: str, detail: str, caller: str) -> Entry:
+    def begin(self, group: str, op: str, call: tuple | None = None,
+              frame: FrameType | None = None) -> Entry:
         with self._lock:
             seq = self._seq.get(group, 0) + 1
             self._seq[group] = seq
-            entry = Entry(seq, group, op, shape, detail, caller)
+            entry = Entry(seq, group, op, call, frame)
             self.recent.append(entry)
-            self.open.append(entry)
+            self.open[entry] = None
+            if len(self.open) > self._size:
+                # Many async calls between two polls of the watchdog: drop the finished ones
+                # here, so that the log stays short and lets go of their tensors.
+                self._drop_finished()
             return entry
 
     def end(self, entry: Entry) -> None:
         entry.done = time.monotonic()
-        with self._lock:
-            if entry in self.open:
-                self.open.remove(entry)
+        entry.release()
+        self.open.pop(entry, None)  # one step under the GIL (identity hash): no lock needed
+
+    def _drop_finished(self) -> None:
+        for e in list(self.open):  # in place: a concurrent end() must not be undone
+            if not e.in_flight():
+                self.open.pop(e, None)
 
     def oldest_open(self) -> Entry | None:
         """The longest-waiting collective still in flight (completed async ones are dropped)."""
         with self._lock:
-            self.open = [e for e in self.open if e.in_flight()]
-            return self.open[0] if self.open else None
+            self._drop_finished()
+            return next(iter(self.open), None)
 
     def last_done(self) -> Entry | None:
         with self._lock:

@@ -2,12 +2,15 @@
 
     python -m microddp.monitor.overhead                 # DDP steps, all_reduce 4 KiB and 4 MiB
     python -m microddp.monitor.overhead --repeats 60 --dims 128 1024
+    python -m microddp.monitor.overhead --interrupt     # the monitor that waits with its timeout
 
 Each round runs "on", "off" and "off-2" (off again: the A/A control, how far apart this machine
 puts two equal contenders) in a fresh random order, the monitor switched before each and a
 barrier before each timed call. Per workload it prints on/off and off-2/off as ratios of
 medians of the slowest rank's times, with a 90% bootstrap interval. The DDP step is `microddp
-bench ddp`'s (microddp's DDP, FullMLP(dim, depth 16), batch 64 per rank, SGD).
+bench ddp`'s (microddp's DDP, FullMLP(dim, depth 16), batch 64 per rank, SGD). "on" is the
+monitor init() starts for the ranks' process group (its stall threshold, its waits); with
+--interrupt, the one that waits on blocking gloo calls with its own timeout (enable(interrupt=True)).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from ..spawn import spawn
 from . import disable, enable, stall_seconds
 
 STATES = ("on", "off", "off-2")
-STALL_S = stall_seconds(120.0)  # what init() picks for spawn's 120 s process group
+GROUP_TIMEOUT_S = 3600.0  # spawn's deadline, and so the ranks' process group timeout
+STALL_S = stall_seconds(GROUP_TIMEOUT_S)  # what init() picks for that process group
 
 
 def _ddp_step(dim: int, rank: int) -> Callable[[], None]:
@@ -59,19 +63,27 @@ def _all_reduce(nbytes: int, calls: int) -> Callable[[], None]:
     return run
 
 
-def _switch(state: str) -> None:
+SETTLE_S = 0.02
+
+
+def _switch(state: str, interrupt: bool | None) -> None:
     if state == "on":
-        enable(timeout=STALL_S)
+        enable(timeout=STALL_S, interrupt=interrupt)
     else:
         disable()
+    # A watchdog thread just started still takes the GIL a few times on its way to its first
+    # wait; on a loaded machine, a thread preempted while holding it stalls the timed calls by
+    # a time slice. In a job it starts once, at init(): let it settle (every state alike).
+    time.sleep(SETTLE_S)
 
 
-def _time(work: Callable[[], None], repeats: int, warmup: int) -> dict[str, list[float]]:
+def _time(work: Callable[[], None], repeats: int, warmup: int,
+          interrupt: bool | None) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {s: [] for s in STATES}
     order = random.Random(0)  # the same order on every rank: collectives must line up
     for i in range(warmup + repeats):
         for state in order.sample(STATES, len(STATES)):
-            _switch(state)
+            _switch(state, interrupt)
             dist.barrier()
             start = time.perf_counter()
             work()
@@ -86,14 +98,21 @@ def _time(work: Callable[[], None], repeats: int, warmup: int) -> dict[str, list
     return times
 
 
-def _measure(world, dims: list[int], repeats: int, warmup: int) -> list[tuple]:
+def _measure(world, dims: list[int], repeats: int, warmup: int,
+             interrupt: bool | None) -> tuple[str, list[tuple]]:
+    mon = enable(timeout=STALL_S, interrupt=interrupt)
+    mode = (f"stall threshold {mon.timeout_s:g} s, "
+            + ("blocking gloo waits interrupted at it" if mon.interrupt else
+               "waits left to the process group (as init() starts it)"))
+    disable()
     rows = []
     for dim in dims:
         rows.append((f"DDP step, FullMLP({dim}, 16)", 1, _time(_ddp_step(dim, world.rank),
-                                                               repeats, warmup)))
+                                                               repeats, warmup, interrupt)))
     for nbytes, calls, label in ((4096, 20, "all_reduce 4 KiB"), (4 << 20, 2, "all_reduce 4 MiB")):
-        rows.append((label, calls, _time(_all_reduce(nbytes, calls), repeats, warmup)))
-    return rows
+        rows.append((label, calls, _time(_all_reduce(nbytes, calls), repeats, warmup,
+                                         interrupt)))
+    return mode, rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,10 +123,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=30, help="timed rounds (default: 30)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
     p.add_argument("-n", "--world-size", type=int, default=2, help="ranks (default: 2)")
+    p.add_argument("--interrupt", action="store_true",
+                   help="measure the monitor that waits on blocking gloo calls with its own "
+                        "timeout (enable(interrupt=True)) instead of init()'s (default: off)")
     args = p.parse_args(argv)
-    rows = spawn(_measure, args.world_size, args=(args.dims, args.repeats, args.warmup),
-                 timeout=3600)[0]
-    print(f"{args.world_size} ranks, {args.repeats} rounds; ratio of medians [90% interval]")
+    mode, rows = spawn(_measure, args.world_size,
+                       args=(args.dims, args.repeats, args.warmup, args.interrupt or None),
+                       timeout=GROUP_TIMEOUT_S)[0]
+    print(f"{args.world_size} ranks, {args.repeats} rounds; ratio of medians [90% interval]; "
+          f"monitor: {mode}")
     print(f"{'workload':30} {'off ms':>9} {'on ms':>9} {'on/off':>20} {'off-2/off (A/A)':>20}")
     for label, calls, t in rows:
         r, (lo, hi) = compare(t["on"], t["off"])

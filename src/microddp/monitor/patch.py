@@ -1,10 +1,19 @@
 """Log every collective by wrapping torch.distributed's functions while monitoring is on.
 
 microddp.comms (and any user code) calls them through the `torch.distributed` module, so the
-wrappers see every call without a change to the callers. On gloo a blocking call waits with the
-monitor's timeout, so a stall ends in a MicroDDPError carrying the hang report instead of a wait
-of the process group's full timeout. NCCL calls are left as they are (waiting on the CPU would
-serialise the GPU); the watchdog thread reports their stalls.
+wrappers see every call without a change to the callers.
+
+Two ways to wait. By default a call runs as it would without the monitor: the wrapper notes it
+(a sequence number, the time, the arguments and the caller's frame, described only if a report
+asks) and the watchdog thread reports a call that takes longer than the monitor's timeout. A
+blocking gloo call then ends on the process group's own timeout, in a MicroDDPError carrying
+the report; anything else (NCCL, an async op, microddp's own collectives) is ended by the
+watchdog after the report (`abort`). That costs about a microsecond per call. With
+`interrupt`, a blocking gloo call is launched async and waited on with the monitor's timeout,
+so a stall raises the report in the caller after the monitor's timeout, however long the
+process group's is; that costs a hand-over to gloo's thread and back on every call (~0.1-0.2
+ms for a small one), so it is on only when it buys something (see Monitor.interrupt). NCCL
+calls are never converted (waiting on the CPU would serialise the GPU).
 
 microddp.collectives' public functions (ring_all_reduce, ...) are wrapped the same way, as
 attributes of the package and of the module defining each: they talk through send/recv, which
@@ -32,7 +41,7 @@ import torch.distributed as dist
 from ..errors import MicroDDPError
 from . import desync
 from .hang import Monitor
-from .log import Entry, describe_tensor, where
+from .log import Entry, describe_tensor
 
 COLLECTIVES = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -90,7 +99,7 @@ class MonitoredWork:
         try:
             ok = self._work.wait(timeout or timedelta(seconds=max(left, 0.05)))
         except RuntimeError as e:
-            raise MicroDDPError(mon.collect(entry, why=str(e).splitlines()[0])) from None
+            raise MicroDDPError(mon.collect(entry, why=_first_line(e))) from None
         mon.log.end(entry)
         return ok
 
@@ -103,44 +112,108 @@ class MonitoredWork:
         return getattr(self._work, name)
 
 
-def _wrap(name: str, fn: Callable) -> Callable:
-    params = inspect.signature(fn).parameters
-    names = list(params)
-    defaults = {k: p.default for k, p in params.items() if k in _DETAIL_ARGS
-                and p.default is not inspect.Parameter.empty}
-    at = names.index("async_op") if "async_op" in names else -1
+class ReportingWork:
+    """An async gloo op's Work, waited on as the caller asks (no timeout of ours, no extra
+    hand-over): only a failed wait becomes a MicroDDPError carrying the hang report."""
+
+    def __init__(self, work: Any, entry: Entry, mon: Monitor) -> None:
+        self._work, self._entry, self._mon = work, entry, mon
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            ok = self._work.wait(*args, **kwargs)
+        except RuntimeError as e:
+            err = _reported(self._mon, self._entry, e)
+            if err is e:
+                raise
+            raise err from None
+        self._mon.log.end(self._entry)
+        return ok
+
+    def __getattr__(self, name: str) -> Any:  # get_future, is_completed, result, ...
+        return getattr(self._work, name)
+
+
+def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
+    """What a collective's failure becomes: the hang report if the backend gave up on it (or
+    a report was made already), else the error itself (arguments refused at once)."""
+    if isinstance(e, MicroDDPError) or (mon.report is None and not _backend_failed(e)):
+        return e
+    return MicroDDPError(mon.collect(entry, why=_first_line(e)))
+
+
+class _Signature:
+    """Where a wrapped function's arguments are, found once per function: inspect's bind()
+    costs ~20 us a call, a position lookup well under one."""
+
+    def __init__(self, fn: Callable) -> None:
+        params = inspect.signature(fn).parameters
+        self.names = list(params)
+        self.defaults = {k: p.default for k, p in params.items() if k in _DETAIL_ARGS
+                         and p.default is not inspect.Parameter.empty}
+        self.group_at = self.names.index("group") if "group" in params else -1
+        self.async_at = self.names.index("async_op") if "async_op" in params else -1
+
+    def group(self, args: tuple, kwargs: dict) -> Any:
+        i = self.group_at
+        return args[i] if 0 <= i < len(args) else kwargs.get("group")
+
+    def async_op(self, args: tuple, kwargs: dict) -> bool:
+        i = self.async_at
+        return bool(args[i] if 0 <= i < len(args) else kwargs.get("async_op"))
+
+    def bind(self, args: tuple, kwargs: dict) -> dict:
+        a = dict(self.defaults)
+        a.update(zip(self.names, args, strict=False))
+        a.update(kwargs)
+        return a
+
+    def describe(self, args: tuple, kwargs: dict) -> tuple[str, str]:
+        """(shape, detail) of a call: what a report and the debug comparison name."""
+        a = self.bind(args, kwargs)
+        return next((describe_tensor(a[k]) for k in _TENSOR_ARGS if k in a), ""), _detail(a)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _backend_failed(e: RuntimeError) -> bool:
+    """The backend gave up waiting or lost a peer (gloo's "[.../gloo/...] Timed out ...",
+    "Connection closed by peer"; NCCL's DistBackendError), rather than refusing the arguments
+    at once: a report is worth gathering."""
+    first = str(e).lstrip()
+    return isinstance(e, getattr(dist, "DistBackendError", ())) or (
+        first.startswith("[") and "gloo" in first[:first.find("]")])
+
+
+def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
+    sig = _Signature(fn)
+    at = sig.async_at
 
     def as_async(args: tuple, kwargs: dict) -> Any:
         if len(args) > at:
             return fn(*args[:at], True, *args[at + 1:], **kwargs)
         return fn(*args, **{**kwargs, "async_op": True})
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        mon = _active
-        if mon is None:
-            return fn(*args, **kwargs)
-        a = dict(defaults)  # inspect's bind() costs ~20 us; this ~1 us
-        a.update(zip(names, args, strict=False))
-        a.update(kwargs)
-        if _outside(a.get("group")):
-            return fn(*args, **kwargs)
-        shape = next((describe_tensor(a[k]) for k in _TENSOR_ARGS if k in a), "")
-        entry = mon.log.begin(group_name(a.get("group")), name, shape, _detail(a),
-                              where(sys._getframe(1), user=True))
+    def interrupting(mon: Monitor, entry: Entry, group: Any, args: tuple, kwargs: dict) -> Any:
+        """monitor.enable(interrupt=True) or debug: a blocking gloo call runs async and is
+        waited on with the monitor's timeout, so its stall raises the report here."""
+        entry.settle()
         if mon.debug:
-            desync.check(mon, entry, a.get("group"))
-        gloo = _backend(a.get("group")) == "gloo"
-        if a.get("async_op") or (at >= 0 and gloo):
+            desync.check(mon, entry, group)
+        gloo = _backend(group) == "gloo"
+        async_op = sig.async_op(args, kwargs)
+        if async_op or (at >= 0 and gloo):
             try:  # a call refused at launch (bad arguments) is the caller's error, not a hang
-                work = fn(*args, **kwargs) if a.get("async_op") else as_async(args, kwargs)
+                work = fn(*args, **kwargs) if async_op else as_async(args, kwargs)
             except BaseException:
                 mon.log.end(entry)  # left open, the watchdog would report it as a stall
                 raise
             if work is None:
                 mon.log.end(entry)
                 return None
-            if a.get("async_op"):
+            if async_op:
                 entry.work = work
                 if not gloo:
                     return work
@@ -152,13 +225,65 @@ def _wrap(name: str, fn: Callable) -> Callable:
                 work.wait(timedelta(seconds=mon.timeout_s))
                 return None
             return fn(*args, **kwargs)
+        except MicroDDPError:
+            raise
         except RuntimeError as e:
-            raise MicroDDPError(mon.collect(entry, why=str(e).splitlines()[0])) from None
+            raise MicroDDPError(mon.collect(entry, why=_first_line(e))) from None
+        finally:
+            mon.log.end(entry)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mon = _active
+        if mon is None:
+            return fn(*args, **kwargs)
+        group = sig.group(args, kwargs)
+        if group is not None and _outside(group):
+            return fn(*args, **kwargs)
+        # The arguments and the caller's frame, held while the call runs: described only if
+        # a report (or debug mode) asks, not on every call.
+        entry = mon.log.begin("world" if group is None else group_name(group), name,
+                              (sig.describe, args, kwargs), sys._getframe(1))
+        if mon.interrupt or mon.debug:
+            return interrupting(mon, entry, group, args, kwargs)
+        # A gloo op fails by itself at the process group's timeout (async or not): after the
+        # report, the watchdog leaves the ending to it, in a MicroDDPError raised below.
+        gloo = entry.ends_itself = torch_own and _gloo(group)
+        if sig.async_op(args, kwargs):
+            entry.locate_caller()  # the caller moves on; the Work keeps the tensors anyway
+            try:
+                work = fn(*args, **kwargs)
+            except BaseException:
+                mon.log.end(entry)  # left open, the watchdog would report it as a stall
+                raise
+            if work is None:
+                mon.log.end(entry)
+                return None
+            entry.work = work  # the watchdog polls it
+            return ReportingWork(work, entry, mon) if gloo else work
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            err = _reported(mon, entry, e)
+            if err is e:
+                raise  # refused at once (bad arguments): the caller's error, not a hang
+            raise err from None
         finally:
             mon.log.end(entry)
 
     wrapper.__microddp_original__ = fn
     return wrapper
+
+
+_gloo_groups: dict[Any, bool] = {}  # group -> is it gloo's: asked once per group
+
+
+def _gloo(group: Any) -> bool:
+    try:
+        return _gloo_groups[group]
+    except KeyError:
+        gloo = _gloo_groups[group] = _backend(group) == "gloo"
+        return gloo
 
 
 def _ours() -> list[tuple[Any, str, str]]:
@@ -186,7 +311,7 @@ def install(mon: Monitor) -> None:
         if fn is None or (module, attr) in _originals:
             continue
         _originals[module, attr] = fn
-        setattr(module, attr, _wrap(name, fn))
+        setattr(module, attr, _wrap(name, fn, torch_own=module is dist))
 
 
 def uninstall() -> Monitor | None:
@@ -196,6 +321,7 @@ def uninstall() -> Monitor | None:
     for (module, attr), fn in _originals.items():
         setattr(module, attr, fn)
     _originals.clear()
+    _gloo_groups.clear()  # let go of the groups: the next job forms new ones
     return mon
 
 
