@@ -113,6 +113,12 @@ def _leaves_no_tensor_behind(world):
         if work is not None:
             work.wait()
         del t, work
+    # An async call's entry holds torch's own Work (never a wrapper: torch's C++ takes it)
+    # until the watchdog sees it complete, within one of its polls.
+    import time
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(e.done is None for e in list(mon.log.recent)[-2:]):
+        time.sleep(0.05)
     gc.collect()
     return mon.interrupt, [r() is None for r in refs], [e.done is not None for e in
                                                         list(mon.log.recent)[-2:]]

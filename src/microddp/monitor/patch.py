@@ -112,28 +112,6 @@ class MonitoredWork:
         return getattr(self._work, name)
 
 
-class ReportingWork:
-    """An async gloo op's Work, waited on as the caller asks (no timeout of ours, no extra
-    hand-over): only a failed wait becomes a MicroDDPError carrying the hang report."""
-
-    def __init__(self, work: Any, entry: Entry, mon: Monitor) -> None:
-        self._work, self._entry, self._mon = work, entry, mon
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            ok = self._work.wait(*args, **kwargs)
-        except RuntimeError as e:
-            err = _reported(self._mon, self._entry, e)
-            if err is e:
-                raise
-            raise err from None
-        self._mon.log.end(self._entry)
-        return ok
-
-    def __getattr__(self, name: str) -> Any:  # get_future, is_completed, result, ...
-        return getattr(self._work, name)
-
-
 def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
     """What a collective's failure becomes: the hang report if the backend gave up on it (or
     a report was made already), else the error itself (arguments refused at once)."""
@@ -248,7 +226,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
             return interrupting(mon, entry, group, args, kwargs)
         # A gloo op fails by itself at the process group's timeout (async or not): after the
         # report, the watchdog leaves the ending to it, in a MicroDDPError raised below.
-        gloo = entry.ends_itself = torch_own and _gloo(group)
+        entry.ends_itself = torch_own and _gloo(group)
         if sig.async_op(args, kwargs):
             entry.locate_caller()  # the caller moves on; the Work keeps the tensors anyway
             try:
@@ -260,7 +238,10 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
                 mon.log.end(entry)
                 return None
             entry.work = work  # the watchdog polls it
-            return ReportingWork(work, entry, mon) if gloo else work
+            # torch's own Work, never a wrapper: torch hands Works to C++ (DDP's reducer under
+            # Join takes its forward all-reduce's), which refuses a Python object. A stalled
+            # wait then fails with gloo's error, after the watchdog has printed the report.
+            return work
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
