@@ -11,7 +11,7 @@ import torch
 import microddp
 from errors_helpers import message
 from microddp import collectives as C
-from microddp.collectives._agree import _code
+from microddp.collectives.agree import _code
 
 PAIRS = {  # what rank 0 calls, what the others call
     "ring vs tree": (lambda t: C.ring_all_reduce(t), lambda t: C.tree_all_reduce(t)),
@@ -61,8 +61,8 @@ def test_ranks_calling_different_things_all_get_a_clear_error(settled):
 
 def _carried_mismatches(world) -> dict:
     """On 2 ranks, once a ring call has settled the connections, the check travels beside the
-    data (_carried.py): every mismatch is still named, on both ranks, including on a tensor
-    whose call is kept (_memo.py), and nothing left posted by a refused call lands anywhere."""
+    data (ring_carried.py): every mismatch is still named, on both ranks, including on a tensor
+    whose call is kept (ring_plan.py), and nothing left posted by a refused call lands anywhere."""
     r = world.rank
     C.ring_all_reduce(torch.ones(2))
     kept = torch.ones(6)

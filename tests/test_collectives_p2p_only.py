@@ -10,10 +10,6 @@ from torch._C._distributed_c10d import Backend
 
 import microddp
 from microddp import collectives as C
-from microddp.collectives._duplex import duplex_enabled
-from microddp.collectives._group import Peers
-from microddp.collectives._pair import pair_all_reduce_
-from microddp.collectives._plan import make_plan
 from microddp.collectives.ring import (
     PAIR_MIN_CHUNK,
     PREPOST_MAX_CHUNK,
@@ -21,6 +17,10 @@ from microddp.collectives.ring import (
     planned_ring_all_reduce_,
     posting,
 )
+from microddp.collectives.ring_loops import pair_all_reduce_
+from microddp.collectives.ring_plan import make_plan
+from microddp.transport.duplex import duplex_enabled
+from microddp.transport.peers import Peers
 
 PAIR = [0, 2]  # a sub-group
 # int64 x of 7 elements, repeated: 3 chunks each a little over PREPOST_MAX_CHUNK bytes
@@ -48,7 +48,7 @@ def _trap(name):
 
 
 def _ring_paths(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
-    """The sum of `x` over 3 ranks by the ring's loops (_policy.py picks one by chunk size and
+    """The sum of `x` over 3 ranks by the ring's loops (ring_loops.py picks one by chunk size and
     world size; the plain loop, which it never picks, and the NCCL loop are called
     directly; the pair loop runs on 2 ranks, in _everything)."""
     peers = Peers()
@@ -132,7 +132,7 @@ def _run_trapped(world) -> tuple[bool, int]:
         for module in (dist, c10d):
             if hasattr(module, name):
                 setattr(module, name, _trap(name))
-    # The 2-rank ring's second connection (_duplex.py) is a gloo backend object, not a
+    # The 2-rank ring's second connection (transport/duplex.py) is a gloo backend object, not a
     # ProcessGroup: its class (Backend) is trapped and counted too. Calls that go through a
     # ProcessGroup reach its backend inside C++, so these traps see only direct calls.
     for cls, kind in ((dist.ProcessGroup, "group"), (Backend, "backend")):

@@ -5,6 +5,7 @@
     model = mdp.DDP(mdp.FullMLP(128, 16))    # torch's DistributedDataParallel, rebuilt
 """
 
+import sys
 from importlib import import_module
 
 from . import comms
@@ -31,6 +32,30 @@ _LAZY = {
     "trace_report": ("microddp.trace_report", None),
     "train": ("microddp.train", None),
 }
+
+
+class _HangMonitor:
+    """microddp.monitor as the world's watcher: `init` starts it when it forms a group. The
+    world sits below the monitor, so the monitor is handed to it here, and imported only once
+    a group forms (`import microddp` stays quick)."""
+
+    def wanted(self, requested: bool | None) -> bool:
+        from .monitor.default import wanted
+
+        return wanted(requested)
+
+    def start(self, timeout_s: float) -> None:
+        from . import monitor
+
+        monitor.enable(timeout=monitor.stall_seconds(timeout_s))
+
+    def stop(self) -> None:
+        monitor = sys.modules.get("microddp.monitor")  # never imported: nothing to stop
+        if monitor is not None:
+            monitor.disable()
+
+
+comms.world.watch_with(_HangMonitor())
 
 
 def __getattr__(name: str):

@@ -90,8 +90,8 @@ def _live_checks(spawn: Callable, backend: str) -> list[tuple[str, bool, str]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from .comms.world import backend_available
     from .spawn import spawn
-    from .world import backend_available
 
     checks: list[tuple[str, bool, str]] = []
     advice: list[str] = []

@@ -119,7 +119,7 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from . import world  # noqa: PLC0415 (imported after the environment is in place)
+    from .comms import world
 
     world._world = None  # a forked child must not inherit its parent's world
     try:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import flags, outputs, trace, trace_report
+from .comms.world import World
 from .errors import MicroDDPError
 from .spawn import spawn
-from .world import World
 
 EPILOG = """\
 examples:

@@ -17,9 +17,9 @@ from typing import Any
 import torch.distributed as dist
 
 from . import outputs, trace
+from .comms.world import World, get_world
 from .errors import MicroDDPError
 from .trace import Span
-from .world import World, get_world
 
 TID_MAIN, TID_COMM = 0, 1
 FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "wait_s",

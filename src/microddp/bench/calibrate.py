@@ -18,10 +18,10 @@ from torch import nn
 
 from .. import comms
 from ..collectives.cost import fit_line
+from ..comms.world import World
 from ..model import FullMLP
 from ..predict import Hardware, fullmlp, predict, save_calibration
 from ..spawn import spawn
-from ..world import World
 from .timing import interleaved
 
 SIZES = [2**k for k in range(10, 24, 2)]  # 1 KiB .. 4 MiB of float32

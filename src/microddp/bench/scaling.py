@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from .. import flags, outputs, trace, trace_report
+from ..comms.world import World
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..spawn import spawn
-from ..world import World
 from .timing import interleaved
 
 EPILOG = """\

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import checkpoint, monitor, outputs, trace, trace_report
+from ..comms.world import World
 from ..data import ShardedBatchSampler, evaluate, load_dataset
-from ..world import World
 from . import resume
 from .build import Hook, Precision, bare, build_model, build_optimizer, wrap
 from .config import TrainConfig, validate

@@ -1,6 +1,6 @@
 """The ring's metadata check on 2 gloo ranks, carried beside its data instead of in front of it.
 
-The agreement (_agree.py) is a round of its own: every rank waits for it before it posts a
+The agreement (agree.py) is a round of its own: every rank waits for it before it posts a
 single byte of data, and on 2 ranks that round cost as much as the ring's two steps at small
 sizes (1.74-1.98x gloo's time at 4 KiB, against the unchecked ring's ~1x; chapter 4). Here
 each rank still sends the very same numbers (its header: shape, dtype, op, settings), on the
@@ -17,7 +17,7 @@ and both raise the same errors. What changes is the order around it:
 4. otherwise send the data, to the other's tag base, and run the ring's two steps.
 
 So the only thing in front of the data is one small message that travels while the data
-receives are being announced; with the repeat-call memo (_memo.py) nothing else is either.
+receives are being announced; with the repeat-call memo (ring_plan.py) nothing else is either.
 This takes only 2 ranks: on more, a rank hears from one neighbour only, and a rank whose
 neighbour agrees with it would send on to one that gave up (the butterfly is kept there).
 """
@@ -29,9 +29,9 @@ import itertools
 
 import torch
 
-from ._agree import FIRST_TAG, SLOTS, described, encode, judge
-from ._group import COMBINE, Peers
-from ._plan import RingPlan
+from ..transport.peers import COMBINE, Peers
+from .agree import FIRST_TAG, SLOTS, described, encode, judge
+from .ring_plan import RingPlan
 
 # Where a header carries its sender's tag base. It is past every field an agreement compares
 # (at most 9), so a rank running `agree` reads the rest of the header and ignores it.
@@ -51,7 +51,7 @@ def _next_base() -> int:
 
 class Header:
     """One rank's header for one kind of call, and a buffer for the other rank's; kept with the
-    call (_memo.py), so a repeat call only stamps its tag base in and sends it."""
+    call (ring_plan.py), so a repeat call only stamps its tag base in and sends it."""
 
     def __init__(self, where: str, fields: dict, settings: dict):
         self.where, self.settings = where, settings

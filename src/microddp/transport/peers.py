@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
+from ..comms.world import get_world, uses_nccl
 from ..errors import MicroDDPError
-from ..world import get_world, uses_nccl
 
 # In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.
 COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
@@ -78,7 +78,7 @@ class Peers:
 
     def __init__(self, group=None):
         self.group = group
-        self.back = None  # on 2 ranks, a second group for messages from rank 1 to 0 (_duplex.py)
+        self.back = None  # on 2 ranks, a second group for messages from rank 1 to 0 (transport/duplex.py)
         self.distributed = get_world().distributed
         if not self.distributed:
             self.size, self.me, self.pg, self.nccl = 1, 0, None, False
@@ -135,7 +135,7 @@ class Peers:
 
     def isend_main(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         """isend on the group's own connection, even to a lower rank when there is a second
-        one: where every collective's agreement travels (_carried.py)."""
+        one: where every collective's agreement travels (ring_carried.py)."""
         if _counters:
             _count(tensor)
         return self.pg.send([tensor], peer, tag)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .errors import MicroDDPError
+from ..errors import MicroDDPError
 from .rendezvous import env_int, store_args
 from .teardown import before_group, release, watch
 
@@ -46,6 +46,31 @@ class World:
 
 
 _world: World | None = None
+
+
+class Watcher(Protocol):
+    """What `init` starts once it forms a process group and `shutdown` stops before the group
+    goes: the hang monitor. It lives above this layer (it watches collectives too), so it is
+    handed in (`watch_with`) rather than imported from here."""
+
+    def wanted(self, requested: bool | None) -> bool: ...
+    def start(self, timeout_s: float) -> None: ...
+    def stop(self) -> None: ...
+
+
+_watcher: Watcher | None = None
+
+
+def watch_with(watcher: Watcher | None) -> None:
+    """Have every `init` that forms a group start `watcher`, and `shutdown` stop it."""
+    global _watcher
+    _watcher = watcher
+
+
+def distributed() -> bool:
+    """Is there a process group to talk through? False in a world of one process, where every
+    collective is a local no-op or copy. The one place microddp asks this question."""
+    return get_world().distributed
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
@@ -140,9 +165,9 @@ def init(
     in a report of where every rank is rather than in the backend's bare timeout; `monitor`
     False (or MICRODDP_MONITOR=0) leaves it off.
     """
-    from .monitor.default import wanted  # noqa: PLC0415 (monitor imports this module)
-
-    monitor_on = wanted(monitor)  # a bad MICRODDP_MONITOR fails before any rendezvous
+    watcher = _watcher
+    # A bad MICRODDP_MONITOR fails before any rendezvous.
+    monitor_on = watcher is not None and watcher.wanted(monitor)
     global _world
     if _world is not None:
         return _world
@@ -179,9 +204,7 @@ def init(
         # is local to this rank, so it is safe at exit; NCCL's may wait for the other ranks.
         atexit.register(_leave_at_exit, _world)
     if monitor_on:
-        from . import monitor as mon  # noqa: PLC0415
-
-        mon.enable(timeout=mon.stall_seconds(td.total_seconds()))
+        watcher.start(td.total_seconds())
     return _world
 
 
@@ -233,10 +256,9 @@ def shutdown() -> None:
     any) so the next `init` starts afresh, and free them now, while Python can still run
     their threads' last steps (teardown.py)."""
     global _world
-    monitor = sys.modules.get("microddp.monitor")  # never imported: nothing to stop
-    if monitor is not None:
+    if _watcher is not None:
         # First: its watchdog polls the store, which the process group's end takes away.
-        monitor.disable()
+        _watcher.stop()
     if dist.is_available() and dist.is_initialized():
         groups = watch()
         dist.destroy_process_group()

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import comms_args
+from ..comms import args as comms_args
 from ..errors import MicroDDPError
 
 if TYPE_CHECKING:
-    from ._group import Peers
+    from ..transport.peers import Peers
 
 
 def op_name(op, tensor: torch.Tensor, where: str) -> str:

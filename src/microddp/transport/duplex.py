@@ -23,7 +23,7 @@ on its first call on a group. It lives as long as the group's Python object (kep
 torch.distributed does not know it, so `destroy_process_group` frees it only once nothing
 else holds the group. MICRODDP_DUPLEX=0 (the same on every rank: with check=True the ring
 agrees on it) keeps one connection, and the ring then runs the orders it uses on one
-(_policy.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
+(ring_loops.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
 may hold GPU tensors that a gloo connection cannot send.
 """
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
-from ._group import Peers
+from .peers import Peers
 
 _backs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> second group or None
 _UNSEEN = object()

@@ -2,7 +2,7 @@
 
 Why wrap at all: one spelling for reduce ops (`"sum"`, `"avg"`, ...), `avg` on every backend
 (gloo has no native average on older torch), a world of one process that works without a
-process group, and clear errors instead of backend-specific ones (comms_args.py). Ranks
+process group, and clear errors instead of backend-specific ones (args.py). Ranks
 (`src`, `dst`) are global ranks, as in torch.distributed; torch's `group_src`/`group_dst`
 (ranks inside `group`) are accepted too, and without either a rooted call takes rank 0.
 
@@ -20,10 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .comms_args import REDUCE_OPS, check_list, check_op_dtype, op_name, peer, root
-from .errors import MicroDDPError
+from ..errors import MicroDDPError
+from .args import REDUCE_OPS, check_list, check_op_dtype, op_name, peer, root
 from .handle import Handle
-from .world import World, get_world, init, is_initialized, shutdown
+from .world import World, distributed, get_world, init, is_initialized, shutdown
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
@@ -36,21 +36,17 @@ Op = str  # one of REDUCE_OPS; a dist.ReduceOp is accepted too
 
 
 def group_size(group=None) -> int:
-    return dist.get_world_size(group) if _distributed() else 1
+    return dist.get_world_size(group) if distributed() else 1
 
 
 def group_rank(group=None) -> int:
     """This process's rank inside `group` (-1 if it is not a member)."""
-    return dist.get_rank(group) if _distributed() else 0
-
-
-def _distributed() -> bool:
-    return get_world().distributed
+    return dist.get_rank(group) if distributed() else 0
 
 
 def _outside(group) -> bool:
     """This rank is not in `group`: torch skips the call here, and so do the wrappers."""
-    return group is not None and _distributed() and dist.get_rank(group) < 0
+    return group is not None and distributed() and dist.get_rank(group) < 0
 
 
 def _done(async_op: bool, finish: Callable[[], None] | None = None,
@@ -80,7 +76,7 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
     """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
     name = op_name(op)
     check_op_dtype(name, tensor)
-    if not _distributed():
+    if not distributed():
         return _done(async_op, result=[tensor])
     if _outside(group):
         return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
@@ -102,7 +98,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
         return dist.broadcast(tensor, group=group, async_op=async_op,
                               **_skipped_root("src", src, group_src))
     src = root(src, group_src, group, "src")
-    if not _distributed():
+    if not distributed():
         return _done(async_op, result=[tensor])
     return _result(dist.broadcast(tensor, src, group, async_op=True), async_op)
 
@@ -113,7 +109,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     if _outside(group):
         return dist.all_gather(tensor_list, tensor, group, async_op)
     check_list(tensor_list, group, "tensor_list", tensor)
-    if not _distributed():
+    if not distributed():
         return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
     return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
 
@@ -126,7 +122,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
     if _outside(group):
         return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
     check_list(input_list, group, "input_list", output)
-    if not _distributed():
+    if not distributed():
         return _done(async_op, lambda: output.copy_(input_list[0]), [output])
     finish = _divide(output, group_size(group)) if name == "avg" else None
     work = dist.reduce_scatter(output, list(input_list), REDUCE_OPS[name], group, async_op=True)
@@ -143,7 +139,7 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Op = "sum", group=N
         return dist.reduce(tensor, op=REDUCE_OPS[name], group=group, async_op=async_op,
                            **_skipped_root("dst", dst, group_dst))
     dst = root(dst, group_dst, group, "dst")
-    if not _distributed():
+    if not distributed():
         return _done(async_op, result=[tensor])
     is_dst = dist.get_rank() == dst
     finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
@@ -159,10 +155,10 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
         return dist.scatter(tensor, None, group=group, async_op=async_op,
                             **_skipped_root("src", src, group_src))
     src = root(src, group_src, group, "src")
-    is_src = not _distributed() or dist.get_rank() == src
+    is_src = not distributed() or dist.get_rank() == src
     if is_src:
         check_list(scatter_list, group, "scatter_list", tensor)
-    if not _distributed():
+    if not distributed():
         return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
     work = dist.scatter(tensor, list(scatter_list) if is_src else None, src, group,
                         async_op=True)
@@ -178,10 +174,10 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
         return dist.gather(tensor, None, group=group, async_op=async_op,
                            **_skipped_root("dst", dst, group_dst))
     dst = root(dst, group_dst, group, "dst")
-    is_dst = not _distributed() or dist.get_rank() == dst
+    is_dst = not distributed() or dist.get_rank() == dst
     if is_dst:
         check_list(gather_list, group, "gather_list", tensor)
-    if not _distributed():
+    if not distributed():
         return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
     work = dist.gather(tensor, gather_list if is_dst else None, dst, group, async_op=True)
     return _result(work, async_op)
@@ -189,7 +185,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
 
 def barrier(group=None, async_op: bool = False) -> Handle | None:
     """Block until every rank of the group has arrived."""
-    if not _distributed():
+    if not distributed():
         return _done(async_op)
     if _outside(group):
         return dist.barrier(group, async_op)

@@ -16,11 +16,11 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MicroDDPError
-from ._checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
-from ._group import Peers, wait_all
+from ..transport.peers import Peers, wait_all
+from .checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
 
 # The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
-# ring's data (_carried.py) goes with it, so that it meets another rank's agreement.
+# ring's data (ring_carried.py) goes with it, so that it meets another rank's agreement.
 FIRST_TAG = 3
 
 
@@ -181,7 +181,7 @@ def check_all_reduce(tensor: torch.Tensor, op: str, group, where: str,
                      problem: MicroDDPError | None = None
                      ) -> tuple[Peers, str, MicroDDPError | None] | None:
     """The local half of begin_all_reduce: (peers, op name, this rank's problem or None), or
-    None off the group; the problem is still to be shared (agree, or a header: _carried.py)."""
+    None off the group; the problem is still to be shared (agree, or a header: ring_carried.py)."""
     peers = Peers(group)
     if not peers.member:
         check_tensor(tensor, where)

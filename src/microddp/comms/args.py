@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import MicroDDPError
-from .world import get_world, uses_nccl
+from ..errors import MicroDDPError
+from .world import distributed, get_world, uses_nccl
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -62,7 +62,7 @@ def check_list(tensors, group, what: str, like: torch.Tensor) -> None:
         got = ("none" if tensors is None else "a tensor, not a list"
                if isinstance(tensors, torch.Tensor) else len(tensors))
         raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
-    even = not (_distributed() and like.is_cuda and uses_nccl(group))
+    even = not (distributed() and like.is_cuda and uses_nccl(group))
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise MicroDDPError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
@@ -79,7 +79,7 @@ def root(rank: int | None, group_rank: int | None, group, what: str) -> int:
     (gloo: 'invalid root rank'), or not at all."""
     if group_rank is not None:
         return _from_group_rank(rank, group_rank, group, what)
-    ranks = (list(range(get_world().world_size)) if group is None or not _distributed()
+    ranks = (list(range(get_world().world_size)) if group is None or not distributed()
              else dist.get_process_group_ranks(group))
     if rank is None and 0 not in ranks:
         raise MicroDDPError(f"no {what} given, so the root is global rank 0, which is not in "
@@ -127,12 +127,10 @@ def check_group_rank(rank: int | None, group_rank: int, size: int, name: str,
 
 def _from_group_rank(rank: int | None, group_rank: int, group, what: str) -> int:
     check_group_rank(rank, group_rank, _size(group), what.rpartition(" ")[2], what)
-    return dist.get_global_rank(group, group_rank) if _distributed() and group else group_rank
+    return dist.get_global_rank(group, group_rank) if distributed() and group else group_rank
 
 
-def _distributed() -> bool:
-    return get_world().distributed
 
 
 def _size(group) -> int:
-    return dist.get_world_size(group) if _distributed() else 1
+    return dist.get_world_size(group) if distributed() else 1

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .errors import MicroDDPError
+from ..errors import MicroDDPError
 
 
 def env_int(name: str, default: int | None) -> int | None:
