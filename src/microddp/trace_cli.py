@@ -19,6 +19,7 @@ from torch import nn
 
 from . import flags, outputs, trace, trace_report
 from .comms.world import World
+from .dp.engines import ENGINES
 from .errors import MicroDDPError
 from .spawn import spawn
 
@@ -30,7 +31,7 @@ examples:
   microddp trace --overhead --steps 200   # what recording spans and logging collectives cost
 """
 
-ENGINES = ("naive", "hooks", "buckets", "overlap", "microddp", "torch")
+
 
 
 def _traced_torch_ddp(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
