@@ -1,4 +1,4 @@
-"""Shared test set-up: every multi-process test goes through microddp.spawn, which has a
+"""Shared test set-up: every multi-process test goes through microddp.launch.spawn, which has a
 deadline and kills its ranks, so a bug fails a test instead of hanging CI."""
 
 import os

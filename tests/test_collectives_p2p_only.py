@@ -157,7 +157,7 @@ def test_no_builtin_collective_is_called():
     assert posting(-(-7 // 2) * 8, 2) == "lookahead"
     assert posting(-(-7 // 3) * 8, 3, segment_bytes=16) == "pipeline"
     assert posting(PAIR_MIN_CHUNK, 2) == "pair"
-    out = microddp.spawn(_run_trapped, 3, timeout=90)
+    out = microddp.launch.spawn(_run_trapped, 3, timeout=90)
     assert [same for same, _ in out] == [True, True, True]
     assert all(sends["group"] > 0 for _, sends in out)  # the work went over point-to-point sends
     if duplex_enabled():  # the pair's group rank 1 (global 2) sends to 0 on its own connection
@@ -176,5 +176,5 @@ def _trap_is_live(world) -> str:
 
 
 def test_trap_catches_a_builtin_collective():
-    assert microddp.spawn(_trap_is_live, 2, timeout=60) == [
+    assert microddp.launch.spawn(_trap_is_live, 2, timeout=60) == [
         "built-in collective all_reduce was called"] * 2

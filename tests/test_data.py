@@ -210,7 +210,7 @@ def _eval_worker(world, n_test):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_evaluation_equals_single_process(world_size):
     n_test = 359  # prime: no world size splits it evenly
-    results = microddp.spawn(_eval_worker, world_size, args=(n_test,), timeout=60)
+    results = microddp.launch.spawn(_eval_worker, world_size, args=(n_test,), timeout=60)
     ds = digits()
     torch.manual_seed(1)
     model = FullMLP(16, depth=1, n_classes=10, in_features=64)

@@ -11,7 +11,7 @@ from importlib import import_module
 from . import comms
 from .comms import World, get_world, init, shutdown
 from .errors import MicroDDPError
-from .spawn import spawn
+from .launch.spawn import spawn
 
 __version__ = "0.1.0"
 
@@ -29,7 +29,10 @@ _LAZY = {
     "pipeline": ("microddp.pipeline", None),
     "predict": ("microddp.predict", None),
     "trace": ("microddp.trace", None),
-    "trace_report": ("microddp.trace_report", None),
+    "transport": ("microddp.transport", None),
+    "launch": ("microddp.launch", None),
+    "commands": ("microddp.commands", None),
+    "trace_report": ("microddp.trace.report", None),
     "train": ("microddp.train", None),
 }
 

@@ -30,7 +30,7 @@ from ..collectives.ring import (
 )
 from ..collectives.ring_plan import RingPlan
 from ..errors import MicroDDPError
-from ..spawn import spawn
+from ..launch.spawn import spawn
 from ..transport.duplex import duplex
 from ..transport.peers import Peers
 from .allreduce_report import CONTROL, describe, plot, table

@@ -88,7 +88,7 @@ def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..spawn import spawn
+    from ..launch.spawn import spawn
 
     flags.engines(args.engines)
     if args.world_size < 2:

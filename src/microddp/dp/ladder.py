@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .. import comms, trace
+from .. import comms
+from .. import spans as trace
 from .buckets import Bucket, MiB, plan_buckets
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

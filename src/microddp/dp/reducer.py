@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import trace
+from .. import spans as trace
 from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
 from .comm_hooks import CommHook, Summing, start_reduction

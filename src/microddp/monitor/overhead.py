@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..bench.timing import compare, median
-from ..spawn import spawn
+from ..launch.spawn import spawn
 from . import disable, enable, stall_seconds
 
 STATES = ("on", "off", "off-2")

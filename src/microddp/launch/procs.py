@@ -15,9 +15,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .comms.rendezvous import bind
-from .comms.world import _as_timedelta
-from .errors import MicroDDPError
+from ..comms.rendezvous import bind
+from ..comms.world import _as_timedelta
+from ..errors import MicroDDPError
 
 LOOPBACK = "127.0.0.1"
 

@@ -24,7 +24,7 @@ NESTED = True
 
 
 def add_arguments(p: argparse.ArgumentParser, argv: list[str]) -> None:
-    from ..cli import add_commands
+    from .dispatch import add_commands
 
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     add_commands(sub, BENCHMARKS, argv)

@@ -11,9 +11,19 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from . import predict as _model_module
-from .errors import MicroDDPError
-from .predict import ALGORITHMS, HARDWARE, MODELS, Hardware, Model, fullmlp, scaling, table, verdict
+from ..errors import MicroDDPError
+from ..predict import step as _model_module
+from ..predict.step import (
+    ALGORITHMS,
+    HARDWARE,
+    MODELS,
+    Hardware,
+    Model,
+    fullmlp,
+    scaling,
+    table,
+    verdict,
+)
 
 __doc__ = _model_module.__doc__  # what `microddp predict --help` describes
 
@@ -139,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         if args.hardware not in (None, "calibrated"):
             raise MicroDDPError(f"--calibrate predicts with the figures it measures here; drop "
                                 f"--hardware {args.hardware} (or drop --calibrate)")
-        from .bench.calibrate import calibrate_and_verify
+        from ..predict.calibrate import calibrate_and_verify
 
         calibrate_and_verify(args)
         args.hardware = "calibrated"  # then predict, on the figures just measured

@@ -22,10 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .launch import run as launch
+    from ..launch.run import run as launch
 
     return launch(argparse.Namespace(nproc=args.nproc, max_restarts=0, master_port=0,
-                                     module=True, script="microddp.hello", script_args=[]))
+                                     module=True, script="microddp.commands.hello", script_args=[]))
 
 
 def say(line: str) -> None:
@@ -45,7 +45,7 @@ def worker() -> int:
     """What each rank does; runs under `microddp run`, torchrun, or alone."""
     import torch
 
-    from . import comms
+    from .. import comms
 
     world = comms.init()
     say(f"hello from rank {world.rank} of {world.world_size} "

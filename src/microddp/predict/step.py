@@ -24,9 +24,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import outputs
-from .collectives.cost import CostModel
-from .errors import MicroDDPError
+from .. import outputs
+from ..collectives.cost import CostModel
+from ..errors import MicroDDPError
 
 
 @dataclass(frozen=True)

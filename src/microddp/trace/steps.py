@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import flags, outputs, trace, trace_report
-from .comms.world import World
-from .dp.engines import ENGINES
-from .errors import MicroDDPError
-from .spawn import spawn
+from .. import flags, outputs
+from .. import spans as trace
+from ..comms.world import World
+from ..dp.engines import ENGINES
+from ..errors import MicroDDPError
+from ..launch.spawn import spawn
+from . import report as trace_report
 
 EPILOG = """\
 examples:
@@ -87,7 +89,7 @@ def wrap(module: nn.Module, engine: str, bucket_cap_mb: float = 25.0) -> nn.Modu
     """A data-parallel wrapper whose communication shows up in the trace."""
     if engine == "torch":
         return _traced_torch_ddp(module, bucket_cap_mb)
-    from .dp import wrap as dp_wrap
+    from ..dp import wrap as dp_wrap
 
     return dp_wrap(module, engine, bucket_cap_mb=bucket_cap_mb)
 
@@ -98,7 +100,7 @@ def run_steps(world: World, engine: str = "overlap", dim: int = 256, depth: int 
 
     `batch` is per rank; the data is synthetic, a different shard on each rank.
     """
-    from .model import FullMLP
+    from ..model import FullMLP
 
     torch.manual_seed(0)
     model = wrap(FullMLP(dim, depth).to(world.device), engine, bucket_cap_mb)
@@ -126,10 +128,10 @@ def _run_job(world: World, run_dir: str, kwargs: dict) -> dict:
 
 def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[float]]:
     """Step times with nothing on, with the recorder on, and with the collective monitor on."""
-    from . import monitor
-    from .bench.timing import interleaved
-    from .model import FullMLP
-    from .monitor import patch
+    from .. import monitor
+    from ..bench.timing import interleaved
+    from ..model import FullMLP
+    from ..monitor import patch
 
     torch.manual_seed(0)
     dim, batch = kwargs["dim"], kwargs["batch"]
@@ -155,7 +157,7 @@ def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[fl
 
 def overhead(args: argparse.Namespace, kwargs: dict) -> int:
     """How much recording spans and logging collectives cost per step (ratio of medians)."""
-    from .bench.timing import median, ratio_of_medians
+    from ..bench.timing import median, ratio_of_medians
 
     print(f"measuring overhead: {args.steps} interleaved steps each, {args.nproc} rank(s), "
           f"engine {args.engine}, FullMLP({args.dim}, depth {args.depth})")

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from .errors import MicroDDPError
+from ..errors import MicroDDPError
 from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 MAX_WORKERS = 1024
@@ -37,7 +37,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 EPILOG = """\
 examples:
-  microddp run -n 2 -m microddp.hello                 # 2 local workers of a module
+  microddp run -n 2 -m microddp.commands.hello                 # 2 local workers of a module
   microddp run -n 2 -m microddp.train --epochs 1      # the training job, one worker per rank
   microddp run -n 2 --max-restarts 2 -m microddp.train --epochs 2 --out runs/restartable
 SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
@@ -45,7 +45,7 @@ init_process_group); the course scripts start their own ranks: run them with pla
 
 many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hosts
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank R \\
-           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 -m microddp.hello
+           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 -m microddp.commands.hello
 """
 
 
@@ -199,7 +199,7 @@ def _report(first: _Worker, workers: list[_Worker]) -> None:
 def _hang_report(first: _Worker, workers: list[_Worker]) -> list[str]:
     """The monitor's hang report from the failing rank's output, else from another rank's (the
     rank that reported may not be the one that failed first)."""
-    from .monitor.hang import find_report  # noqa: PLC0415 (only after a failure)
+    from ..monitor.hang import find_report  # noqa: PLC0415 (only after a failure)
 
     for w in [first, *(w for w in workers if w is not first)]:
         found = find_report(list(w.tail))

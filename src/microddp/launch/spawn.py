@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .errors import MicroDDPError
+from ..errors import MicroDDPError
 from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 
@@ -119,7 +119,7 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from .comms import world
+    from ..comms import world
 
     world._world = None  # a forked child must not inherit its parent's world
     try:
@@ -146,7 +146,7 @@ def _context(start_method: str | None):
         start_method = "forkserver" if sys.platform == "linux" else "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["microddp.spawn"])
+        ctx.set_forkserver_preload(["microddp.launch.spawn"])
     return ctx
 
 
@@ -168,7 +168,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
         # start ranks from every rank, for ever. multiprocessing's own message for this names
         # neither the script nor the fix.
         raise MicroDDPError(
-            f"microddp.spawn() ran while a rank was importing {sys.argv[0] or 'your script'}: "
+            f"microddp.launch.spawn() ran while a rank was importing {sys.argv[0] or 'your script'}: "
             "put the call under `if __name__ == \"__main__\":`, so that it runs only in the "
             "process you started")
     _warn_if_launched(world_size)
@@ -186,7 +186,7 @@ def _warn_if_launched(world_size: int) -> None:
     if _warned or not os.environ.get("TORCHELASTIC_RUN_ID") or "WORLD_SIZE" not in os.environ:
         return
     _warned = True
-    print(f"microddp.spawn: warning: this process is already rank {os.environ.get('RANK')} of "
+    print(f"microddp.launch.spawn: warning: this process is already rank {os.environ.get('RANK')} of "
           f"{os.environ['WORLD_SIZE']} started by a launcher, and starts {world_size} ranks of "
           "its own, so every launched rank runs the whole job; run a script that starts its "
           "own ranks (every course script does) with plain `python script.py`",

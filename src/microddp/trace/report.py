@@ -16,10 +16,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import outputs, trace
-from .comms.world import World, get_world
-from .errors import MicroDDPError
-from .trace import Span
+from .. import outputs
+from .. import spans as trace
+from ..comms.world import World, get_world
+from ..errors import MicroDDPError
+from ..spans import Span
 
 TID_MAIN, TID_COMM = 0, 1
 FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "wait_s",
@@ -262,7 +263,7 @@ def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
     world = world or get_world()
     rec = trace.stop()
     if rec is None:
-        raise MicroDDPError("tracing was never started on this rank; call microddp.trace.start() "
+        raise MicroDDPError("tracing was never started on this rank; call microddp.spans.start() "
                             "before the first step")
     by_rank = gather(rec, world)
     result = [write(by_rank, run_dir) if by_rank is not None else None]

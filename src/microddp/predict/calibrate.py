@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comms
+from ..bench.timing import interleaved
 from ..collectives.cost import fit_line
 from ..comms.world import World
+from ..launch.spawn import spawn
 from ..model import FullMLP
-from ..predict import Hardware, fullmlp, predict, save_calibration
-from ..spawn import spawn
-from .timing import interleaved
+from .step import Hardware, fullmlp, predict, save_calibration
 
 SIZES = [2**k for k in range(10, 24, 2)]  # 1 KiB .. 4 MiB of float32
 
@@ -114,7 +114,7 @@ def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float, float]:
 
 def _step_times(world: World, engine: str, dim: int, depth: int, batch: int,
                 repeats: int, bucket_mb: float) -> list[float]:
-    from ..trace_cli import wrap
+    from ..trace.steps import wrap
 
     torch.manual_seed(0)
     model = FullMLP(dim, depth)

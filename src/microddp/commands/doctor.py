@@ -28,7 +28,7 @@ def _self_test(world) -> tuple[float, str | None]:
     and once through microddp's ring. Returns the all_reduce's sum and the ring's problem."""
     import torch
 
-    from . import comms
+    from .. import comms
 
     t = torch.full((1024,), float(world.rank + 1), device=world.device)
     comms.all_reduce(t, "sum")
@@ -41,7 +41,7 @@ def ring_problem(world, reduce: Callable | None = None) -> str | None:
     import torch
 
     if reduce is None:
-        from .collectives import ring_all_reduce as reduce
+        from ..collectives import ring_all_reduce as reduce
     # 1001 elements: chunks of unequal size, and every position has its own value.
     base = torch.arange(RING_NUMEL, dtype=torch.float32, device=world.device)
     expected = base * sum(range(1, world.world_size + 1))
@@ -90,8 +90,8 @@ def _live_checks(spawn: Callable, backend: str) -> list[tuple[str, bool, str]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .comms.world import backend_available
-    from .spawn import spawn
+    from ..comms.world import backend_available
+    from ..launch.spawn import spawn
 
     checks: list[tuple[str, bool, str]] = []
     advice: list[str] = []
