@@ -170,7 +170,7 @@ def _port_rank(rank: int, port: int, results) -> None:
     import os
     import socket
 
-    from microddp.launch.run.procs import die_with_parent
+    from microddp.launch.procs import die_with_parent
 
     die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",

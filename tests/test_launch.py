@@ -27,7 +27,7 @@ def test_workers_get_torchrun_environment_and_prefixed_output(tmp_path):
 
 
 def test_torchrun_variables_and_one_run_id_per_job(tmp_path):
-    from microddp.launch.run.procs import AgentStore, worker_env
+    from microddp.launch.procs import AgentStore, worker_env
 
     agent = AgentStore(store=None, addr="127.0.0.1", port=1234)
     env = worker_env({}, 1, 4, agent, 0, 0, run_id="job-a")
@@ -91,7 +91,7 @@ def test_bad_input_is_one_line_and_exit_2(args, says):
 
 
 def test_agent_store_refuses_a_port_out_of_range():
-    from microddp.launch.run.procs import AgentStore
+    from microddp.launch.procs import AgentStore
 
     from microddp.errors import MicroDDPError
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from microddp.predict.step.calibrate import fit_alpha_beta
+from microddp.predict.calibrate import fit_alpha_beta
 
 import microddp as mdp
 from microddp import commands as cli
@@ -132,7 +132,7 @@ def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeyp
 
 
 def measure_cpu_share(world):
-    from microddp.predict.step.calibrate import _allreduce_times
+    from microddp.predict.calibrate import _allreduce_times
 
     return _allreduce_times(world, [1 << 12, 1 << 20], 5)
 

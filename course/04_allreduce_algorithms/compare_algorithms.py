@@ -22,7 +22,6 @@ import torch.distributed as dist
 # two in one interleaved run needs both at once, and ring_all_reduce uses one per process.
 import microddp as mdp
 from microddp import collectives as C
-from microddp.bench.timing import compare, interleaved
 from microddp.collectives.cost import CostModel, fit_lines
 from microddp.collectives.ring import (
     PIPELINE_MIN_CHUNK,
@@ -30,6 +29,7 @@ from microddp.collectives.ring import (
     planned_ring_all_reduce_,
 )
 from microddp.collectives.ring_plan import make_plan
+from microddp.timing import compare, interleaved
 from microddp.transport.duplex import duplex
 from microddp.transport.peers import Peers
 

@@ -31,10 +31,10 @@ from ..collectives.ring import (
 from ..collectives.ring_plan import RingPlan
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
+from ..timing import interleaved, trimmed_mean
 from ..transport.duplex import duplex
 from ..transport.peers import Peers
 from .allreduce_report import CONTROL, describe, plot, table
-from .timing import interleaved, trimmed_mean
 
 EPILOG = """\
 examples:

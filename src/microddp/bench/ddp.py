@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import flags
 from ..errors import MicroDDPError
-from .timing import compare, interleaved, median
+from ..timing import compare, interleaved, median
 
 EPILOG = """\
 examples:

@@ -24,8 +24,8 @@ from ..comms.world import World
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
+from ..timing import interleaved
 from ..trace import report as trace_report
-from .timing import interleaved
 
 EPILOG = """\
 examples:

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comms
-from ..bench.timing import interleaved
 from ..collectives.cost import fit_line
 from ..comms.world import World
 from ..launch.spawn import spawn
 from ..model import FullMLP
+from ..timing import interleaved
 from .step import Hardware, fullmlp, predict, save_calibration
 
 SIZES = [2**k for k in range(10, 24, 2)]  # 1 KiB .. 4 MiB of float32

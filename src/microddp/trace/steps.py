@@ -129,9 +129,9 @@ def _run_job(world: World, run_dir: str, kwargs: dict) -> dict:
 def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[float]]:
     """Step times with nothing on, with the recorder on, and with the collective monitor on."""
     from .. import monitor
-    from ..bench.timing import interleaved
     from ..model import FullMLP
     from ..monitor import patch
+    from ..timing import interleaved
 
     torch.manual_seed(0)
     dim, batch = kwargs["dim"], kwargs["batch"]
@@ -157,7 +157,7 @@ def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[fl
 
 def overhead(args: argparse.Namespace, kwargs: dict) -> int:
     """How much recording spans and logging collectives cost per step (ratio of medians)."""
-    from ..bench.timing import median, ratio_of_medians
+    from ..timing import median, ratio_of_medians
 
     print(f"measuring overhead: {args.steps} interleaved steps each, {args.nproc} rank(s), "
           f"engine {args.engine}, FullMLP({args.dim}, depth {args.depth})")
