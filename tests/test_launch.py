@@ -91,9 +91,8 @@ def test_bad_input_is_one_line_and_exit_2(args, says):
 
 
 def test_agent_store_refuses_a_port_out_of_range():
-    from microddp.launch.procs import AgentStore
-
     from microddp.errors import MicroDDPError
+    from microddp.launch.procs import AgentStore
 
     with pytest.raises(MicroDDPError, match="port must be between 0 and 65535, got 70000"):
         AgentStore.start(70000)

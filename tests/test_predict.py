@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from microddp.predict.calibrate import fit_alpha_beta
 
 import microddp as mdp
 from microddp import commands as cli
 from microddp.model import FullMLP
 from microddp.predict import step as predict
+from microddp.predict.calibrate import fit_alpha_beta
 
 HW = predict.Hardware(flops=1e12, bandwidth=1e9, latency=1e-5)
 
