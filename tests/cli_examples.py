@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from microddp import cli
+from microddp import commands as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_DEADLINE = 240  # seconds per command: generous for a busy 2-core machine

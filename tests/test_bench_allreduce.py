@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from microddp import cli
+from microddp import commands as cli
 from microddp.bench.allreduce import DEFAULT_SIZES, calibration_point, parse_size
 from microddp.bench.allreduce_report import describe, table
 from microddp.collectives.cost import CostModel

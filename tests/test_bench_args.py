@@ -3,7 +3,7 @@ what the header promises (steps timed, global batch) is what is measured."""
 
 import pytest
 
-from microddp import cli
+from microddp import commands as cli
 from microddp.bench import scaling
 from microddp.errors import MicroDDPError
 

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from microddp.bench.timing import (
+from microddp.timing import (
     compare,
     interleaved,
     ratio_interval,

@@ -139,7 +139,7 @@ def _save_worker(world, folder):
 
 
 def test_save_from_rank0_gathers_every_ranks_rng_and_all_see_the_file(tmp_path):
-    results = microddp.spawn(_save_worker, 2, args=(str(tmp_path),), timeout=60)
+    results = microddp.launch.spawn(_save_worker, 2, args=(str(tmp_path),), timeout=60)
     assert results == [(True, 2, "ckpt-00000007.pt")] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cli_examples import check_parses, command_lines, out_folders, run_command
-from microddp import cli
+from microddp import commands as cli
 
 COMMANDS = [["doctor"], ["hello"], ["run"], ["train"], ["bench", "allreduce"], ["bench", "ddp"],
             ["bench", "scaling"], ["trace"], ["predict"]]
@@ -77,7 +77,7 @@ def test_every_example_parses_and_names_files_that_exist(path):
 QUICK = {
     ("doctor",): "all",
     ("hello",): "all",
-    ("run",): ["microddp run -n 2 -m microddp.hello"],
+    ("run",): ["microddp run -n 2 -m microddp.commands.hello"],
     ("predict",): "all but --calibrate",
     ("trace",): "all but --overhead",
 }

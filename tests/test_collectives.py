@@ -27,7 +27,7 @@ GRID = [(dtype, op) for dtype in sorted(DTYPES) for op in sorted(TORCH_OPS)]
 
 
 def _failures(world_size: int, cases: list[dict], group_ranks=None) -> list[str]:
-    out = microddp.spawn(run_cases, world_size, (cases, group_ranks), timeout=120)
+    out = microddp.launch.spawn(run_cases, world_size, (cases, group_ranks), timeout=120)
     return [f"[rank {r}] {f}" for r, fails in enumerate(out) for f in fails]
 
 
@@ -99,7 +99,7 @@ def _non_member(world) -> dict[str, list]:
 
 
 def test_non_members_are_untouched():
-    out = microddp.spawn(_non_member, 3, timeout=60)
+    out = microddp.launch.spawn(_non_member, 3, timeout=60)
     # members: 0+1 = 1, doubled by the tree and by naive, then broadcast; rank 2 keeps its 2
     assert [o["all-reduce"] for o in out] == [[4.0] * 4, [4.0] * 4, [2.0] * 4]
     assert [o["reduce"] for o in out] == [[12.0] * 2, [11.0] * 2, [21.0] * 2]
@@ -129,7 +129,7 @@ def _strided(world) -> list[list[float]]:
 
 
 def test_non_contiguous_tensors_are_handled():
-    assert microddp.spawn(_strided, 3, timeout=60) == [[True] * 4] * 3
+    assert microddp.launch.spawn(_strided, 3, timeout=60) == [[True] * 4] * 3
 
 
 def test_single_process_world_is_identity():
@@ -176,4 +176,4 @@ def _bitwise(world) -> list[str]:
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_bitwise_ops_match_torch(world_size):
-    assert microddp.spawn(_bitwise, world_size, timeout=60) == [[]] * world_size
+    assert microddp.launch.spawn(_bitwise, world_size, timeout=60) == [[]] * world_size

@@ -11,7 +11,7 @@ import torch
 import microddp
 from errors_helpers import message
 from microddp import collectives as C
-from microddp.collectives._agree import _code
+from microddp.collectives.agree import _code
 
 PAIRS = {  # what rank 0 calls, what the others call
     "ring vs tree": (lambda t: C.ring_all_reduce(t), lambda t: C.tree_all_reduce(t)),
@@ -45,7 +45,7 @@ def _different_calls(world, settled: bool) -> dict:
 
 @pytest.mark.parametrize("settled", [False, True])
 def test_ranks_calling_different_things_all_get_a_clear_error(settled):
-    for rank, out in enumerate(microddp.spawn(_different_calls, 2, (settled,), timeout=120)):
+    for rank, out in enumerate(microddp.launch.spawn(_different_calls, 2, (settled,), timeout=120)):
         for name in ("ring vs tree", "naive vs tree", "broadcast vs reduce"):
             assert "the ranks of the group called different collectives" in out[name], (rank, out)
         for name in ("segment sizes", "segmented vs whole"):
@@ -61,8 +61,8 @@ def test_ranks_calling_different_things_all_get_a_clear_error(settled):
 
 def _carried_mismatches(world) -> dict:
     """On 2 ranks, once a ring call has settled the connections, the check travels beside the
-    data (_carried.py): every mismatch is still named, on both ranks, including on a tensor
-    whose call is kept (_memo.py), and nothing left posted by a refused call lands anywhere."""
+    data (ring_carried.py): every mismatch is still named, on both ranks, including on a tensor
+    whose call is kept (ring_plan.py), and nothing left posted by a refused call lands anywhere."""
     r = world.rank
     C.ring_all_reduce(torch.ones(2))
     kept = torch.ones(6)
@@ -105,7 +105,7 @@ def _with_duplex(value: str, fn):
 
 
 def test_the_check_carried_beside_the_data_names_every_mismatch():
-    for rank, out in enumerate(microddp.spawn(_carried_mismatches, 2, timeout=120)):
+    for rank, out in enumerate(microddp.launch.spawn(_carried_mismatches, 2, timeout=120)):
         assert f"ranks disagree on shape (this rank, group rank {rank}: shape=({4 + rank},)" \
             in out["shape"], out["shape"]
         assert "ranks disagree on dtype" in out["dtype"], out["dtype"]
@@ -130,7 +130,7 @@ def _signed_zeros(world) -> list:
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_tree_min_and_max_give_every_rank_the_same_bits(p):
-    results = microddp.spawn(_signed_zeros, p, timeout=60)
+    results = microddp.launch.spawn(_signed_zeros, p, timeout=60)
     assert all(r == results[0] for r in results)  # min(0.0, -0.0) depends on argument order
 
 
@@ -158,7 +158,7 @@ def _aliased(world) -> dict:
 
 
 def test_outputs_that_alias_inputs_get_the_right_parts():
-    out = microddp.spawn(_aliased, 2, timeout=60)
+    out = microddp.launch.spawn(_aliased, 2, timeout=60)
     assert out[0]["scattered"] == [0.0] * 4  # the root's own part, written after the sends
     assert out[1]["scattered"] == [7.0] * 4  # what the root's `out` held when it was sent
     assert out[0]["gathered"] == [[0.0] * 4, [1.0] * 4]

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from microddp import collectives as C
-from microddp.collectives._group import Peers
-from microddp.collectives._pair import pair_all_reduce_
+from microddp.collectives.ring_loops import pair_all_reduce_
+from microddp.transport.peers import Peers
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "int64": torch.int64}

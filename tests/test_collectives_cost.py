@@ -210,7 +210,7 @@ def _sent(world, nbytes: int) -> dict:
 @pytest.mark.parametrize("p", [2, 3, 4, 6])
 def test_model_counts_the_bytes_the_algorithms_send(p):
     nbytes = 4 * 3000  # divisible by every p here, so the ring's chunks are exact
-    per_rank = microddp.spawn(_sent, p, (nbytes,), timeout=90)
+    per_rank = microddp.launch.spawn(_sent, p, (nbytes,), timeout=90)
     assert set(per_rank[0]) == set(ALGORITHMS)  # every modelled algorithm is measured
     for a in ALGORITHMS:
         busiest = max(r[a] for r in per_rank)

@@ -1,4 +1,4 @@
-"""Two ranks on gloo, a connection per direction (collectives/_duplex.py): the ring's first call
+"""Two ranks on gloo, a connection per direction (transport/duplex.py): the ring's first call
 on a 2-rank group opens a second group over the same ranks, messages from group rank 1 to 0
 go over it and those from 0 to 1 over the group itself, results equal torch.distributed's,
 one is opened per group (default group or sub-group) and freed with it, and
@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
-from microddp.collectives import _duplex, ring_all_reduce, traffic
-from microddp.collectives._duplex import open_duplexes
+from microddp.collectives import ring_all_reduce, traffic
 from microddp.collectives.ring import PAIR_MIN_CHUNK, PAIR_SEGMENT
 from microddp.comms import REDUCE_OPS
+from microddp.transport import duplex as _duplex
+from microddp.transport.duplex import open_duplexes
 
 
 class Counting:
@@ -169,7 +170,7 @@ def _port_rank(rank: int, port: int, results) -> None:
     import os
     import socket
 
-    from microddp.procs import die_with_parent
+    from microddp.launch.procs import die_with_parent
 
     die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",

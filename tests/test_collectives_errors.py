@@ -44,7 +44,7 @@ def _mismatch(world, what: str) -> list[str]:
 
 @pytest.mark.parametrize("what", ["shape", "dtype"])
 def test_different_shapes_or_dtypes_raise_on_every_rank(what):
-    out = microddp.spawn(_mismatch, 3, (what,), timeout=90)
+    out = microddp.launch.spawn(_mismatch, 3, (what,), timeout=90)
     mine = {"shape": lambda r: f"shape=({3 + r},)",
             "dtype": lambda r: f"dtype={(torch.float32, torch.float64, torch.bfloat16)[r]}"}
     for rank, messages in enumerate(out):
@@ -66,7 +66,7 @@ def _on_a_sub_group(world) -> list[str]:
 
 
 def test_a_mismatch_in_a_sub_group_raises_on_its_members():
-    out = microddp.spawn(_on_a_sub_group, 3, timeout=90)
+    out = microddp.launch.spawn(_on_a_sub_group, 3, timeout=90)
     assert out[1] == []
     for rank in (0, 2):
         assert len(out[rank]) == 9
@@ -91,7 +91,7 @@ def _dtype_and_op(world) -> list[str]:
 
 
 def test_dtype_op_and_argument_errors_are_shared():
-    out = microddp.spawn(_dtype_and_op, 3, timeout=90)
+    out = microddp.launch.spawn(_dtype_and_op, 3, timeout=90)
     for rank, m in enumerate(out):
         assert "ranks disagree on dtype" in m[0] and "float" in m[0]
         assert "ranks disagree on op" in m[1]
@@ -145,7 +145,7 @@ def _ops_and_roots(world) -> dict[str, list[str]]:
 
 
 def test_op_and_root_errors_name_the_problem_on_every_rank():
-    out = microddp.spawn(_ops_and_roots, 3, timeout=90)
+    out = microddp.launch.spawn(_ops_and_roots, 3, timeout=90)
     for rank, m in enumerate(out):
         assert len(m["differ"]) == 5 and all("ranks disagree on op" in e for e in m["differ"])
         assert len(m["avg on int64"]) == 5 and all(
@@ -190,7 +190,7 @@ def _expanded(world) -> dict:
 
 
 def test_expanded_tensors_are_refused_where_a_result_is_written():
-    out = microddp.spawn(_expanded, 3, timeout=90)
+    out = microddp.launch.spawn(_expanded, 3, timeout=90)
     for rank, m in enumerate(out):
         assert len(m["errors"]) == 9
         for e in m["errors"]:

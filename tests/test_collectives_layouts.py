@@ -96,7 +96,7 @@ def _requires_grad(world) -> dict[str, object]:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_parameters_that_require_grad_are_reduced_in_place_like_torch(world_size):
-    out = microddp.spawn(_requires_grad, world_size, timeout=90)
+    out = microddp.launch.spawn(_requires_grad, world_size, timeout=90)
     total = sum(range(1, world_size + 1))
     for rank in out:
         assert rank["count"] == 15 and rank["failed"] == []
@@ -141,4 +141,4 @@ def _strided_outputs(world) -> list[str]:
 
 
 def test_non_contiguous_outputs_receive_the_results():
-    assert microddp.spawn(_strided_outputs, 3, timeout=60) == [[]] * 3
+    assert microddp.launch.spawn(_strided_outputs, 3, timeout=60) == [[]] * 3

@@ -10,10 +10,6 @@ from torch._C._distributed_c10d import Backend
 
 import microddp
 from microddp import collectives as C
-from microddp.collectives._duplex import duplex_enabled
-from microddp.collectives._group import Peers
-from microddp.collectives._pair import pair_all_reduce_
-from microddp.collectives._plan import make_plan
 from microddp.collectives.ring import (
     PAIR_MIN_CHUNK,
     PREPOST_MAX_CHUNK,
@@ -21,6 +17,10 @@ from microddp.collectives.ring import (
     planned_ring_all_reduce_,
     posting,
 )
+from microddp.collectives.ring_loops import pair_all_reduce_
+from microddp.collectives.ring_plan import make_plan
+from microddp.transport.duplex import duplex_enabled
+from microddp.transport.peers import Peers
 
 PAIR = [0, 2]  # a sub-group
 # int64 x of 7 elements, repeated: 3 chunks each a little over PREPOST_MAX_CHUNK bytes
@@ -48,7 +48,7 @@ def _trap(name):
 
 
 def _ring_paths(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
-    """The sum of `x` over 3 ranks by the ring's loops (_policy.py picks one by chunk size and
+    """The sum of `x` over 3 ranks by the ring's loops (ring_loops.py picks one by chunk size and
     world size; the plain loop, which it never picks, and the NCCL loop are called
     directly; the pair loop runs on 2 ranks, in _everything)."""
     peers = Peers()
@@ -132,7 +132,7 @@ def _run_trapped(world) -> tuple[bool, int]:
         for module in (dist, c10d):
             if hasattr(module, name):
                 setattr(module, name, _trap(name))
-    # The 2-rank ring's second connection (_duplex.py) is a gloo backend object, not a
+    # The 2-rank ring's second connection (transport/duplex.py) is a gloo backend object, not a
     # ProcessGroup: its class (Backend) is trapped and counted too. Calls that go through a
     # ProcessGroup reach its backend inside C++, so these traps see only direct calls.
     for cls, kind in ((dist.ProcessGroup, "group"), (Backend, "backend")):
@@ -157,7 +157,7 @@ def test_no_builtin_collective_is_called():
     assert posting(-(-7 // 2) * 8, 2) == "lookahead"
     assert posting(-(-7 // 3) * 8, 3, segment_bytes=16) == "pipeline"
     assert posting(PAIR_MIN_CHUNK, 2) == "pair"
-    out = microddp.spawn(_run_trapped, 3, timeout=90)
+    out = microddp.launch.spawn(_run_trapped, 3, timeout=90)
     assert [same for same, _ in out] == [True, True, True]
     assert all(sends["group"] > 0 for _, sends in out)  # the work went over point-to-point sends
     if duplex_enabled():  # the pair's group rank 1 (global 2) sends to 0 on its own connection
@@ -176,5 +176,5 @@ def _trap_is_live(world) -> str:
 
 
 def test_trap_catches_a_builtin_collective():
-    assert microddp.spawn(_trap_is_live, 2, timeout=60) == [
+    assert microddp.launch.spawn(_trap_is_live, 2, timeout=60) == [
         "built-in collective all_reduce was called"] * 2

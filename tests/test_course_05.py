@@ -33,10 +33,10 @@ def monolith():
         import problem
         import torch
 
-        from microddp.dp import stages
+        from microddp.dp import ladder
 
         model, opt = problem.fresh_model()
-        losses = [stages.monolith_step(model, opt, problem.loss_fn, x, y)
+        losses = [ladder.monolith_step(model, opt, problem.loss_fn, x, y)
                   for x, y in problem.batches()]
         checksum = sum(p.detach().double().sum().item() for p in model.parameters())
         assert torch.isfinite(torch.tensor(losses)).all()

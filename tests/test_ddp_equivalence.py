@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import microddp as mdp
 from microddp.dp import comm_hooks, wrap
-from microddp.dp.stages import shard, toy_data
+from microddp.dp.ladder import shard, toy_data
 
 DIM, STEPS = 16, 4
 

@@ -9,7 +9,7 @@ import microddp as mdp
 from microddp import trace
 from microddp.dp import wrap
 from microddp.dp.comm_hooks import allreduce, bf16_compress
-from microddp.dp.stages import toy_data
+from microddp.dp.ladder import toy_data
 
 
 def test_one_process_world_trains_exactly_like_the_bare_model():

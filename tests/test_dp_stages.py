@@ -7,8 +7,9 @@ from torch import nn
 
 import microddp as mdp
 from microddp import MicroDDPError
-from microddp.dp import stages, wrap
-from microddp.dp.stages import shard, toy_data
+from microddp.dp import ladder as stages
+from microddp.dp import wrap
+from microddp.dp.ladder import shard, toy_data
 
 DIM, DEPTH, BATCH, STEPS, LR = 16, 4, 24, 3, 0.1
 CAP_MB = 0.001  # about 1 KB: several buckets even for this small model

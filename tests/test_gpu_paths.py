@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
-from microddp import world
-from microddp.collectives._group import Peers
+from microddp.comms import world
+from microddp.transport.peers import Peers
 
 
 @pytest.fixture
@@ -107,6 +107,7 @@ def test_every_rank_of_a_host_chooses_the_same_backend(monkeypatch, env, backend
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", env.get("LOCAL_RANK", "0"))
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MICRODDP_MONITOR", "0")  # the group is faked: nothing to watch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     formed = []
@@ -121,7 +122,7 @@ def test_doctor_runs_its_live_test_over_nccl_too_where_there_are_gpus(monkeypatc
     import argparse
     import importlib
 
-    from microddp import doctor
+    from microddp.commands import doctor
 
     _stand_in_for_two_gpus(monkeypatch)
     monkeypatch.setattr(world, "backend_available", lambda name: name in ("gloo", "nccl"))
@@ -131,7 +132,7 @@ def test_doctor_runs_its_live_test_over_nccl_too_where_there_are_gpus(monkeypatc
         backends.append(backend)
         return [(3.0, None)] * n
 
-    monkeypatch.setattr(importlib.import_module("microddp.spawn"), "spawn", spawn)
+    monkeypatch.setattr(importlib.import_module("microddp.launch.spawn"), "spawn", spawn)
     assert doctor.run(argparse.Namespace(skip_live=False)) == 0
     assert backends == ["gloo", "nccl"]
     assert "live nccl ring_all_reduce 2 ranks get all 1001" in capsys.readouterr().out
@@ -142,8 +143,8 @@ def test_cpu_benchmarks_ask_for_gloo_even_on_a_gpu_host(monkeypatch):
     the first collective fails."""
     import importlib
 
-    from microddp import cli
-    from microddp.bench import calibrate
+    from microddp import commands as cli
+    from microddp.predict.step import calibrate
 
     class Started(Exception):
         pass
@@ -154,9 +155,9 @@ def test_cpu_benchmarks_ask_for_gloo_even_on_a_gpu_host(monkeypatch):
         backends.append(kwargs.get("backend"))
         raise Started
 
-    monkeypatch.setattr(importlib.import_module("microddp.spawn"), "spawn", spawn)
+    monkeypatch.setattr(importlib.import_module("microddp.launch.spawn"), "spawn", spawn)
     monkeypatch.setattr(calibrate, "spawn", spawn)
-    monkeypatch.setattr(importlib.import_module("microddp.trace_cli"), "spawn", spawn)
+    monkeypatch.setattr(importlib.import_module("microddp.trace.steps"), "spawn", spawn)
     for start in (lambda: cli.main(["bench", "ddp", "--dims", "8"]), calibrate.alpha_beta,
                   lambda: calibrate.measured_step(2, "microddp", 8, 1, 4),
                   lambda: calibrate.rank_rate(8, 1, 4),

@@ -27,7 +27,7 @@ def test_workers_get_torchrun_environment_and_prefixed_output(tmp_path):
 
 
 def test_torchrun_variables_and_one_run_id_per_job(tmp_path):
-    from microddp.procs import AgentStore, worker_env
+    from microddp.launch.procs import AgentStore, worker_env
 
     agent = AgentStore(store=None, addr="127.0.0.1", port=1234)
     env = worker_env({}, 1, 4, agent, 0, 0, run_id="job-a")
@@ -92,7 +92,7 @@ def test_bad_input_is_one_line_and_exit_2(args, says):
 
 def test_agent_store_refuses_a_port_out_of_range():
     from microddp.errors import MicroDDPError
-    from microddp.procs import AgentStore
+    from microddp.launch.procs import AgentStore
 
     with pytest.raises(MicroDDPError, match="port must be between 0 and 65535, got 70000"):
         AgentStore.start(70000)
@@ -137,7 +137,7 @@ def test_taken_master_port_is_one_line_and_exit_2(tmp_path):
 def test_module_mode_and_help():
     out = microddp("run", "--help")
     assert out.returncode == 0 and "torchrun --nnodes 2" in out.stdout
-    assert "microddp run -n 2 -m microddp.hello" in out.stdout  # an example that runs
+    assert "microddp run -n 2 -m microddp.commands.hello" in out.stdout  # an example that runs
     for command in ("doctor", "hello", "run"):
         assert command in microddp("--help").stdout
     out = microddp("run", "-n", "2", "-m", "json.tool", "--help")
@@ -147,7 +147,7 @@ def test_module_mode_and_help():
 def test_microddp_workers_run_unchanged_under_torchrun():
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "microddp.hello"], capture_output=True, text=True, timeout=DEADLINE)
+         "-m", "microddp.commands.hello"], capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("all_reduce(sum of ranks) = 1 (expected 1)") == 2
     assert "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1" in out.stdout

@@ -179,7 +179,7 @@ def test_a_closed_output_pipe_stops_the_job_quietly(tmp_path):
 
 def test_a_worker_whose_parent_is_already_gone_exits():
     """PR_SET_PDEATHSIG set after the parent died never fires: die_with_parent checks."""
-    code = ("import os\nfrom microddp.procs import die_with_parent\n"
+    code = ("import os\nfrom microddp.launch.procs import die_with_parent\n"
             "die_with_parent(os.getppid())\nprint('watched')\n"
             "die_with_parent(os.getppid() + 1)\nprint('orphan lives on')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

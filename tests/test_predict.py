@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import microddp as mdp
-from microddp import cli, predict
-from microddp.bench.calibrate import fit_alpha_beta
+from microddp import commands as cli
 from microddp.model import FullMLP
+from microddp.predict import step as predict
+from microddp.predict.calibrate import fit_alpha_beta
 
 HW = predict.Hardware(flops=1e12, bandwidth=1e9, latency=1e-5)
 
@@ -112,7 +113,7 @@ def test_one_rank_computes_at_its_own_rate_not_the_whole_hosts():
 
 
 def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeypatch, capsys):
-    from microddp.bench import calibrate
+    from microddp.predict.step import calibrate
 
     assert calibrate.rank_rate(64, 2, 8, repeats=3) > 0  # a real spawned rank, briefly
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 1e10))
@@ -131,7 +132,7 @@ def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeyp
 
 
 def measure_cpu_share(world):
-    from microddp.bench.calibrate import _allreduce_times
+    from microddp.predict.calibrate import _allreduce_times
 
     return _allreduce_times(world, [1 << 12, 1 << 20], 5)
 
@@ -283,7 +284,7 @@ def test_scaling_bench_names_sizes_for_people():
 
 def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path, monkeypatch,
                                                                        capsys):
-    from microddp.bench import calibrate
+    from microddp.predict.step import calibrate
 
     rates = iter([(1e10, 4e10), (3e10, 4e10), (2e10, 4e10)])  # a host whose load changed
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: next(rates))
@@ -307,7 +308,7 @@ def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path
 
 
 def test_a_steady_calibration_gives_no_warning(tmp_path, monkeypatch, capsys):
-    from microddp.bench import calibrate
+    from microddp.predict.step import calibrate
 
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 4e10))
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)

@@ -1,10 +1,10 @@
-"""ring_all_reduce picks its path by chunk size on gloo (see collectives/_policy.py): whole chunks
+"""ring_all_reduce picks its path by chunk size on gloo (see collectives/ring_loops.py): whole chunks
 below a switch, segments from there on (on 2 ranks sharing one connection, MICRODDP_DUPLEX=0,
 the pair loop's, from PAIR_MIN_CHUNK in PAIR_SEGMENT; on more, the pipeline's, from
 PIPELINE_MIN_CHUNK in PIPELINE_SEGMENT). Each path must give torch.distributed's result; a
 wrapper around the segmented loop shows which path ran, and the messages sent how many
 segments it cut; the pipeline posts its receives before its first send. (2 ranks with a
-connection per direction: tests/test_collectives_duplex.py.)"""
+connection per direction: tests/test_collectivestransport/duplex.py.)"""
 
 import pytest
 import torch
@@ -68,8 +68,8 @@ def test_large_chunks_are_pipelined_and_equal_to_torch(world_size, monkeypatch):
 def rhythms(world):
     """The benchmark's calibration chain, in every order the ring posts messages in."""
     from microddp.bench.allreduce import rhythm_plan, ring_rhythm
-    from microddp.collectives._duplex import duplex
-    from microddp.collectives._group import Peers
+    from microddp.transport.duplex import duplex
+    from microddp.transport.peers import Peers
 
     peers = duplex(Peers())  # on 2 ranks, a connection per direction: no effect on the count
     p, prv = world.world_size, (world.rank - 1) % world.world_size
@@ -114,9 +114,9 @@ def test_calibration_chain_follows_each_posting_order(world_size):
 def batched(world):
     """The NCCL loop (`_batched_ring_all_reduce_`), run on gloo's batch_isend_irecv: no GPU
     here, but its steps and its division for avg are the same on either backend."""
-    from microddp.collectives._group import Peers
-    from microddp.collectives._plan import make_plan
     from microddp.collectives.ring import _batched_ring_all_reduce_
+    from microddp.collectives.ring_plan import make_plan
+    from microddp.transport.peers import Peers
 
     peers = Peers()
     peers.nccl = True  # exchange() posts each step's pair as one batch, as on NCCL
@@ -156,8 +156,8 @@ class Logged:
 
 
 def pipeline_orders(world):
-    from microddp.collectives._group import Peers
-    from microddp.collectives._pipeline import pipelined_ring_all_reduce_
+    from microddp.collectives.ring_loops import pipelined_ring_all_reduce_
+    from microddp.transport.peers import Peers
 
     p, g = world.world_size, torch.Generator().manual_seed(world.rank)
     out = {}

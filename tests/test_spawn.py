@@ -1,4 +1,4 @@
-"""microddp.spawn: results by rank, a failing rank's traceback, the deadline, no survivors."""
+"""microddp.launch.spawn: results by rank, a failing rank's traceback, the deadline, no survivors."""
 
 import os
 import signal
@@ -149,7 +149,7 @@ def test_spawn_under_a_launcher_warns_that_every_worker_runs_the_whole_job(tmp_p
     out = subprocess.run([sys.executable, "-m", "microddp", "run", "-n", "2", str(script)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    warning = ("microddp.spawn: warning: this process is already rank {k} of 2 started by a "
+    warning = ("microddp.launch.spawn: warning: this process is already rank {k} of 2 started by a "
                "launcher, and starts 2 ranks of its own, so every launched rank runs the whole "
                "job; run a script that starts its own ranks (every course script does) with "
                "plain `python script.py`")

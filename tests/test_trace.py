@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import microddp as mdp
-from microddp import trace, trace_report
+from microddp import trace
 from microddp.trace import Span
+from microddp.trace import report as trace_report
 
 intervals = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)).map(
     lambda t: (t[0], t[0] + t[1])), max_size=8)

@@ -3,8 +3,10 @@
 import json
 import re
 
-from microddp import cli, trace_cli, trace_report
+from microddp import commands as cli
 from microddp.trace import Span
+from microddp.trace import report as trace_report
+from microddp.trace import steps as trace_cli
 
 
 def test_summarise_existing_trace(tmp_path, capsys):

@@ -6,7 +6,9 @@ import json
 import torch
 
 import microddp as mdp
-from microddp import trace, trace_cli, trace_report
+from microddp import trace
+from microddp.trace import report as trace_report
+from microddp.trace import steps as trace_cli
 
 # 1.8 MB of gradients: more than torch DDP's 1 MiB first bucket, so >1 bucket on every engine
 KW = {"dim": 384, "depth": 3, "batch": 8, "steps": 3, "bucket_cap_mb": 0.5}

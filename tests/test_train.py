@@ -43,7 +43,7 @@ def _worker(world, out, kw, count_no_sync=False):
 
 
 def _spawn(n, out, count_no_sync=False, **kw):
-    return microddp.spawn(_worker, n, args=(str(out), kw, count_no_sync), timeout=120)
+    return microddp.launch.spawn(_worker, n, args=(str(out), kw, count_no_sync), timeout=120)
 
 
 def _single(out, **kw):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from microddp import checkpoint
-from microddp.cli import main
+from microddp.commands import main
 from microddp.train import resume
 from microddp.train.config import TrainConfig
 
@@ -185,7 +185,7 @@ def test_help_shows_examples(flag, capsys):
 
 
 def test_a_run_stopped_before_it_wrote_anything_leaves_no_folder(tmp_path, capsys, monkeypatch):
-    import microddp.launch
+    import microddp.launch.run
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -200,7 +200,7 @@ def test_a_run_stopped_before_it_wrote_anything_leaves_no_folder(tmp_path, capsy
             raise outcome
         return outcome
 
-    monkeypatch.setattr(microddp.launch, "run", launch)
+    monkeypatch.setattr(microddp.launch.run, "run", launch)
     assert main(["train", "--dataset", "synthetic"]) == 130
     assert main(["train", "--dataset", "synthetic"]) == 1
     assert list((tmp_path / "runs").iterdir()) == []

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
-from microddp import comms, world
+from microddp import comms
+from microddp.comms import world
 
 
 def _free_port() -> int:

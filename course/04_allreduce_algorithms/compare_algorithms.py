@@ -22,16 +22,16 @@ import torch.distributed as dist
 # two in one interleaved run needs both at once, and ring_all_reduce uses one per process.
 import microddp as mdp
 from microddp import collectives as C
-from microddp.bench.timing import compare, interleaved
-from microddp.collectives._duplex import duplex
-from microddp.collectives._group import Peers
-from microddp.collectives._plan import make_plan
 from microddp.collectives.cost import CostModel, fit_lines
 from microddp.collectives.ring import (
     PIPELINE_MIN_CHUNK,
     PIPELINE_SEGMENT,
     planned_ring_all_reduce_,
 )
+from microddp.collectives.ring_plan import make_plan
+from microddp.timing import compare, interleaved
+from microddp.transport.duplex import duplex
+from microddp.transport.peers import Peers
 
 NBYTES = 1 << 20  # a 1 MiB float32 tensor
 ALGORITHMS = {

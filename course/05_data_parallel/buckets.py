@@ -8,16 +8,16 @@ buffers; one all-reduce per full bucket instead of one per parameter.
 from problem import batches, finish, fresh_model, local, loss_fn, report, world_size_from_args
 
 import microddp as mdp
-from microddp.dp import stages
+from microddp.dp import ladder
 
 BUCKET_CAP_MB = 1 / 64  # 16 KiB: this small model's 66 KiB of gradients fill 4 buckets
 
 
 def train(world: mdp.World) -> None:
     model, opt = fresh_model()
-    stages.BucketHooks(model.parameters(), BUCKET_CAP_MB)
+    ladder.BucketHooks(model.parameters(), BUCKET_CAP_MB)
     for step, (x, y) in enumerate(batches()):
-        loss = stages.monolith_step(model, opt, loss_fn, *local(world, x, y))
+        loss = ladder.monolith_step(model, opt, loss_fn, *local(world, x, y))
         report(world, step, loss)
     finish(world, model)
 

@@ -9,7 +9,7 @@ import torch
 from problem import batches, fresh_model, local, loss_fn, world_size_from_args
 
 import microddp as mdp
-from microddp.dp import stages, wrap
+from microddp.dp import ladder, wrap
 
 ENGINES = ["naive", "hooks", "buckets", "overlap", "microddp", "torch"]
 
@@ -21,10 +21,10 @@ def params(model: torch.nn.Module) -> list[torch.Tensor]:
 def single_process() -> dict[str, list[torch.Tensor]]:
     model, opt = fresh_model()
     for x, y in batches():
-        stages.monolith_step(model, opt, loss_fn, x, y)
+        ladder.monolith_step(model, opt, loss_fn, x, y)
     pair = [fresh_model(), fresh_model()]
     for x, y in batches():
-        stages.manual_step([m for m, _ in pair], [o for _, o in pair], loss_fn, x, y)
+        ladder.manual_step([m for m, _ in pair], [o for _, o in pair], loss_fn, x, y)
     return {"monolith": params(model), "manual (2 replicas)": params(pair[0][0])}
 
 

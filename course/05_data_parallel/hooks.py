@@ -8,14 +8,14 @@ gradient is accumulated, during backward; the training step is the monolith's ag
 from problem import batches, finish, fresh_model, local, loss_fn, report, world_size_from_args
 
 import microddp as mdp
-from microddp.dp import stages
+from microddp.dp import ladder
 
 
 def train(world: mdp.World) -> None:
     model, opt = fresh_model()
-    stages.GradHooks(model.parameters())
+    ladder.GradHooks(model.parameters())
     for step, (x, y) in enumerate(batches()):
-        loss = stages.monolith_step(model, opt, loss_fn, *local(world, x, y))
+        loss = ladder.monolith_step(model, opt, loss_fn, *local(world, x, y))
         report(world, step, loss)
     finish(world, model)
 

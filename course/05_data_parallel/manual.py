@@ -6,13 +6,13 @@ computes each replica's gradients alone, so we average them by hand before stepp
 
 from problem import batches, finish, fresh_model, loss_fn, report
 
-from microddp.dp import stages
+from microddp.dp import ladder
 
 
 def main() -> None:
     (model_a, opt_a), (model_b, opt_b) = fresh_model(), fresh_model()
     for step, (x, y) in enumerate(batches()):
-        loss = stages.manual_step([model_a, model_b], [opt_a, opt_b], loss_fn, x, y)
+        loss = ladder.manual_step([model_a, model_b], [opt_a, opt_b], loss_fn, x, y)
         report(None, step, loss)
     finish(None, model_a)
 

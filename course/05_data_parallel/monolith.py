@@ -6,13 +6,13 @@ every later stage must reproduce.
 
 from problem import batches, finish, fresh_model, loss_fn, report
 
-from microddp.dp import stages
+from microddp.dp import ladder
 
 
 def main() -> None:
     model, opt = fresh_model()
     for step, (x, y) in enumerate(batches()):
-        loss = stages.monolith_step(model, opt, loss_fn, x, y)
+        loss = ladder.monolith_step(model, opt, loss_fn, x, y)
         report(None, step, loss)
     finish(None, model)
 

@@ -8,13 +8,13 @@ of the batch; after backward, one blocking all-reduce per parameter averages the
 from problem import batches, finish, fresh_model, local, loss_fn, report, world_size_from_args
 
 import microddp as mdp
-from microddp.dp import stages
+from microddp.dp import ladder
 
 
 def train(world: mdp.World) -> None:
     model, opt = fresh_model()
     for step, (x, y) in enumerate(batches()):
-        loss = stages.naive_step(model, opt, loss_fn, *local(world, x, y))
+        loss = ladder.naive_step(model, opt, loss_fn, *local(world, x, y))
         report(world, step, loss)
     finish(world, model)
 

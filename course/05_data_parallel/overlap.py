@@ -8,16 +8,16 @@ backward goes on computing earlier layers; one callback waits for them all at th
 from problem import batches, finish, fresh_model, local, loss_fn, report, world_size_from_args
 
 import microddp as mdp
-from microddp.dp import stages
+from microddp.dp import ladder
 
 BUCKET_CAP_MB = 1 / 64  # 16 KiB: this small model's 66 KiB of gradients fill 4 buckets
 
 
 def train(world: mdp.World) -> None:
     model, opt = fresh_model()
-    stages.OverlapHooks(model.parameters(), BUCKET_CAP_MB)
+    ladder.OverlapHooks(model.parameters(), BUCKET_CAP_MB)
     for step, (x, y) in enumerate(batches()):
-        loss = stages.monolith_step(model, opt, loss_fn, *local(world, x, y))
+        loss = ladder.monolith_step(model, opt, loss_fn, *local(world, x, y))
         report(world, step, loss)
     finish(world, model)
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import microddp as mdp
-from microddp.dp.stages import shard, toy_data
+from microddp.dp.ladder import shard, toy_data
 
 DIM, DEPTH, GLOBAL_BATCH, STEPS, LR = 32, 16, 48, 5, 0.05
 loss_fn = nn.functional.cross_entropy

@@ -13,7 +13,7 @@ import argparse
 import tempfile
 
 import microddp as mdp
-from microddp import trace_cli
+from microddp.trace import steps as trace_cli
 
 SETTINGS = {"dim": 384, "depth": 6, "batch": 32, "steps": 8, "bucket_cap_mb": 0.5}
 

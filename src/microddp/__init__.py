@@ -5,12 +5,13 @@
     model = mdp.DDP(mdp.FullMLP(128, 16))    # torch's DistributedDataParallel, rebuilt
 """
 
+import sys
 from importlib import import_module
 
 from . import comms
 from .comms import World, get_world, init, shutdown
 from .errors import MicroDDPError
-from .spawn import spawn
+from .launch.spawn import spawn
 
 __version__ = "0.1.0"
 
@@ -29,10 +30,37 @@ _LAZY = {
     "predict": ("microddp.predict", None),
     "ps": ("microddp.ps", None),
     "trace": ("microddp.trace", None),
-    "trace_report": ("microddp.trace_report", None),
+    "transport": ("microddp.transport", None),
+    "launch": ("microddp.launch", None),
+    "commands": ("microddp.commands", None),
+    "trace_report": ("microddp.trace.report", None),
     "train": ("microddp.train", None),
     "zero": ("microddp.zero", None),
 }
+
+
+class _HangMonitor:
+    """microddp.monitor as the world's watcher: `init` starts it when it forms a group. The
+    world sits below the monitor, so the monitor is handed to it here, and imported only once
+    a group forms (`import microddp` stays quick)."""
+
+    def wanted(self, requested: bool | None) -> bool:
+        from .monitor.default import wanted
+
+        return wanted(requested)
+
+    def start(self, timeout_s: float) -> None:
+        from . import monitor
+
+        monitor.enable(timeout=monitor.stall_seconds(timeout_s))
+
+    def stop(self) -> None:
+        monitor = sys.modules.get("microddp.monitor")  # never imported: nothing to stop
+        if monitor is not None:
+            monitor.disable()
+
+
+comms.world.watch_with(_HangMonitor())
 
 
 def __getattr__(name: str):

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .comms.world import World
 from .errors import MicroDDPError
-from .world import World
 
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "step", "epoch", "position", "sampler", "rng",

@@ -38,7 +38,7 @@ def distinct(name: str, values: list) -> None:
 
 
 def engines(names: list[str]) -> None:
-    from .dp import ENGINES
+    from .dp.engines import ENGINES
 
     bad = [e for e in names if e not in ENGINES]
     if bad:

@@ -22,19 +22,19 @@ import torch.distributed as dist
 
 from .. import flags, outputs
 from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
-from ..collectives._duplex import duplex
-from ..collectives._group import Peers
-from ..collectives._plan import RingPlan
 from ..collectives.cost import CostModel, fit_line, fit_lines
 from ..collectives.ring import (
     planned_ring_all_reduce_,
     posting,
     preposted_ring_all_reduce_,
 )
+from ..collectives.ring_plan import RingPlan
 from ..errors import MicroDDPError
-from ..spawn import spawn
+from ..launch.spawn import spawn
+from ..timing import interleaved, trimmed_mean
+from ..transport.duplex import duplex
+from ..transport.peers import Peers
 from .allreduce_report import CONTROL, describe, plot, table
-from .timing import interleaved, trimmed_mean
 
 EPILOG = """\
 examples:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from .. import outputs
 from ..collectives.cost import CostModel
 from ..collectives.ring import ring_segments
-from .timing import compare, median, trimmed_mean
+from ..timing import compare, median, trimmed_mean
 
 CONTROL = "gloo-2"  # the A/A contender: gloo's all_reduce again
 # ring+check is not modelled: the model does not count the agreement round in front of it.

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import flags
 from ..errors import MicroDDPError
-from .timing import compare, interleaved, median
+from ..timing import compare, interleaved, median
 
 EPILOG = """\
 examples:
@@ -88,7 +88,7 @@ def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..spawn import spawn
+    from ..launch.spawn import spawn
 
     flags.engines(args.engines)
     if args.world_size < 2:

@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import flags, outputs, trace, trace_report
+from .. import flags, outputs
+from .. import spans as trace
+from ..comms.world import World
 from ..errors import MicroDDPError
+from ..launch.spawn import spawn
 from ..model import FullMLP
-from ..spawn import spawn
-from ..world import World
-from .timing import interleaved
+from ..timing import interleaved
+from ..trace import report as trace_report
 
 EPILOG = """\
 examples:
@@ -37,7 +39,7 @@ and a verdict on stdout.
 
 def _contender(world: World, engine: str, dim: int, depth: int, batch: int):
     """A step function for one engine, recording its spans into its own recorder."""
-    from ..trace_cli import traced_step, wrap
+    from ..trace.steps import traced_step, wrap
 
     torch.manual_seed(0)
     model = FullMLP(dim, depth).to(world.device)

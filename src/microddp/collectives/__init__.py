@@ -6,7 +6,7 @@ default group or on any sub-group. Ranks given as `src`/`dst` are global ranks, 
 torch's `group_src`/`group_dst` (ranks inside the group) are accepted instead.
 Every call checks, with one tiny exchange, that all ranks passed the same shape, dtype and
 op, so a mistake is the same clear MicroDDPError on every rank, never a hang. The ring on 2
-gloo ranks sends that exchange beside its data (_carried.py); the others send it first.
+gloo ranks sends that exchange beside its data (ring_carried.py); the others send it first.
 
 Tensors that require grad (a model's parameters) are written in place like any other, as
 torch.distributed does: the algorithms work on a detached view, since a collective is not a
@@ -15,7 +15,7 @@ autograd refuses a backward through a value that changed under it instead of com
 wrong gradient.
 """
 
-from ._group import Traffic, traffic
+from ..transport.peers import Traffic, traffic
 from .naive import gather, naive_all_reduce, scatter
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .tree import tree_all_reduce, tree_broadcast, tree_reduce

@@ -13,29 +13,28 @@ from functools import partial
 import torch
 
 from ..errors import MicroDDPError
-from ._agree import agree, check_all_reduce, describe_tensor, home
-from ._carried import Header, carried_ring_all_reduce_
-from ._checks import check_tensor, try_layout, try_list, try_op, try_tensor
-from ._duplex import duplex, duplex_decided, duplex_enabled
-from ._group import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
-from ._memo import recall, remember
-from ._pair import pair_all_reduce_
-from ._pipeline import pipelined_ring_all_reduce_
-from ._plan import RingPlan, make_plan, plan_for
-from ._policy import (
+from ..transport.duplex import duplex, duplex_decided, duplex_enabled
+from ..transport.peers import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
+from .agree import agree, check_all_reduce, describe_tensor, home
+from .checks import check_tensor, try_layout, try_list, try_op, try_tensor
+from .ring_carried import Header, carried_ring_all_reduce_
+from .ring_loops import (
     PAIR_MIN_CHUNK,
     PAIR_SEGMENT,
     PIPELINE_MIN_CHUNK,
     PIPELINE_SEGMENT,
     PIPELINE_WINDOW,
     PREPOST_MAX_CHUNK,
+    pair_all_reduce_,
     pair_segments,
+    pipelined_ring_all_reduce_,
     posting,
     ring_segments,
     widest_chunk_bytes,
 )
+from .ring_plan import RingPlan, make_plan, plan_for, recall, remember
 
-# The ring's choice of loop (_policy.py) is offered from here too, with the ring itself.
+# The ring's choice of loop (ring_loops.py) is offered from here too, with the ring itself.
 __all__ = ["PAIR_MIN_CHUNK", "PAIR_SEGMENT", "PIPELINE_MIN_CHUNK", "PIPELINE_SEGMENT",
            "PIPELINE_WINDOW", "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_",
            "posting", "preposted_ring_all_reduce_", "reduce_scatter_flat_", "ring_all_gather",
@@ -79,7 +78,7 @@ def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
 def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str = "plain") -> None:
     """The plain ring, from views cut beforehand: one message per step, send first.
 
-    Between sends there is nothing but the wire calls and the add (see _plan.py for why).
+    Between sends there is nothing but the wire calls and the add (see ring_plan.py for why).
     Each step adds what it received before waiting for its own send to finish: the add
     writes a chunk other than the one on the wire, so it overlaps the send's last bytes.
     `how` is the message order `posting` chose. With "lookahead" (gloo only), each step posts
@@ -90,7 +89,7 @@ def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str =
     out (on 2 ranks, the first step's), and that is safe: what lands there is that chunk
     completed, which cannot exist before every rank's partial of it, this rank's message
     included, has arrived, so no byte lands before the last byte has left. "receive-first"
-    (2 ranks with a connection per direction, _duplex.py) posts this step's receive and the
+    (2 ranks with a connection per direction, transport/duplex.py) posts this step's receive and the
     next one before the send, so that every send finds its receiver ready (the same reasoning
     makes the early gather receive safe). Steps whose `into` is None only move bytes.
     """
@@ -183,22 +182,22 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     """In place, every rank ends with op over all ranks' `tensor`; returns `tensor`.
 
     `check=False` skips the metadata agreement (one small exchange per round of log2 p; on 2
-    gloo ranks, after the group's first call, one header sent beside the data: _carried.py)
+    gloo ranks, after the group's first call, one header sent beside the data: ring_carried.py)
     when the caller already knows every rank passes the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
-    through the ring independently (a pipeline, see _pipeline.py; gloo only: NCCL pipelines
+    through the ring independently (a pipeline, see ring_loops.py; gloo only: NCCL pipelines
     internally). By default chunks go whole, except on more than 2 ranks, where chunks of
     PIPELINE_MIN_CHUNK bytes or more go in segments of at most PIPELINE_SEGMENT. On 2 gloo
-    ranks the first call opens a second connection between them (_duplex.py), one per
+    ranks the first call opens a second connection between them (transport/duplex.py), one per
     direction, and every message from group rank 1 to 0 goes over it; with MICRODDP_DUPLEX=0
     they share one, and chunks of PAIR_MIN_CHUNK bytes or more go in segments of at most
-    PAIR_SEGMENT (_pair.py). The pipeline
+    PAIR_SEGMENT (ring_loops.py). The pipeline
     posts up to PIPELINE_WINDOW receives ahead and keeps a scratch segment for each
     reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
     A repeat call on a tensor whose chunks go whole (the same tensor object, memory, dtype, op
     and group), with `check=False`, or with check=True where the check is carried, skips the
-    local checks and set-up as well: it runs the loop kept from its last such call (_memo.py).
+    local checks and set-up as well: it runs the loop kept from its last such call (ring_plan.py).
     """
     where = "ring_all_reduce"
     bad_segment = (MicroDDPError(f"{where}: segment_bytes must be positive, got {segment_bytes}")

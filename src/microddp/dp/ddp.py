@@ -33,7 +33,7 @@ from .sync import (
     sync_module_states,
     verify_same_model,
 )
-from .torch_api import TorchDDPApi
+from .torch_api import TorchDDPApi, to_device
 from .unused import output_tensors
 
 
@@ -103,7 +103,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
             # broadcast_buffers=False they may be rank-local, of any shape.
             buffers = init_buffers or self.forward_sync_buffers
             verify_same_model(module, process_group, buffers=buffers)
-            sync_module_states(module, self._src(), process_group, buffers=init_buffers)
+            sync_module_states(module, self.src_rank(), process_group, buffers=init_buffers)
         self._build_reducer()
 
     def _build_reducer(self) -> None:
@@ -127,7 +127,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
-    def _src(self, group_rank: int = 0) -> int:
+    def src_rank(self, group_rank: int = 0) -> int:
         return global_rank(self.process_group, group_rank)
 
     @property
@@ -139,7 +139,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._frozen and torch.is_grad_enabled():
             _refuse_unfrozen(self._frozen)
-        src = self._src()
+        src = self.src_rank()
         if self._join is not None:  # tell ranks that ran out of data what to shadow
             src = self._join.notify(grad_sync)
         elif self._join_config.enable and self._torch_join is not None:
@@ -149,11 +149,11 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
             src = self._torch_join.notify(grad_sync)
         if torch.is_grad_enabled():
             self.reducer.rebuild_buckets()
-        if self._will_sync_buffers():
+        if self.will_sync_buffers():
             broadcast_coalesced(list(self.module.buffers()), src, self.process_group,
                                 keep_versions=True)
         if self._input_device:
-            inputs, kwargs = _to_device((inputs, kwargs), self._input_device[0])
+            inputs, kwargs = to_device((inputs, kwargs), self._input_device[0])
         if grad_sync:
             self.reducer.stats.forward_started()
         output = self.module(*inputs, **kwargs)
@@ -164,7 +164,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         # torch: an earlier syncing forward's backward still averages its gradients.
         return output
 
-    def _will_sync_buffers(self) -> bool:
+    def will_sync_buffers(self) -> bool:
         return (self.require_forward_param_sync and self.forward_sync_buffers
                 and self._has_buffers)
 
@@ -298,13 +298,3 @@ def _refuse_off_gpu(module: nn.Module, group, buffers: bool) -> None:
         raise MicroDDPError(f"the process group uses NCCL, which moves CUDA tensors only, but "
                             f"the module has tensors on {', '.join(off)}; move it to this "
                             "rank's GPU first: module.to(microddp.get_world().device)")
-
-
-def _to_device(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj

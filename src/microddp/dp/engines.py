@@ -1,7 +1,9 @@
-"""The ladder's stages as drop-in wrappers: same loop as with torch's DDP, different machinery.
+"""The engines: the one table of data-parallel wrappers and the one `wrap(model, engine)` that
+builds them, the ladder's stages as drop-in wrappers (same loop as with torch's DDP, different
+machinery), microddp's DistributedDataParallel and torch's.
 
 `wrap(model, "hooks")` etc. build these; benchmarks and the training job use them to compare
-stages side by side. Each one reuses the stage classes from `stages.py` unchanged.
+stages side by side. Each one reuses the stage classes from `ladder.py` unchanged.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..comms import distributed
+from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB
-from .stages import BucketHooks, GradHooks, OverlapHooks, average_gradients
+from .ladder import BucketHooks, GradHooks, OverlapHooks, average_gradients
 from .sync import broadcast_coalesced, sync_module_states
 
 
@@ -73,3 +77,53 @@ class StageDDP(nn.Module):
             yield
         finally:
             self.reducer.sync = before
+
+
+ENGINES = ("naive", "hooks", "buckets", "overlap", "microddp", "torch")
+# Constructor arguments of torch's DistributedDataParallel that the ladder stages accept:
+# bucket_cap_mb and broadcast_buffers do what torch's do; the others only at torch's default
+# (the stages implement neither unused parameters nor static graphs nor bucket views).
+_STAGE_KWARGS = {"bucket_cap_mb", "device_ids", "output_device", "broadcast_buffers",
+                 "process_group", "find_unused_parameters", "gradient_as_bucket_view",
+                 "static_graph"}
+_STAGE_DEFAULT_ONLY = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph")
+
+
+def wrap(module: nn.Module, engine: str = "overlap", **ddp_kwargs) -> nn.Module:
+    """Wrap `module` for data-parallel training with one of the ladder's engines.
+
+    Every engine behaves like torch's DDP in a loop: replicas start from rank 0's parameters,
+    `model(x)` then `loss.backward()` leaves gradients averaged over ranks, and the wrapper
+    has `.module` and `.no_sync()`.
+    """
+    if engine not in ENGINES:
+        raise MicroDDPError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if engine == "microddp":
+        from .ddp import DistributedDataParallel  # noqa: PLC0415 (ddp is the heaviest part)
+
+        return DistributedDataParallel(module, **ddp_kwargs)
+    if engine == "torch":
+        return _torch_ddp(module, **ddp_kwargs)
+    unknown = set(ddp_kwargs) - _STAGE_KWARGS
+    if unknown:
+        raise MicroDDPError(f"engine {engine!r} does not take {', '.join(sorted(unknown))}; "
+                            f"it accepts {', '.join(sorted(_STAGE_KWARGS))}")
+    if ddp_kwargs.get("process_group") is not None:
+        raise MicroDDPError(f"engine {engine!r} runs on the default group only; "
+                            "use engine='microddp' for a process_group")
+    for name in _STAGE_DEFAULT_ONLY:
+        if ddp_kwargs.get(name):
+            raise MicroDDPError(f"engine {engine!r} does not implement {name}=True; "
+                                "use engine='microddp' (or 'torch') for it")
+    return StageDDP(module, engine, ddp_kwargs.get("bucket_cap_mb"),
+                    ddp_kwargs.get("broadcast_buffers", True) is not False)
+
+
+def _torch_ddp(module: nn.Module, **kwargs) -> nn.Module:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not (distributed() and dist.is_initialized()):
+        raise MicroDDPError("engine 'torch' needs a process group; start several ranks "
+                            "(microddp run -n 2 ...) or pick another engine for one process")
+    return DistributedDataParallel(module, **kwargs)

@@ -10,7 +10,8 @@ When nobody is active, everyone takes the parameters of a rank that was active t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,15 +21,46 @@ from ..errors import MicroDDPError
 from .comm_hooks import Summing, start_reduction
 from .sync import broadcast_coalesced, distributed, sync_module_states
 
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
-    from .reducer import Reducer
+
+class ShadowedReducer(Protocol):
+    """What a join needs of the Reducer: its buckets to answer with zeros, and the two state
+    changes the Reducer makes itself (the divisor, an iteration this rank did not run)."""
+
+    buckets: list
+    params: Sequence[torch.Tensor]
+    group: object
+    comm_hook: object
+    comm_state: object
+    world_size: int
+
+    def rebuild_buckets(self) -> None: ...
+    def claim(self, bucket, exclusive: bool = False) -> None: ...
+    def all_reduces_used(self) -> bool: ...
+    def set_divisor(self, n: int) -> None: ...
+    def skip_iteration(self) -> None: ...
+
+
+class Joinable(Protocol):
+    """What a join needs of the DDP model (ddp.py): its group and devices, its reducer, whose
+    rank is the source of parameters and buffers, and whether this forward syncs buffers. A
+    Protocol, so join.py and ddp.py do not import each other."""
+
+    process_group: object
+    device: torch.device
+    module: torch.nn.Module
+    reducer: ShadowedReducer
+    forward_sync_buffers: bool
+    require_forward_param_sync: bool
+    _join: object  # the join in force, which each forward reports to
+
+    def src_rank(self, group_rank: int = 0) -> int: ...
+    def will_sync_buffers(self) -> bool: ...
 
 
 class Join:
     """Context manager returned by `DistributedDataParallel.join()`."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool = True,
+    def __init__(self, ddp: Joinable, divide_by_initial_world_size: bool = True,
                  enable: bool = True, throw_on_early_termination: bool = False) -> None:
         self.ddp, self.divide_by_initial = ddp, divide_by_initial_world_size
         self.enable = enable and distributed(ddp.process_group)
@@ -60,8 +92,8 @@ class Join:
             raise MicroDDPError(f"{self.size - n_active} rank(s) ran out of data first "
                                 "(throw_on_early_termination=True); give every rank the same "
                                 "number of batches, or drop throw_on_early_termination")
-        self.ddp.reducer.div_factor = self.size if self.divide_by_initial else n_active
-        return self.ddp._src(top)
+        self.ddp.reducer.set_divisor(self.size if self.divide_by_initial else n_active)
+        return self.ddp.src_rank(top)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.ddp._join = None
@@ -84,8 +116,8 @@ class Join:
         """Repeat one iteration of the active ranks' collectives (this rank has no data)."""
         ddp, reducer = self.ddp, self.ddp.reducer
         reducer.rebuild_buckets()
-        if ddp._will_sync_buffers():
-            broadcast_coalesced(list(ddp.module.buffers()), ddp._src(top), ddp.process_group,
+        if ddp.will_sync_buffers():
+            broadcast_coalesced(list(ddp.module.buffers()), ddp.src_rank(top), ddp.process_group,
                                 keep_versions=True)
         ddp.require_forward_param_sync = n_sync > 0
         if n_sync:
@@ -95,10 +127,10 @@ class Join:
         """Every rank is done: all take the parameters of the highest rank that trained to the
         end (`last`: this rank never had to shadow)."""
         ddp = self.ddp
-        ddp.reducer.div_factor = ddp.reducer.world_size
+        ddp.reducer.set_divisor(ddp.reducer.world_size)
         mine = torch.tensor([self.rank if last else -1], device=ddp.device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=ddp.process_group)
-        sync_module_states(ddp.module, ddp._src(int(mine.item())), ddp.process_group,
+        sync_module_states(ddp.module, ddp.src_rank(int(mine.item())), ddp.process_group,
                            buffers=ddp.forward_sync_buffers)
 
 
@@ -118,7 +150,7 @@ class TorchJoinHook(JoinHook):
         self.join.finish(last=is_last_joiner)
 
 
-def shadow_backward(reducer: Reducer) -> None:
+def shadow_backward(reducer: ShadowedReducer) -> None:
     """Issue the same collectives as a real backward would, in the same order, with zeros."""
     futures = []
     for bucket in reducer.buckets:
@@ -131,7 +163,4 @@ def shadow_backward(reducer: Reducer) -> None:
         futures.append(Summing(used, reducer.group))
     for fut in futures:
         fut.wait()
-    if reducer.learning():  # the others learnt their graph in this backward; this rank, which
-        reducer.expected = [0] * len(reducer.params)  # trains no more, just stops asking
-    if reducer.will_rebuild and not reducer.rebuild_due:  # the others will rebuild: so must we
-        reducer.arrival, reducer.rebuild_due = list(range(len(reducer.params))), True
+    reducer.skip_iteration()

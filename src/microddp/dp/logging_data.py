@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .sync import distributed
-
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
 
 FIRST_SAMPLED = 10  # torch records every one of the first 10 iterations
 DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
@@ -92,7 +89,7 @@ def _joined(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
-def logging_data(ddp: DistributedDataParallel) -> dict:
+def logging_data(ddp: nn.Module) -> dict:
     """The dictionary `_get_ddp_logging_data()` returns (see the module docstring)."""
     reducer, group = ddp.reducer, ddp.process_group
     on = distributed(group)

@@ -24,13 +24,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import trace
+from .. import spans as trace
 from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
 from .comm_hooks import CommHook, Summing, start_reduction
-from .copies import BucketCopies
 from .double_backward import DoubleBackward
-from .lending import Lender
+from .grads import BucketCopies, Lender
 from .logging_data import RuntimeStats
 from .refusals import refusal
 from .sync import distributed, global_rank
@@ -146,6 +145,19 @@ class Reducer(BucketCopies, DoubleBackward):
         self.used_future = None
         self.recording = self.will_rebuild and not self.rebuild_due
         self.lender.new_backward()
+
+    def set_divisor(self, n: int) -> None:
+        """Divide the summed gradients by `n` (the world size, or under a join the ranks still
+        training, if the join says so)."""
+        self.div_factor = n
+
+    def skip_iteration(self) -> None:
+        """A backward this rank only shadowed with zeros (it joined): learn nothing from it,
+        and rebuild buckets when the ranks that ran it do."""
+        if self.learning():  # the others learnt their graph in this backward; this rank, which
+            self.expected = [0] * len(self.params)  # trains no more, just stops asking
+        if self.will_rebuild and not self.rebuild_due:  # the others will rebuild: so must we
+            self.arrival, self.rebuild_due = list(range(len(self.params))), True
 
     def learning(self) -> bool:
         """Whether this is static_graph's first iteration, which learns the graph's shape."""

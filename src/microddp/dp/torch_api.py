@@ -125,7 +125,7 @@ class TorchDDPApi:
         return dist.get_rank(self.process_group) if distributed() else 0
 
     def will_sync_module_buffers(self) -> bool:
-        return self._will_sync_buffers()
+        return self.will_sync_buffers()
 
     @staticmethod
     def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator:
@@ -164,10 +164,8 @@ class TorchDDPApi:
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
 
     def to_kwargs(self, inputs, kwargs, device_id):
-        from .ddp import _to_device
-
         device = torch.device(self.device_type, device_id)
-        inputs, kwargs = _to_device((tuple(inputs or ()), dict(kwargs or {})), device)
+        inputs, kwargs = to_device((tuple(inputs or ()), dict(kwargs or {})), device)
         return (inputs,), (kwargs,)
 
     def gather(self, outputs, output_device):
@@ -180,3 +178,14 @@ class TorchDDPApi:
             if name in TORCH_NAMES:
                 raise refusal(name) from None
             raise
+
+
+def to_device(obj, device: torch.device):
+    """`obj` with every tensor in it (in lists, tuples, dicts) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj

@@ -25,8 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..comms.world import get_world
 from ..errors import MicroDDPError
-from ..world import get_world
 from . import patch
 from .default import interrupt_pays, stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..bench.timing import compare, median
-from ..spawn import spawn
+from ..launch.spawn import spawn
+from ..timing import compare, median
 from . import disable, enable, stall_seconds
 
 STATES = ("on", "off", "off-2")

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.checkpoint_dir:
             check_folder(cfg.checkpoint_dir, "--checkpoint-dir")
         _check_checkpoints(cfg)
-        from ..launch import run as launch
+        from ..launch.run import run as launch
 
         print(f"microddp train: run folder {cfg.out}", flush=True)
         announced = True

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from ..comms.world import World
 from ..errors import MicroDDPError
 from ..model import FullMLP
-from ..world import World
 from .config import TrainConfig
 
 

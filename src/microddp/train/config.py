@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from ..data import DATASETS
+from ..dp.engines import ENGINES
 from ..errors import MicroDDPError
 from ..flags import at_least, positive
 
-ENGINES = ("microddp", "naive", "hooks", "buckets", "overlap", "torch")
 OPTIMIZERS = ("sgd", "adam")
 AMP = ("bf16", "fp16")
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3}

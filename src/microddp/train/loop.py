@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import checkpoint, monitor, outputs, trace, trace_report
+from .. import checkpoint, monitor, outputs
+from .. import spans as trace
+from ..comms.world import World
 from ..data import ShardedBatchSampler, evaluate, load_dataset
-from ..world import World
+from ..trace import report as trace_report
 from . import resume
 from .build import Hook, Precision, bare, build_model, build_optimizer, wrap
 from .config import TrainConfig, validate

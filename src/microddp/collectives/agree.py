@@ -1,0 +1,233 @@
+"""Recursive doubling, and the cheap metadata check built on it.
+
+Recursive doubling (a butterfly) lets every rank end with op over all ranks in ceil(log2 p)
+exchange rounds. It serves twice: as `tree_all_reduce` for small tensors, and to make every
+rank agree on shapes, dtypes and ops *before* any data moves, so that a mismatch becomes the
+same clear error on every rank instead of a hang or a silently wrong result.
+"""
+
+from __future__ import annotations
+
+import array
+import operator
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from ..errors import MicroDDPError
+from ..transport.peers import Peers, wait_all
+from .checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
+
+# The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
+# ring's data (ring_carried.py) goes with it, so that it meets another rank's agreement.
+FIRST_TAG = 3
+
+
+def butterfly_(peers: Peers, buf: torch.Tensor, scratch: torch.Tensor,
+               combine: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    """In place: every rank's `buf` becomes combine over all ranks' `buf`, bit-identical.
+
+    For p not a power of two, the first 2*rem ranks pair up (even folds into odd) so that a
+    power of two take part; the folded ranks get the result back at the end.
+    """
+    p, r = peers.size, peers.me
+    pof2 = 1 << (p.bit_length() - 1)
+    rem = p - pof2
+    if r < 2 * rem and r % 2 == 0:
+        peers.send(buf, r + 1, 1)
+        peers.recv(buf, r + 1, 2)
+        return
+    if r < 2 * rem:
+        peers.recv(scratch, r - 1, 1)
+        _ordered(combine, buf, scratch, mine_first=False)  # the even rank's operand first
+    vr = r // 2 if r < 2 * rem else r - rem
+    mask, tag = 1, FIRST_TAG
+    while mask < pof2:
+        vpeer = vr ^ mask
+        peer = 2 * vpeer + 1 if vpeer < rem else vpeer + rem
+        wait_all(peers.exchange(buf, peer, scratch, peer, tag))
+        _ordered(combine, buf, scratch, mine_first=vr < vpeer)
+        mask, tag = mask << 1, tag + 1
+    if r < 2 * rem:
+        peers.send(buf, r - 1, 2)
+
+
+def _ordered(combine: Callable[[torch.Tensor, torch.Tensor], object], buf: torch.Tensor,
+             other: torch.Tensor, mine_first: bool) -> None:
+    """buf = combine(lower rank's operand, higher rank's), so both sides of an exchange get
+    the same bits: min and max of 0.0 and -0.0 depend on the order of their arguments."""
+    if mine_first:
+        combine(buf, other)
+    else:
+        combine(other, buf)
+        buf.copy_(other)
+
+
+# Every agreement exchanges this many numbers, whatever the collective: ranks that called
+# different ones (a ring here, a tree there) then still exchange equal messages, and learn
+# that they disagree, instead of gloo aborting the process on mismatched sizes.
+SLOTS = 10
+
+
+def _code(value) -> int:
+    """A stable integer for a shape, a dtype or a name (Python's hash() differs per process)."""
+    try:
+        return operator.index(value)  # an int, or a numpy integer: the same number
+    except TypeError:
+        return zlib.crc32(repr(value).encode())
+
+
+def describe_tensor(tensor) -> dict:
+    """What every rank must pass alike: shape, dtype and kind of device (placeholders for a
+    non-tensor, whose rank reports its problem instead)."""
+    if not isinstance(tensor, torch.Tensor):
+        return {"shape": None, "dtype": None, "device": None}
+    return {"shape": tuple(tensor.shape), "dtype": tensor.dtype, "device": tensor.device.type}
+
+
+def home(tensor, peers: Peers) -> torch.device:
+    """Where the agreement's numbers live: the tensor's device, or the group's if it is none."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.device
+    return torch.device("cuda", torch.cuda.current_device()) if peers.nccl else torch.device("cpu")
+
+
+def agree(peers: Peers, where: str, place: torch.device, problem: Exception | None = None,
+          check: bool = True, settings: dict | None = None, **fields) -> None:
+    """Raise the same MicroDDPError on every rank unless all ranks passed equal `fields` (the
+    caller's arguments) and `settings` (what the environment chose, e.g. MICRODDP_DUPLEX).
+
+    `problem` is this rank's own complaint about its arguments (found by local checks): it is
+    shared too, so that the other ranks raise instead of waiting for a rank that gave up. One
+    butterfly over max(v) and max(-v) gives every rank both the maximum and the minimum of
+    each field; a field is consistent exactly when they are equal. With `check=False` nothing
+    is exchanged and only this rank's own problem is raised.
+    """
+    if not check or peers.size <= 1:
+        if problem is not None:
+            raise problem
+        return
+    settings = settings or {}
+    fields = described(where, problem, fields, settings)
+    # Everything before the first send delays the other ranks too, so this is built and read
+    # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
+    # list, slicing and negating tensors cost 25 us more per call, measured).
+    buf = torch.frombuffer(array.array("q", encode(fields)), dtype=torch.int64)
+    if place.type != "cpu":  # where the group's backend can send it
+        buf = buf.to(place)
+    butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
+    judge(where, peers.me, fields, settings, buf.tolist(), problem)
+
+
+def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:
+    """Every field an agreement compares, in the order it sends them: whether this rank
+    rejected its arguments, which collective it called, its arguments, then `settings`."""
+    return {"arguments": int(problem is not None), "call": where, **fields, **settings}
+
+
+def encode(fields: dict) -> list[int]:
+    """The numbers an agreement sends for `fields` (from `described`): each field's code, then
+    each code negated, SLOTS of each, so that max over ranks gives both max and min."""
+    codes = [_code(v) for v in fields.values()]
+    codes += [0] * (SLOTS - len(codes))  # fixed length: see SLOTS
+    return codes + [-c for c in codes]
+
+
+def judge(where: str, me: int, fields: dict, settings: dict, combined: list[int],
+          problem: Exception | None) -> None:
+    """Raise what an agreement found, given `combined`: the max over every rank's `encode`d
+    fields (so the max of each field, then minus its min). `me`: this rank's group rank."""
+    k = len(fields)
+    highs, lows = combined[:k], [-v for v in combined[SLOTS:SLOTS + k]]
+    if problem is not None:
+        raise problem
+    if highs[0]:
+        raise MicroDDPError(f"{where}: another rank of the group rejected its arguments (its "
+                            "error says why); fix them there")
+    differ = [name for name, hi, lo in zip(fields, highs, lows, strict=True) if hi != lo]
+    if "call" in differ:
+        raise MicroDDPError(
+            f"{where}: the ranks of the group called different collectives at this point (this "
+            f"rank, group rank {me}, called {where}); every rank of the group must call "
+            "the same collectives, in the same order")
+    if differ:
+        # Every argument, but a setting only when it is what differs: otherwise it is noise.
+        shown = [n for n in list(fields)[2:] if n not in settings or n in differ]
+        mine = ", ".join(f"{name}={fields[name]}" for name in shown)
+        raise MicroDDPError(
+            f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
+            f"{me}: {mine}); every rank of the group must call it with the same "
+            f"{', '.join(differ)}")
+
+
+def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
+                     where: str, problem: MicroDDPError | None = None,
+                     **settings) -> tuple[Peers, str] | None:
+    """What every all-reduce does before moving data: validate the tensor and op, and agree
+    across ranks on shape, dtype, op and any `settings` the algorithm needs the same on every
+    rank. `problem`: the caller's own complaint about its other arguments, shared like the
+    rest. Returns (peers, op name), or None off the group."""
+    local = check_all_reduce(tensor, op, group, where, problem)
+    if local is None:
+        return None
+    peers, name, problem = local
+    agree(peers, where, home(tensor, peers), problem, check, settings, **describe_tensor(tensor),
+          op=name)
+    return (peers, name) if peers.size > 1 else None
+
+
+def check_all_reduce(tensor: torch.Tensor, op: str, group, where: str,
+                     problem: MicroDDPError | None = None
+                     ) -> tuple[Peers, str, MicroDDPError | None] | None:
+    """The local half of begin_all_reduce: (peers, op name, this rank's problem or None), or
+    None off the group; the problem is still to be shared (agree, or a header: ring_carried.py)."""
+    peers = Peers(group)
+    if not peers.member:
+        check_tensor(tensor, where)
+        return None
+    problem = problem or try_tensor(tensor, where)
+    name = str(op)
+    if problem is None:
+        name, problem = try_op(op, tensor, where)
+        problem = problem or try_layout(tensor, where)
+    return peers, name, problem
+
+
+def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name: str,
+                 root_rank: int | None, op=None, parts=None, parts_name: str | None = None,
+                 result_in: str = "tensor", group_root: int | None = None):
+    """What every rooted collective (broadcast, reduce, scatter, gather) does before moving
+    data: validate the tensor, the root (`root_name` is the argument's name, src or dst), the
+    op if it takes one and, on the root, its list of per-rank tensors if it takes one (the
+    root is global rank `root_rank` or, torch's group_src/group_dst, `group_root`); then
+    agree across ranks on shape, dtype, op and root. `result_in` says where results are
+    written, which must be able to hold them: "tensor" (every rank's), "root" (the root's
+    tensor only: reduce) or "list" (the root's list: gather, which only reads `tensor`).
+    Returns (peers, group rank of the root, op name or None, the root's list or []), or None
+    off the group.
+    """
+    peers = Peers(group)
+    if not peers.member:
+        check_tensor(tensor, where)
+        return None
+    problem = try_tensor(tensor, where)
+    name = None
+    root, root_problem = try_root(peers, root_rank, root_name, group_root)
+    if problem is None:
+        name, problem = try_op(op, tensor, where) if op is not None else (None, None)
+        written = result_in == "tensor" or (result_in == "root" and peers.me == root)
+        problem = problem or root_problem or try_layout(tensor, where, written=written)
+    items: list = []
+    if parts_name is not None and problem is None and peers.me == root:
+        items, problem = try_list(parts, tensor, peers.size, where, parts_name,
+                                  written=result_in == "list")
+    fields = describe_tensor(tensor)
+    if op is not None:
+        fields["op"] = name if name is not None else str(op)
+    if group_root is None:  # agreed on as a global rank, however it was given
+        agreed = 0 if root_rank is None else root_rank
+    else:
+        agreed = peers.global_rank(root) if check and root_problem is None else group_root
+    agree(peers, where, home(tensor, peers), problem, check, **fields, **{root_name: agreed})
+    return peers, root, name, items

@@ -1,0 +1,107 @@
+"""The ring's metadata check on 2 gloo ranks, carried beside its data instead of in front of it.
+
+The agreement (agree.py) is a round of its own: every rank waits for it before it posts a
+single byte of data, and on 2 ranks that round cost as much as the ring's two steps at small
+sizes (1.74-1.98x gloo's time at 4 KiB, against the unchecked ring's ~1x; chapter 4). Here
+each rank still sends the very same numbers (its header: shape, dtype, op, settings), on the
+same connection and tag as an agreement, so it meets a rank that called another collective
+and both raise the same errors. What changes is the order around it:
+
+1. post both data receives, into tags no other call uses (a per-process counter: the tag
+   base, which the header carries, so the other rank knows where to send);
+2. send the header, receive the other's;
+3. compare: on a mismatch, raise. Nothing size-dependent has been *sent* yet, so no rank can
+   get a message of the wrong size (which gloo answers by aborting the process), and the
+   other rank, which holds the same two headers, raises too. The two receives stay posted,
+   on tags no later call uses (see _next_base), so no later message lands in them;
+4. otherwise send the data, to the other's tag base, and run the ring's two steps.
+
+So the only thing in front of the data is one small message that travels while the data
+receives are being announced; with the repeat-call memo (ring_plan.py) nothing else is either.
+This takes only 2 ranks: on more, a rank hears from one neighbour only, and a rank whose
+neighbour agrees with it would send on to one that gave up (the butterfly is kept there).
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+
+import torch
+
+from ..transport.peers import COMBINE, Peers
+from .agree import FIRST_TAG, SLOTS, described, encode, judge
+from .ring_plan import RingPlan
+
+# Where a header carries its sender's tag base. It is past every field an agreement compares
+# (at most 9), so a rank running `agree` reads the rest of the header and ignores it.
+TAG_SLOT = SLOTS - 1
+# Data tags: from here on, 4 per call (the ring's two steps use 1 and 2), below 2**31 (gloo's
+# limit). Far above the tags of every other loop, so a stale receive never meets them.
+TAG_BASE = 1 << 24
+_WRAP = 1 << 28
+_calls = itertools.count()
+
+
+def _next_base() -> int:
+    """This process's data tags for its next carried call. Unique for 2**28 calls: a receive
+    left posted by a refused call (step 3 above) could only match a message that long after."""
+    return TAG_BASE + 4 * (next(_calls) % _WRAP)
+
+
+class Header:
+    """One rank's header for one kind of call, and a buffer for the other rank's; kept with the
+    call (ring_plan.py), so a repeat call only stamps its tag base in and sends it."""
+
+    def __init__(self, where: str, fields: dict, settings: dict):
+        self.where, self.settings = where, settings
+        self.fields = described(where, None, fields, settings)
+        self.k = len(self.fields)
+        self.mine = array.array("q", encode(self.fields))
+        self.theirs = array.array("q", bytes(8 * 2 * SLOTS))
+        # Tensors over the arrays' memory: what goes on the wire is read and written there.
+        self.mine_t = torch.frombuffer(self.mine, dtype=torch.int64)
+        self.theirs_t = torch.frombuffer(self.theirs, dtype=torch.int64)
+
+    def stamp(self, base: int) -> None:
+        self.mine[TAG_SLOT], self.mine[SLOTS + TAG_SLOT] = base, -base
+
+    def matches(self) -> bool:
+        """Whether the other rank's header, once received, has every compared field equal."""
+        return self.theirs[:self.k] == self.mine[:self.k]
+
+    def refuse(self, me: int) -> None:
+        """Raise the error an agreement would have raised on these two headers."""
+        combined = [max(a, b) for a, b in zip(self.mine, self.theirs, strict=True)]
+        judge(self.where, me, self.fields, self.settings, combined, None)
+
+
+def carried_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: Header) -> None:
+    """The ring on 2 gloo ranks, whole chunks, every receive posted before any send, with the
+    header exchanged before the data is sent (steps in the module docstring). Raises the
+    agreement's MicroDDPError, on both ranks, if the headers differ."""
+    other = 1 - peers.me
+    (send0, recv0, into0, tag0), (send1, recv1, _, tag1) = plan.steps
+    base = _next_base()
+    # Both receives first, so that the other rank's sends find them announced. The gather's
+    # lands in the chunk this rank sends in step 0: safe, see planned_ring_all_reduce_.
+    got0 = peers.irecv(recv0, other, base + tag0) if recv0.numel() else None
+    got1 = peers.irecv(recv1, other, base + tag1) if recv1.numel() else None
+    header.stamp(base)
+    heard = peers.irecv_main(header.theirs_t, other, FIRST_TAG)
+    told = peers.isend_main(header.mine_t, other, FIRST_TAG)
+    heard.wait()
+    if not header.matches():
+        told.wait()  # the other rank posted its receive for it: an agreement or a header
+        header.refuse(peers.me)
+    to = header.theirs[TAG_SLOT]
+    sent0 = peers.isend(send0, other, to + tag0) if send0.numel() else None
+    if got0 is not None:
+        got0.wait()
+        COMBINE[name](into0, recv0)
+    if name == "avg":
+        plan.mine.div_(2)
+    sent1 = peers.isend(send1, other, to + tag1) if send1.numel() else None
+    for work in (got1, sent0, sent1, told):
+        if work is not None:
+            work.wait()

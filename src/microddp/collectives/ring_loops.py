@@ -1,0 +1,287 @@
+"""The ring's loops beyond the plain one, and which of them runs: a pipeline of segments (any p), the two-rank exchange of halves, and the policy that picks by chunk size and world size.
+
+ring_loops:
+The ring all-reduce as a pipeline: each chunk cut into segments that travel independently.
+
+In the plain ring every rank waits for a whole chunk before reducing it and passing it on, so
+the wire is idle while the CPU adds and the CPU is idle while the wire moves. Cutting each
+chunk into k segments lets segment j+1 arrive while segment j is being reduced, and lets a
+segment move on to the next step (even into the gather phase) the moment it is ready.
+Receives are posted ahead, before the first send, into a fixed pool of buffers; nothing is
+allocated per step.
+
+_pair:
+The ring on two ranks, for large tensors: both steps cut into segments, all posted at once.
+
+With p = 2 the ring is one exchange of halves: each rank sends the half the other will own,
+adds what it receives into its own half (the reduce-scatter), then sends its finished half
+back (the all-gather). Done whole, the add of an 8 MiB half sits between the two exchanges,
+with nothing on the wire. Cut into k segments, a segment is added and sent back the moment
+it lands, while the next ones are still arriving, so the adds hide behind the transfer.
+
+Unlike the general pipeline (ring_loops.py), nothing here waits for a free buffer: every
+receive of the first exchange is posted at once, into one scratch half, because with two
+ranks there is only one such exchange. A segment's receive in the second exchange lands in
+the half this rank sent first, so it is posted only once that segment's send is done.
+
+_policy:
+Which loop the ring all-reduce runs on gloo, chosen by chunk size and world size.
+
+The loops themselves are in ring.py (plain, lookahead, preposted), ring_loops.py and
+ring_loops.py; what each costs on this 2-core host, measured interleaved against gloo, decides the
+thresholds below (chapter 4 tells the whole story).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..transport.peers import COMBINE, Peers, bounds, scratch, wait_all
+
+
+def pipelined_ring_all_reduce_(peers: Peers, data: torch.Tensor, name: str,
+                               segment_bytes: int, window: int) -> None:
+    """In place on a 1-D tensor: op over ranks, via 2(p-1) ring steps of k segments each, with
+    up to `window` receives posted ahead (and as many scratch segments, at most the (p-1)k
+    of the reduce-scatter)."""
+    p, r = peers.size, peers.me
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    off = bounds(data.numel(), p)
+    width = max(off[i + 1] - off[i] for i in range(p))
+    k = segments_per_chunk(width, data.element_size(), segment_bytes)
+    # seg[c][j]: segment j of chunk c, as a view; chunks differ by at most one element.
+    seg = [[data[off[c] + a:off[c] + b] for a, b in _pairs(bounds(off[c + 1] - off[c], k))]
+           for c in range(p)]
+    steps = 2 * (p - 1)
+    rs_steps = p - 1
+    combine = COMBINE[name]
+
+    # Numbering the gather steps on after the reduce-scatter ones, step s always sends chunk
+    # r-s-1 and receives chunk r-s-2 (mod p), in both phases.
+    def send_chunk(s: int) -> int:
+        return (r - s - 1) % p
+
+    def recv_chunk(s: int) -> int:
+        return (r - s - 2) % p
+
+    tasks = [(s, j) for s in range(steps) for j in range(k)]
+    seg_width = max(t.numel() for chunk in seg for t in chunk)
+    # Only the reduce-scatter's receives need a buffer of their own (the gather's land in place).
+    slots = min(window, rs_steps * k)
+    pool = scratch("ring-pipeline", slots * seg_width, data.dtype, data.device).view(
+        slots, seg_width)
+    free = deque(range(len(pool)))
+    last_send = {}  # (chunk, j) -> work: the gather phase must not overwrite data still in flight
+    posted = deque()  # (pool buffer or None, work or None) per task, in task order
+
+    def post(i: int) -> None:
+        s, j = tasks[i]
+        c = recv_chunk(s)
+        target = seg[c][j]
+        if not target.numel():
+            posted.append((None, None))
+            return
+        if s < rs_steps:
+            b = free.popleft()
+            posted.append((b, peers.irecv(pool[b][: target.numel()], prv, 1 + i)))
+        else:
+            # A gather receive lands in a segment this rank sends (or sent) in the
+            # reduce-scatter. If that send is out, let it finish first. With a wide window the
+            # receive may be posted before the send is even issued; it is still safe, because
+            # the final value that lands here is built from that very send: it cannot arrive
+            # before the send has delivered its bytes.
+            pending = last_send.pop((c, j), None)
+            if pending is not None:
+                pending.wait()
+            posted.append((None, peers.irecv(target, prv, 1 + i)))
+
+    def send(s: int, j: int) -> None:  # the tag is the task's index: 1 + s*k + j
+        c = send_chunk(s)
+        if seg[c][j].numel():
+            last_send[(c, j)] = peers.isend(seg[c][j], nxt, 1 + s * k + j)
+
+    def fill() -> None:  # keep up to `window` receives posted ahead, in task order
+        nonlocal ahead
+        while ahead < len(tasks) and len(posted) < window and (
+                free or tasks[ahead][0] >= rs_steps):
+            post(ahead)
+            ahead += 1
+
+    ahead = 0
+    # Receives first, then the first sends, so that those find their receivers' buffers
+    # announced (gloo holds a send back until they are). Measured interleaved against
+    # sending first (4 ranks at 8-64 MiB, 3 ranks at 6-24 MiB): faster in 21 of 24
+    # comparisons, by 2.5% in the median and up to 8%; it also took less CPU time per call in
+    # all 9 runs that counted it (all ranks' threads, e.g. 48.0 against 50.2 ms at 16 MiB).
+    fill()
+    for j in range(k):
+        send(0, j)
+    for s, j in tasks:
+        b, work = posted.popleft()
+        if work is not None:
+            work.wait()
+            if s < rs_steps:
+                target = seg[recv_chunk(s)][j]
+                combine(target, pool[b][: target.numel()])
+                free.append(b)
+                if s == rs_steps - 1 and name == "avg":  # this segment is complete here
+                    target.div_(p)
+        if s + 1 < steps:  # pass the segment on first, then post more receives
+            send(s + 1, j)
+        fill()
+    for w in last_send.values():
+        w.wait()
+
+
+def segments_per_chunk(width: int, element_size: int, segment_bytes: int) -> int:
+    """Segments of at most `segment_bytes` that cut the widest chunk (`width` elements);
+    every chunk is cut into that many, so all ranks send the same number of messages."""
+    return max(1, min(width, -(-width * element_size // segment_bytes)))
+
+
+def _pairs(offsets: list[int]) -> list[tuple[int, int]]:
+    return list(zip(offsets[:-1], offsets[1:], strict=True))
+
+
+def pair_all_reduce_(peers: Peers, data: torch.Tensor, name: str, segments: int) -> None:
+    """In place on a 1-D tensor of 2 ranks: op over both, in `segments` messages per step.
+
+    Chunks as bounds() cuts them (rank r owns chunk r), so the result is bit-identical to the
+    ring's: each element is combined once, in the same order on both ranks.
+    """
+    me, other = peers.me, 1 - peers.me
+    off = bounds(data.numel(), 2)
+    mine, theirs = data[off[me]:off[me + 1]], data[off[other]:off[other + 1]]
+    box = scratch("ring-pair", mine.numel(), data.dtype, data.device)
+    # The same cuts on both ranks: my j-th piece of `theirs` is the other's j-th of `mine`.
+    mine_s, theirs_s, box_s = (t.tensor_split(segments) for t in (mine, theirs, box))
+    combine = COMBINE[name]
+    k = len(mine_s)
+    recvs = [_post(peers.irecv, b, other, 1 + j) for j, b in enumerate(box_s)]
+    sends = [_post(peers.isend, t, other, 1 + j) for j, t in enumerate(theirs_s)]
+    back = []
+    for j in range(k):
+        if recvs[j] is not None:
+            recvs[j].wait()
+            combine(mine_s[j], box_s[j])
+            if name == "avg":
+                mine_s[j].div_(2)
+        back.append(_post(peers.isend, mine_s[j], other, 1 + k + j))
+        if sends[j] is not None:
+            sends[j].wait()  # that piece of `theirs` is on its way: it may be overwritten now
+        back.append(_post(peers.irecv, theirs_s[j], other, 1 + k + j))
+    wait_all([w for w in back if w is not None])
+
+
+def _post(call, tensor: torch.Tensor, peer: int, tag: int):
+    """Start a send or receive, or nothing for an empty piece (both ranks skip it alike)."""
+    return call(tensor, peer, tag) if tensor.numel() else None
+
+
+# On gloo, chunks up to this size go, on more than 2 ranks, with every receive posted before the
+# first send (one round trip less per step, most of a small message's cost); larger ones go one
+# message per step, send first, each next receive posted before the add (lookahead, below); from
+# PIPELINE_MIN_CHUNK on, through the pipeline (below). Both rings from kept views (ring_plan.py),
+# interleaved: on 4 ranks, posting every receive first took 0.62-0.90x gloo's time at 64 KiB-1 MiB
+# tensors where the plain ring took 1.03-1.34x, and on 3 ranks 0.78-1.05x against 1.12-1.16x. On 2
+# ranks, with only two steps, the plain ring won at 15 of 16 points (1 KiB-1 MiB tensors, four runs:
+# 0.79-1.00x against 0.90-1.15x): there the preposted ring's copies out of its inbox and its wait on
+# its sends cost more than the round trip saves (chapter 4).
+PREPOST_MAX_CHUNK = 256 << 10
+# The ring posts each step's next receive before adding (lookahead, planned_ring_all_reduce_).
+# Measured interleaved against posting each receive with its own send ("plain"): on 3 and 4
+# ranks it won at every size tried (2-32 MiB tensors: 0.98-1.10x gloo's time against
+# 1.09-2.06x); on 4 ranks the send still goes before the receive (send first: 1.00-1.09x
+# against 1.02-1.12x in two runs). On 2 ranks the next receive is the gather's, into the
+# chunk the first step is still sending (safe: see planned_ring_all_reduce_). Posted at
+# once, it took 0.73-0.87x gloo's time against plain's 0.83-0.91x at 64 KiB-1 MiB tensors
+# (four runs; level at 1 KiB), and won 8 of 10 comparisons at 1-2 MiB and 5 of 6 at 4 MiB,
+# by 3.5% in the median. What it takes out is a wait with nothing on the wire: gloo holds
+# each send until the receiver has announced its buffer.
+# On more than 2 ranks, chunks from PIPELINE_MIN_CHUNK on go through the pipeline (ring_loops.py) in
+# segments of at most PIPELINE_SEGMENT, with up to PIPELINE_WINDOW receives posted ahead: a segment
+# is added and passed on while the next ones arrive, and up to 64 messages ahead no sender waits for
+# its receiver to announce a buffer. A message costs about 80 us here (thread wake-ups, not bytes),
+# so segments stay large. Measured interleaved against the lookahead ring, ratio to gloo's time, in
+# two sessions: on 4 ranks at 8-64 MiB tensors, better in 21 of 22 comparisons, by up to 7% (e.g. 8
+# MiB: 1.10-1.14x against 1.16-1.17x); on 3 ranks at 12-48 MiB better in 3 of 3, at 6 MiB in 1 of 2.
+# A window of 16 lost to 64 at 32 and 64 MiB on 4 ranks, and 1 MiB segments (window 16) lost at
+# every size. The pipeline keeps one scratch segment per reduce-scatter receive in flight: about
+# (p-1)/p of the tensor, at most PIPELINE_WINDOW segments (128 MiB by default). In whole benchmark
+# runs the gain is smaller than in these direct comparisons: level at 8 MiB, ahead at 16-64 MiB
+# (chapter 4).
+PIPELINE_MIN_CHUNK = 2 << 20
+PIPELINE_SEGMENT = 2 << 20
+PIPELINE_WINDOW = 64
+# On 2 ranks, chunks from PAIR_MIN_CHUNK on go through the pair loop (ring_loops.py): both
+# exchanges cut into segments of at most PAIR_SEGMENT, all of the first exchange's posted at
+# once. Measured interleaved against the loops it replaced (the plain ring, the receive-first
+# lookahead and the 1 MiB pipeline), ratio to gloo's time: at 16 MiB tensors 0.93-0.98x
+# against 1.00-1.07x in five runs, at 32 MiB 0.93-0.96x against 1.02-1.05x in three, at 64
+# MiB 0.94-0.96x against 0.95-1.03x in three. Below 8 MiB chunks the lookahead ring (above)
+# won: at 8 MiB tensors (4 MiB chunks) 0.96-1.00x against the pair loop's 1.06-1.13x in three
+# runs, and 5 of 7 in another series; at 12 MiB 0.99-1.01x against 1.00-1.02x in two. Smaller
+# pieces lost: 1 MiB segments of a 2 MiB chunk took 1.18x (two runs) against the plain
+# ring's 1.07-1.13x.
+PAIR_MIN_CHUNK = 8 << 20
+PAIR_SEGMENT = 2 << 20
+
+# On 2 ranks with a connection per direction (transport/duplex.py), chunks go whole at every size, with
+# both receives posted before the first send ("receive-first"): then every send finds its
+# receiver ready, and writes while gloo's I/O thread reads the other direction on the other
+# socket. Measured interleaved on 2 ranks (`/tmp` scripts, 60-300 calls per size), ratio to
+# gloo's time: 0.59-0.78x at 64 KiB-8 MiB tensors, against 0.64-0.92x for the lookahead order
+# on the same two connections, and 0.81-0.87x at 16-64 MiB, against 0.83-0.88x for the pair
+# loop on them (2 MiB segments) and 0.86-0.90x with 1 MiB segments.
+
+
+def posting(chunk_bytes: int, p: int, segment_bytes: int | None = None,
+            duplex: bool = False) -> str:
+    """How the ring on gloo orders its messages for chunks of `chunk_bytes` on `p` ranks:
+    "receive-first" (2 ranks with a connection per direction: both receives, then the send),
+    "pair" (2 ranks on one connection, large chunks: ring_loops.py), "pipeline" (more ranks,
+    large chunks, or segments the caller asked for: ring_loops.py), "prepost" (every receive
+    before the first send; more than 2 ranks only), or "lookahead" (each next receive
+    before the add). It never picks "plain" (each receive posted beside its own send), which
+    the ring's loop still runs when asked: the simplest order, for reading and comparing. A
+    `segment_bytes` smaller than a chunk selects the pipeline; one as large goes whole. The
+    thresholds are explained at the top of this file."""
+    if segment_bytes is not None and chunk_bytes > segment_bytes:
+        return "pipeline"
+    if p == 2 and duplex:
+        return "receive-first"
+    if segment_bytes is None:
+        if p == 2 and chunk_bytes >= PAIR_MIN_CHUNK:
+            return "pair"
+        if p > 2 and chunk_bytes >= PIPELINE_MIN_CHUNK:
+            return "pipeline"
+    if chunk_bytes <= PREPOST_MAX_CHUNK and p > 2:
+        return "prepost"
+    return "lookahead"
+
+
+def widest_chunk_bytes(numel: int, p: int, element_size: int) -> int:
+    """Bytes of the widest of the p near-equal chunks that bounds() cuts `numel` elements into."""
+    return -(-numel // p) * element_size
+
+
+def pair_segments(chunk_bytes: int, element_size: int) -> int:
+    """Segments per step of the pair loop for chunks of `chunk_bytes` (at most PAIR_SEGMENT)."""
+    return segments_per_chunk(chunk_bytes // element_size, element_size, PAIR_SEGMENT)
+
+
+def ring_segments(nbytes: int, p: int, element_size: int = 4,
+                  segment_bytes: int | None = None, duplex: bool = False) -> int:
+    """Messages per ring step on gloo for an all-reduce of `nbytes` on `p` ranks: 1 when chunks
+    go whole, else the segments per chunk of the pair loop or of the pipeline (what the cost
+    model needs to know). `duplex`: whether 2 ranks have a connection per direction."""
+    chunk_bytes = widest_chunk_bytes(nbytes // element_size, p, element_size)
+    how = posting(chunk_bytes, p, segment_bytes, duplex)
+    if how == "pair":
+        return pair_segments(chunk_bytes, element_size)
+    if how == "pipeline":
+        return segments_per_chunk(chunk_bytes // element_size, element_size,
+                                  segment_bytes or PIPELINE_SEGMENT)
+    return 1

@@ -1,0 +1,61 @@
+"""`microddp` command line: one sub-command per job, each a thin call into another module.
+
+Every command module offers `add_arguments(parser)`, `run(args) -> exit code`, a docstring
+(shown by `--help`) and optionally an `EPILOG` with examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import MicroDDPError
+from .dispatch import add_commands
+
+# name -> (module, summary). Only the chosen command's module is imported: startup stays
+# quick, and one command's missing extra dependency never breaks another command.
+COMMANDS = {
+    "doctor": ("microddp.commands.doctor", "check this machine: backends, loopback, a live all-reduce"),
+    "hello": ("microddp.commands.hello", "start N processes that introduce themselves and talk"),
+    "run": ("microddp.commands.run", "start N local workers of a script, as torchrun does"),
+    "train": ("microddp.commands.train", "train a model data-parallel on real data (the main job)"),
+    "bench": ("microddp.commands.bench", "benchmarks against PyTorch: allreduce, ddp, scaling"),
+    "trace": ("microddp.commands.trace", "record and summarise a timeline of DDP steps"),
+    "predict": ("microddp.commands.predict", "predict step time and scaling with a cost model"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="microddp",
+        description="Data parallelism from scratch: launcher, training job, benchmarks, tools.",
+        epilog="example: microddp hello -n 4     (each command has --help with examples)",
+        allow_abbrev=False,  # `--epoch 1` must be an error, never quietly `--epochs 1`
+    )
+    add_commands(parser.add_subparsers(dest="command", metavar="COMMAND"), COMMANDS, argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    # argparse reports an unknown flag from the top-level parser, with its usage; the user
+    # needs the usage of the command they typed it in.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except MicroDDPError as e:
+        print(f"microddp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"microddp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

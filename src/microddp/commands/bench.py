@@ -1,0 +1,30 @@
+"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling`."""
+
+from __future__ import annotations
+
+import argparse
+
+EPILOG = """\
+examples:
+  microddp bench allreduce           # ring / tree / naive vs gloo, 1 KiB .. 64 MiB
+  microddp bench ddp                 # microddp DDP vs PyTorch DDP vs naive, dims 128..1024
+  microddp bench scaling             # strong and weak scaling, 1..N ranks
+each benchmark has its own --help.
+"""
+
+# name -> (module offering add_arguments(parser) and run(args) -> int, summary)
+BENCHMARKS = {
+    "allreduce": ("microddp.bench.allreduce",
+                  "ring / tree / naive all-reduce vs gloo, with a fitted cost model"),
+    "ddp": ("microddp.bench.ddp", "microddp DDP vs PyTorch DDP vs the naive stage"),
+    "scaling": ("microddp.bench.scaling", "strong and weak scaling over world sizes"),
+}
+# add_arguments needs the words after `bench` to pick the benchmark, whose own run() is called
+NESTED = True
+
+
+def add_arguments(p: argparse.ArgumentParser, argv: list[str]) -> None:
+    from .dispatch import add_commands
+
+    sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    add_commands(sub, BENCHMARKS, argv)

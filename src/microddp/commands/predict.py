@@ -1,0 +1,178 @@
+"""The `microddp predict` command: arguments, presets, and the printed table.
+
+The model itself, and what it assumes, is in predict.py (its docstring is this command's
+--help description).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import MicroDDPError
+from ..predict import step as _model_module
+from ..predict.step import (
+    ALGORITHMS,
+    HARDWARE,
+    MODELS,
+    Hardware,
+    Model,
+    fullmlp,
+    scaling,
+    table,
+    verdict,
+)
+
+__doc__ = _model_module.__doc__  # what `microddp predict --help` describes
+
+EPILOG = """\
+examples:
+  microddp predict --model bert-large --hardware a100-ib --batch 32
+  microddp predict --params 1.5e9 --tokens 2048 --hardware h100-ib --world 8 64 512 4096
+  microddp predict --model resnet50 --hardware 10gbe --algorithm tree --no-overlap
+  microddp predict --calibrate                 # measure this host, then predict FullMLP on it
+  microddp predict --calibrate --verify 2 4    # ... and compare with measured step times
+a sample is one input of --batch: a preset's tokens per sample are in its note (--list); with
+--params, one token unless --tokens or --flops-per-sample says otherwise.
+presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
+--latency; list them with --list.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODELS),
+                   help="a model preset (default: FullMLP of --dim and --depth)")
+    p.add_argument("--params", type=float, help="parameter count (instead of --model); a sample "
+                   "is then one token (6 x params FLOPs) unless --tokens or --flops-per-sample "
+                   "says otherwise (default: --model, else FullMLP)")
+    p.add_argument("--tokens", type=float, help="with --params: tokens per sample (sequence "
+                   "length), so a sample costs 6 x params x tokens FLOPs (default 1)")
+    p.add_argument("--flops-per-sample", type=float, help="with --params: training FLOPs per "
+                   "sample (default 6 x params x tokens)")
+    p.add_argument("--dim", type=int, default=512,
+                   help="FullMLP width when no model is given (default 512)")
+    p.add_argument("--depth", type=int, default=8,
+                   help="FullMLP depth when no model is given (default 8)")
+    p.add_argument("--hardware", default=None, help="hardware preset (see --list) or "
+                   "'calibrated' for the figures saved by --calibrate (default a100-ib; with "
+                   "--calibrate, calibrated)")
+    p.add_argument("--flops", type=float, help="sustained FLOP/s per device (default: the "
+                   "preset's)")
+    p.add_argument("--bandwidth", type=float, help="link bytes/s per device, 1/beta (default: "
+                   "the preset's)")
+    p.add_argument("--latency", type=float, help="seconds per message, alpha (default: the "
+                   "preset's)")
+    p.add_argument("--memory", type=float, help="memory bytes/s (default: the preset's)")
+    p.add_argument("--batch", type=float, default=32, help="samples per rank (weak scaling) "
+                   "or global batch with --strong (default 32)")
+    p.add_argument("--strong", action="store_true", help="fixed global batch (strong scaling)")
+    p.add_argument("--world", type=int, nargs="+", help="world sizes (default 1, 2, 4 .. 4096)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="ring",
+                   help="all-reduce algorithm (default ring)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MB (default 25)")
+    p.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient value (4 fp32, "
+                   "2 bf16; default 4)")
+    p.add_argument("--no-overlap", action="store_true", help="all-reduce after backward only")
+    p.add_argument("--local-ranks", type=int, default=1, help="ranks sharing one host's compute "
+                   "(default 1)")
+    p.add_argument("--calibrate", action="store_true", help="measure this host's compute rate, "
+                   "latency and bandwidth (saved to --calibration), then predict with them")
+    p.add_argument("--verify", type=int, nargs="*", help="with --calibrate: measure real step "
+                   "times at these local world sizes and compare (default: none)")
+    p.add_argument("--calibration", default=str(Path.home() / ".cache/microddp/calibration.json"),
+                   metavar="FILE", help="where --calibrate saves its figures and --hardware "
+                   "calibrated reads them (default ~/.cache/microddp/calibration.json)")
+    p.add_argument("--list", action="store_true", help="list the presets and exit")
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    if args.hardware == "calibrated":
+        try:
+            hw = Hardware(**json.loads(Path(args.calibration).read_text()))
+        except FileNotFoundError:
+            raise MicroDDPError(f"no calibration at {args.calibration}; run "
+                                "`microddp predict --calibrate` first") from None
+    elif args.hardware in HARDWARE:
+        hw = HARDWARE[args.hardware]
+    else:
+        raise MicroDDPError(f"unknown hardware {args.hardware!r}; choose one of "
+                            f"{', '.join(HARDWARE)} or 'calibrated'")
+    for name in ("flops", "bandwidth", "latency", "memory"):
+        v = getattr(args, name)
+        if v is not None:
+            if not v > 0:
+                raise MicroDDPError(f"--{name} must be positive, got {v}")
+            hw = replace(hw, **{name: v}, note=hw.note + f" ({name} overridden)")
+    if args.flops is not None:  # the stated rate is the rate: a measured cap would hide it
+        hw = replace(hw, rank_flops=0.0)
+    return hw
+
+
+def _model(args: argparse.Namespace) -> Model:
+    if args.params is None:
+        if args.tokens is not None or args.flops_per_sample is not None:
+            raise MicroDDPError("--tokens and --flops-per-sample describe a --params model; a "
+                                "preset or FullMLP already knows its FLOPs per sample")
+    else:
+        if not args.params > 0:
+            raise MicroDDPError(f"--params must be positive, got {args.params:g}")
+        if args.tokens is not None and args.flops_per_sample is not None:
+            raise MicroDDPError("give --tokens or --flops-per-sample, not both")
+        for name in ("tokens", "flops_per_sample"):
+            v = getattr(args, name)
+            if v is not None and not v > 0:
+                raise MicroDDPError(f"--{name.replace('_', '-')} must be positive, got {v:g}")
+        if args.flops_per_sample is not None:
+            return Model(args.params, args.flops_per_sample, "custom, FLOPs per sample as given")
+        # Without --tokens a sample is one token: say so, since it is easy to forget
+        tokens = args.tokens or 1.0
+        note = (f"custom, {tokens:g} tokens per sample" if args.tokens is not None else
+                "custom, a sample is ONE token (give --tokens for sequences)")
+        return Model(args.params, 6 * args.params * tokens, note)
+    if args.model:
+        return MODELS[args.model]
+    return fullmlp(args.dim, args.depth)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for name, hw in HARDWARE.items():
+            print(f"{name:13} {hw.flops:9.3g} FLOP/s {hw.bandwidth:9.3g} B/s "
+                  f"{1e6 * hw.latency:5.0f} us {hw.memory:9.3g} B/s memory  {hw.note}")
+        for name, m in MODELS.items():
+            print(f"{name:13} {m.params:9.3g} params {m.flops_per_sample:9.3g} FLOP/sample  "
+                  f"{m.note}")
+        return 0
+    if args.calibrate:
+        if args.hardware not in (None, "calibrated"):
+            raise MicroDDPError(f"--calibrate predicts with the figures it measures here; drop "
+                                f"--hardware {args.hardware} (or drop --calibrate)")
+        from ..predict.calibrate import calibrate_and_verify
+
+        calibrate_and_verify(args)
+        args.hardware = "calibrated"  # then predict, on the figures just measured
+        print()
+    elif args.verify is not None:
+        raise MicroDDPError("--verify needs --calibrate")
+    args.hardware = args.hardware or "a100-ib"
+    model, hw = _model(args), _hardware(args)
+    worlds = args.world or [2**i for i in range(13)]
+    if any(n < 1 for n in worlds):
+        raise MicroDDPError(f"world sizes must be at least 1, got {worlds}")
+    rows = scaling(model, hw, sorted(set(worlds)), args.batch, args.strong,
+                   algorithm=args.algorithm, bucket_mb=args.bucket_mb, grad_bytes=args.grad_bytes,
+                   overlap=not args.no_overlap, local_ranks=args.local_ranks)
+    kind = "strong scaling, global batch" if args.strong else "weak scaling, batch per rank"
+    print(f"model: {model.note}, {model.params:.3g} parameters, {model.flops_per_sample:.3g} "
+          f"FLOP/sample; {kind} {args.batch:g}")
+    alone = f" ({hw.rank_flops:.3g} for one rank alone)" if hw.rank_flops else ""
+    print(f"assumed hardware: {hw.note}: {hw.flops:.3g} FLOP/s{alone}, bandwidth {hw.bandwidth:.3g} B/s "
+          f"(1/beta), latency {1e6 * hw.latency:.0f} us per message (alpha); {args.algorithm} "
+          f"all-reduce, buckets of {args.bucket_mb:g} MB, "
+          f"{'no ' if args.no_overlap else ''}overlap")
+    print("times in ms per step; exp. = exposed communication without / with overlap")
+    print(table(rows))
+    print(verdict(rows))
+    return 0

@@ -1,0 +1,136 @@
+"""Checking the arguments of microddp.comms calls before torch sees them: the reduce op for
+the dtype, the root rank, the lists of per-rank tensors, the peer of a send or receive.
+
+torch's own errors for these come from the backend, in its words (gloo: 'invalid root rank:
+7'), or not at all: gloo's reduce_scatter aborts the process on a wrong shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import MicroDDPError
+from .world import distributed, get_world, uses_nccl
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # sum then divide: portable across backends and torch versions
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+_BITWISE = ("band", "bor", "bxor")
+
+
+def op_name(op: str | dist.ReduceOp) -> str:
+    """The name in REDUCE_OPS of `op`: a name in any case, or a dist.ReduceOp."""
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        # dist.ReduceOp(...) objects (not the ReduceOp.SUM constants) hold their kind in `.op`;
+        # they equal the constant only one way round, so a dict lookup would miss them.
+        op = getattr(op, "op", op)
+        names = {v: k for k, v in REDUCE_OPS.items() if k != "avg"}
+        name = names.get(op, "avg" if op == dist.ReduceOp.AVG else "")
+    if name not in REDUCE_OPS:
+        raise MicroDDPError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)} "
+                            "(or the dist.ReduceOp of that name)")
+    return name
+
+
+def check_op_dtype(name: str, tensor: torch.Tensor) -> None:
+    """Refuse an op the tensor's dtype has no meaning for (torch: a backend's error)."""
+    floating = tensor.is_floating_point() or tensor.is_complex()
+    if name in _BITWISE and floating:
+        raise MicroDDPError(f"op {name!r} needs an integer or bool tensor, got {tensor.dtype}")
+    if name == "avg" and not floating:
+        raise MicroDDPError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
+                            "use 'sum' and divide yourself")
+    if name in ("min", "max", "product") and tensor.is_complex():  # torch: a ValueError
+        raise MicroDDPError(f"op {name!r} is not defined for complex tensors; use 'sum' or 'avg'")
+
+
+def check_list(tensors, group, what: str, like: torch.Tensor) -> None:
+    """One tensor per rank, each of `like`'s dtype and device and, except on NCCL (which takes
+    uneven sizes), of its shape: gloo's reduce_scatter aborts the process on a wrong shape."""
+    n = _size(group)
+    if tensors is None or isinstance(tensors, torch.Tensor) or len(tensors) != n:
+        got = ("none" if tensors is None else "a tensor, not a list"
+               if isinstance(tensors, torch.Tensor) else len(tensors))
+        raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
+    even = not (distributed() and like.is_cuda and uses_nccl(group))
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise MicroDDPError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != like.dtype or t.device != like.device or (even and t.shape != like.shape):
+            raise MicroDDPError(
+                f"{what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the tensor is "
+                f"{tuple(like.shape)} {like.dtype} on {like.device}; make them match")
+
+
+def root(rank: int | None, group_rank: int | None, group, what: str) -> int:
+    """The global rank of a collective's root, from `src`/`dst` (a global rank, 0 if neither
+    is given) or from torch's `group_src`/`group_dst` (a rank inside `group`). A global one
+    must be in the group: torch's own error for one that is not comes from the backend
+    (gloo: 'invalid root rank'), or not at all."""
+    if group_rank is not None:
+        return _from_group_rank(rank, group_rank, group, what)
+    ranks = (list(range(get_world().world_size)) if group is None or not distributed()
+             else dist.get_process_group_ranks(group))
+    if rank is None and 0 not in ranks:
+        raise MicroDDPError(f"no {what} given, so the root is global rank 0, which is not in "
+                            f"the group (global ranks {ranks}); pass {what}= (a global rank) or "
+                            f"group_{what}= (a rank inside it)")
+    rank = 0 if rank is None else rank
+    if rank not in ranks:
+        raise MicroDDPError(f"{what}={rank} is not a rank of the group (global ranks "
+                            f"{ranks}); pass a global rank from that list")
+    return rank
+
+
+def peer(rank: int | None, group_rank: int | None, group, what: str) -> int | None:
+    """The global rank of the other end of a send or receive, from `dst`/`src` or, as in
+    torch, `group_dst`/`group_src`: another rank of this world (None: any, for a receive)."""
+    world = get_world()
+    if not world.distributed:
+        raise MicroDDPError(f"{what}: a world of one process has no other rank to talk to")
+    if group_rank is not None:
+        side = "dst" if "send" in what else "src"
+        rank = _from_group_rank(rank, group_rank, group, f"{what}: {side}")
+    if rank is not None and (not 0 <= rank < world.world_size or rank == world.rank):
+        raise MicroDDPError(f"{what}: rank {rank} is not another rank of this world "
+                            f"(this is rank {world.rank} of {world.world_size})")
+    if rank is not None and group is not None:
+        ranks = dist.get_process_group_ranks(group)
+        if rank not in ranks:
+            raise MicroDDPError(f"{what}: rank {rank} is not in the group (global ranks "
+                                f"{ranks}); pass a global rank from that list")
+    return rank
+
+
+def check_group_rank(rank: int | None, group_rank: int, size: int, name: str,
+                     where: str = "") -> None:
+    """torch's group_src/group_dst: a rank inside a group of `size`, given instead of the
+    global `name` (src or dst), not as well. Shared with microddp.collectives."""
+    at = f"{where}: " if where else ""
+    if rank is not None:
+        raise MicroDDPError(f"{at}pass {name} (a global rank) or group_{name} (a rank inside "
+                            "the group), not both")
+    if not 0 <= group_rank < size:
+        raise MicroDDPError(f"{at}group_{name}={group_rank} is not a rank of the group "
+                            f"(0 to {size - 1})")
+
+
+def _from_group_rank(rank: int | None, group_rank: int, group, what: str) -> int:
+    check_group_rank(rank, group_rank, _size(group), what.rpartition(" ")[2], what)
+    return dist.get_global_rank(group, group_rank) if distributed() and group else group_rank
+
+
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if distributed() else 1

@@ -1,0 +1,272 @@
+"""Thin, typed wrappers over torch.distributed's operations.
+
+Why wrap at all: one spelling for reduce ops (`"sum"`, `"avg"`, ...), `avg` on every backend
+(gloo has no native average on older torch), a world of one process that works without a
+process group, and clear errors instead of backend-specific ones (args.py). Ranks
+(`src`, `dst`) are global ranks, as in torch.distributed; torch's `group_src`/`group_dst`
+(ranks inside `group`) are accepted too, and without either a rooted call takes rank 0.
+
+Otherwise they do what torch.distributed does: on a rank outside `group` a call is skipped
+(torch warns, tensors are left alone, the result is None even with async_op=True, recv
+returns -1), and tensors that require grad are written in place without bumping autograd's
+version counter (microddp.collectives, by contrast, bump it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import MicroDDPError
+from .args import REDUCE_OPS, check_list, check_op_dtype, op_name, peer, root
+from .handle import Handle
+from .world import World, distributed, get_world, init, is_initialized, shutdown
+
+__all__ = [
+    "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
+    "all_reduce", "all_reduce_mean", "broadcast", "all_gather", "reduce_scatter", "reduce",
+    "scatter", "gather", "barrier", "send", "recv", "isend", "irecv", "new_group",
+    "group_size", "group_rank",
+]
+
+Op = str  # one of REDUCE_OPS; a dist.ReduceOp is accepted too
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group) if distributed() else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's rank inside `group` (-1 if it is not a member)."""
+    return dist.get_rank(group) if distributed() else 0
+
+
+def _outside(group) -> bool:
+    """This rank is not in `group`: torch skips the call here, and so do the wrappers."""
+    return group is not None and distributed() and dist.get_rank(group) < 0
+
+
+def _done(async_op: bool, finish: Callable[[], None] | None = None,
+          result: list | None = None) -> Handle | None:
+    """A single-process operation: already finished."""
+    if finish is not None:
+        finish()
+    return Handle(result=result) if async_op else None
+
+
+def _result(work, async_op: bool, finish: Callable[[], None] | None = None) -> Handle | None:
+    handle = Handle(work, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _divide(tensor: torch.Tensor, n: int) -> Callable[[], None]:
+    # `.data`: a Parameter may be averaged in place, as torch's collectives write it (no
+    # "leaf Variable" error), and autograd's version counter is left alone, as torch leaves it.
+    return lambda: tensor.data.div_(n)
+
+
+def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
+               async_op: bool = False) -> Handle | None:
+    """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
+    name = op_name(op)
+    check_op_dtype(name, tensor)
+    if not distributed():
+        return _done(async_op, result=[tensor])
+    if _outside(group):
+        return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
+    finish = _divide(tensor, group_size(group)) if name == "avg" else None
+    return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
+                   async_op, finish)
+
+
+def all_reduce_mean(tensor: torch.Tensor, group=None, async_op: bool = False) -> Handle | None:
+    """The average over ranks, in place: what data parallelism does to gradients."""
+    return all_reduce(tensor, "avg", group, async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
+              async_op: bool = False, group_src: int | None = None) -> Handle | None:
+    """Every rank ends with rank `src`'s tensor (global rank; or torch's `group_src`), in
+    place. Without either, rank 0's."""
+    if _outside(group):
+        return dist.broadcast(tensor, group=group, async_op=async_op,
+                              **_skipped_root("src", src, group_src))
+    src = root(src, group_src, group, "src")
+    if not distributed():
+        return _done(async_op, result=[tensor])
+    return _result(dist.broadcast(tensor, src, group, async_op=True), async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+               async_op: bool = False) -> Handle | None:
+    """tensor_list[i] becomes rank i's tensor, on every rank."""
+    if _outside(group):
+        return dist.all_gather(tensor_list, tensor, group, async_op)
+    check_list(tensor_list, group, "tensor_list", tensor)
+    if not distributed():
+        return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
+    return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op = "sum",
+                   group=None, async_op: bool = False) -> Handle | None:
+    """Rank i ends with op over ranks of input_list[i]."""
+    name = op_name(op)
+    check_op_dtype(name, output)
+    if _outside(group):
+        return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
+    check_list(input_list, group, "input_list", output)
+    if not distributed():
+        return _done(async_op, lambda: output.copy_(input_list[0]), [output])
+    finish = _divide(output, group_size(group)) if name == "avg" else None
+    work = dist.reduce_scatter(output, list(input_list), REDUCE_OPS[name], group, async_op=True)
+    return _result(work, async_op, finish)
+
+
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: Op = "sum", group=None,
+           async_op: bool = False, group_dst: int | None = None) -> Handle | None:
+    """Only rank `dst` (or torch's `group_dst`; rank 0 without either) receives op over
+    ranks; other ranks' tensors are left unspecified."""
+    name = op_name(op)
+    check_op_dtype(name, tensor)
+    if _outside(group):
+        return dist.reduce(tensor, op=REDUCE_OPS[name], group=group, async_op=async_op,
+                           **_skipped_root("dst", dst, group_dst))
+    dst = root(dst, group_dst, group, "dst")
+    if not distributed():
+        return _done(async_op, result=[tensor])
+    is_dst = dist.get_rank() == dst
+    finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
+    return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
+                   async_op, finish)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
+            src: int | None = None, group=None, async_op: bool = False,
+            group_src: int | None = None) -> Handle | None:
+    """Group rank i receives scatter_list[i] from rank `src` (or `group_src`) into `tensor`."""
+    if _outside(group):
+        return dist.scatter(tensor, None, group=group, async_op=async_op,
+                            **_skipped_root("src", src, group_src))
+    src = root(src, group_src, group, "src")
+    is_src = not distributed() or dist.get_rank() == src
+    if is_src:
+        check_list(scatter_list, group, "scatter_list", tensor)
+    if not distributed():
+        return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
+    work = dist.scatter(tensor, list(scatter_list) if is_src else None, src, group,
+                        async_op=True)
+    return _result(work, async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
+           dst: int | None = None, group=None, async_op: bool = False,
+           group_dst: int | None = None) -> Handle | None:
+    """Rank `dst` (or `group_dst`) receives every rank's tensor: gather_list[i] is group
+    rank i's."""
+    if _outside(group):
+        return dist.gather(tensor, None, group=group, async_op=async_op,
+                           **_skipped_root("dst", dst, group_dst))
+    dst = root(dst, group_dst, group, "dst")
+    is_dst = not distributed() or dist.get_rank() == dst
+    if is_dst:
+        check_list(gather_list, group, "gather_list", tensor)
+    if not distributed():
+        return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
+    work = dist.gather(tensor, gather_list if is_dst else None, dst, group, async_op=True)
+    return _result(work, async_op)
+
+
+def barrier(group=None, async_op: bool = False) -> Handle | None:
+    """Block until every rank of the group has arrived."""
+    if not distributed():
+        return _done(async_op)
+    if _outside(group):
+        return dist.barrier(group, async_op)
+    return _result(dist.barrier(group, async_op=True), async_op)
+
+
+def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Blocking send to global rank `dst` (or torch's `group_dst`); returns once the data
+    may be reused."""
+    if _outside(group):  # torch's isend skips it; its send would fail looking up `dst`
+        peer(dst, None, None, "send")
+        dist.isend(tensor, dst, group, tag, group_dst=group_dst)
+        return
+    dist.send(tensor, _sender_to(dst, group_dst, group, "send"), group, tag)
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Blocking receive into `tensor` from global rank `src` (or `group_src`; any rank if
+    neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch."""
+    if _outside(group):
+        return dist.recv(tensor, src, group, tag, group_src=group_src)
+    return dist.recv(tensor, peer(src, group_src, group, "recv"), group, tag)
+
+
+def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
+          group_dst: int | None = None) -> Handle | None:
+    """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`)."""
+    if _outside(group):
+        return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
+    work = dist.isend(tensor, _sender_to(dst, group_dst, group, "isend"), group, tag)
+    return Handle(work, result=[tensor])
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
+          group_src: int | None = None) -> Handle | None:
+    """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`)."""
+    if _outside(group):
+        return dist.irecv(tensor, src, group, tag, group_src=group_src)
+    work = dist.irecv(tensor, peer(src, group_src, group, "irecv"), group, tag)
+    return Handle(work, result=[tensor])
+
+
+def _skipped_root(name: str, rank: int | None, group_rank: int | None) -> dict:
+    """The root to hand torch on a rank outside the group, which skips the call but still
+    refuses a missing root, and a global one that is not in the group: the group's first
+    rank when neither is given (members take global rank 0 then, and say if it is not in)."""
+    if rank is None and group_rank is None:
+        return {f"group_{name}": 0}
+    return {name: rank, f"group_{name}": group_rank}
+
+
+def _sender_to(dst: int | None, group_dst: int | None, group, what: str) -> int:
+    if dst is None and group_dst is None:
+        raise MicroDDPError(f"{what} needs the receiving rank: dst=... (a global rank) or "
+                            "group_dst=...")
+    return peer(dst, group_dst, group, what)
+
+
+def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None,
+              backend: str | None = None, **torch_kwargs):
+    """A sub-group of ranks. Every rank must call this, members or not (as in torch).
+
+    torch's arguments, in torch's order (ranks, timeout, backend, ...); `timeout` may be
+    seconds. Other keyword arguments (pg_options, use_local_synchronization, ...) go to torch.
+    """
+    if isinstance(timeout, str):
+        raise MicroDDPError(f"new_group's second argument is the timeout, as in torch, not "
+                            f"{timeout!r}; pass the backend by name: backend={timeout!r}")
+    world = get_world()
+    if not world.distributed:
+        if ranks is not None and list(ranks) != [0]:
+            raise MicroDDPError(f"a world of one process has only rank 0, not {list(ranks)}")
+        return None
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < world.world_size]
+        if bad or len(set(ranks)) != len(ranks):
+            raise MicroDDPError(f"new_group ranks {list(ranks)} must be distinct ranks "
+                                f"between 0 and {world.world_size - 1}")
+    kwargs = {"timeout": timedelta(seconds=timeout)} if isinstance(timeout, (int, float)) else (
+        {"timeout": timeout} if timeout is not None else {})
+    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
+                          **torch_kwargs)

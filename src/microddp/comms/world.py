@@ -1,0 +1,266 @@
+"""Joining and leaving the world: `init`, `shutdown`, and the `World` record.
+
+`init` accepts every way PyTorch processes find each other (torchrun's environment, `env://`,
+`tcp://host:port`, `file://path`, a ready `Store`) and a world of one process that needs no
+process group at all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..errors import MicroDDPError
+from .rendezvous import env_int, store_args
+from .teardown import before_group, release, watch
+
+# Much shorter than PyTorch's 30 minutes: a stuck collective should surface while someone is
+# still watching. Override with init(timeout=...) or MICRODDP_TIMEOUT (seconds).
+DEFAULT_TIMEOUT_S = 120.0
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+@dataclass(frozen=True)
+class World:
+    """Who this process is in the job, and where its tensors live."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None for a world of one process (no process group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+_world: World | None = None
+
+
+class Watcher(Protocol):
+    """What `init` starts once it forms a process group and `shutdown` stops before the group
+    goes: the hang monitor. It lives above this layer (it watches collectives too), so it is
+    handed in (`watch_with`) rather than imported from here."""
+
+    def wanted(self, requested: bool | None) -> bool: ...
+    def start(self, timeout_s: float) -> None: ...
+    def stop(self) -> None: ...
+
+
+_watcher: Watcher | None = None
+
+
+def watch_with(watcher: Watcher | None) -> None:
+    """Have every `init` that forms a group start `watcher`, and `shutdown` stop it."""
+    global _watcher
+    _watcher = watcher
+
+
+def distributed() -> bool:
+    """Is there a process group to talk through? False in a world of one process, where every
+    collective is a local no-op or copy. The one place microddp asks this question."""
+    return get_world().distributed
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        timeout = float(os.environ.get("MICRODDP_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if isinstance(timeout, timedelta):
+        return timeout
+    if timeout <= 0:
+        raise MicroDDPError(f"timeout must be positive, got {timeout!r} seconds")
+    return timedelta(seconds=float(timeout))
+
+
+def backend_available(name: str) -> bool:
+    """Whether this torch build and machine can run backend `name`."""
+    checks = {
+        "gloo": dist.is_gloo_available,
+        "nccl": lambda: dist.is_nccl_available() and torch.cuda.is_available(),
+        "mpi": dist.is_mpi_available,
+        "ucc": lambda: getattr(dist, "is_ucc_available", lambda: False)(),
+    }
+    return name in checks and bool(checks[name]())
+
+
+def uses_nccl(group=None) -> bool:
+    """Whether CUDA tensors on `group` travel through NCCL: its backend is nccl, torch's
+    per-device "cpu:gloo,cuda:nccl", or "undefined" (what init_process_group() without a
+    backend gives since torch 2.6: gloo for CPU tensors, NCCL for CUDA ones, chosen lazily)."""
+    name = str(dist.get_backend(group))
+    if name == "undefined":
+        return dist.is_nccl_available() and torch.cuda.is_available()
+    return "nccl" in name
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(backend: str | None, local_rank: int,
+                   local_world_size: int | None = None) -> str:
+    """NCCL when every rank of this host has a GPU of its own, gloo otherwise; validate an
+    explicit choice. All ranks must choose alike (a group that is NCCL on some ranks and gloo
+    on others never works), so the test is the host's count of ranks (LOCAL_WORLD_SIZE), not
+    this rank's number: with 4 ranks on 2 GPUs, every rank takes gloo. torchrun and `microddp
+    run` set LOCAL_WORLD_SIZE; without it only this rank's LOCAL_RANK can be tested (the world
+    size is no bound: it spans hosts), so a launcher that omits it must give a GPU per rank."""
+    if backend is None:
+        needed = local_rank + 1 if local_world_size is None else local_world_size
+        return "nccl" if dist.is_nccl_available() and needed <= _gpus() else "gloo"
+    backend = backend.lower()
+    if backend not in BACKENDS:
+        raise MicroDDPError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not backend_available(backend):
+        hint = "gloo runs on any CPU" if backend != "gloo" else "reinstall torch"
+        why = "no CUDA GPU is usable here" if backend == "nccl" else "this torch build lacks it"
+        raise MicroDDPError(f"backend {backend!r} is not available: {why}; {hint}")
+    return backend
+
+
+def choose_device(backend: str | None, local_rank: int) -> torch.device:
+    """One GPU per local rank under NCCL (made the current device before any CUDA tensor
+    is), and in a world of one (`backend` None) that has one; the CPU otherwise."""
+    if backend is None:
+        # No set_device: with no process group nothing relies on the current device, and
+        # asking who we are (get_world) must not start CUDA in a process that never uses it.
+        return torch.device("cuda", local_rank) if local_rank < _gpus() else torch.device("cpu")
+    if backend == "nccl":
+        if local_rank >= _gpus():
+            raise MicroDDPError(
+                f"LOCAL_RANK {local_rank} has no GPU: only {_gpus()} visible; "
+                "start at most one process per GPU"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: float | timedelta | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: dist.Store | None = None,
+    monitor: bool | None = None,
+) -> World:
+    """Join the job and return who we are.
+
+    Rank and world size come from the arguments, else from RANK / WORLD_SIZE (torchrun,
+    `microddp run`), else this is a world of one process, which needs no process group.
+    When this call forms the process group it also starts microddp.monitor, so a hang ends
+    in a report of where every rank is rather than in the backend's bare timeout; `monitor`
+    False (or MICRODDP_MONITOR=0) leaves it off.
+    """
+    watcher = _watcher
+    # A bad MICRODDP_MONITOR fails before any rendezvous.
+    monitor_on = watcher is not None and watcher.wanted(monitor)
+    global _world
+    if _world is not None:
+        return _world
+    if dist.is_available() and dist.is_initialized():  # the script formed the group itself
+        _world = _adopt(backend)
+        return _world
+    rank = env_int("RANK", 0) if rank is None else rank
+    world_size = env_int("WORLD_SIZE", 1) if world_size is None else world_size
+    local_rank = env_int("LOCAL_RANK", rank)
+    # Without LOCAL_RANK, ranks are numbered as if all ran on this host (local_rank = rank).
+    local_world_size = env_int("LOCAL_WORLD_SIZE",
+                                None if os.environ.get("LOCAL_RANK") else world_size)
+    if world_size < 1:
+        raise MicroDDPError(f"world size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise MicroDDPError(f"rank {rank} is outside the world of size {world_size}")
+    td = _as_timedelta(timeout)
+    if world_size == 1 and store is None and init_method is None:
+        chosen = None if backend is None else choose_backend(backend, local_rank)
+        _world = World(0, 1, local_rank, choose_device(chosen, local_rank), None)
+        return _world
+    chosen = choose_backend(backend, local_rank, local_world_size)
+    device = choose_device(chosen, local_rank)
+    kwargs = store_args(init_method, store, rank, world_size, td)
+    before_group()
+    try:
+        dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=td, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise MicroDDPError(f"could not form the process group (rank {rank}): {e}") from None
+    _world = World(rank, world_size, local_rank, device, chosen)
+    if chosen == "gloo":
+        # A script that never calls shutdown() would exit with gloo's threads still running,
+        # which aborts the process at exit now and then (teardown.py). Leaving a gloo group
+        # is local to this rank, so it is safe at exit; NCCL's may wait for the other ranks.
+        atexit.register(_leave_at_exit, _world)
+    if monitor_on:
+        watcher.start(td.total_seconds())
+    return _world
+
+
+def get_world() -> World:
+    """The World from `init`; if `init` was never called, the process group the script formed
+    itself with `torch.distributed.init_process_group`, else a world of one process."""
+    global _world
+    if _world is not None and not _world.distributed and dist.is_available() \
+            and dist.is_initialized():
+        _world = None  # a world of one, assumed before the script formed its group: stale
+    return _world if _world is not None else init()
+
+
+def _adopt(backend: str | None) -> World:
+    """The World of a default process group that something other than `init` formed (a script
+    written for torch's DDP: torchrun, or mp.spawn with init_process_group)."""
+    have = str(dist.get_backend())  # e.g. "gloo", "cpu:gloo,cuda:nccl", or "undefined"
+    local_rank = env_int("LOCAL_RANK", None)
+    if have != "nccl" and uses_nccl():
+        # A group for both kinds of tensor (gloo for CPU ones): NCCL on the terms `init` picks
+        # it by, a GPU for every rank of this host; a CPU job on a host with fewer GPUs than
+        # ranks works in torch, so it must here too. No LOCAL_RANK: nothing says whose GPU.
+        have = ("gloo" if local_rank is None else
+                choose_backend(None, local_rank, env_int("LOCAL_WORLD_SIZE", None)))
+    elif "gloo" in have or have == "undefined":
+        have = "gloo"
+    if backend is not None and backend.lower() != have:
+        raise MicroDDPError(f"init(backend={backend!r}), but the process group this process "
+                            f"already joined uses {have!r}; drop the argument, or form the "
+                            "group with that backend")
+    rank = dist.get_rank()
+    if have == "nccl" and local_rank is None:
+        local_rank = torch.cuda.current_device()  # the GPU the script chose with set_device
+    local_rank = rank if local_rank is None else local_rank
+    return World(rank, dist.get_world_size(), local_rank, choose_device(have, local_rank), have)
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _leave_at_exit(world: World) -> None:
+    if _world is world:  # still in the job this init() formed: the script never left it
+        shutdown()
+
+
+def shutdown() -> None:
+    """Leave the job: stop the monitor (its thread joined), destroy the process groups (if
+    any) so the next `init` starts afresh, and free them now, while Python can still run
+    their threads' last steps (teardown.py)."""
+    global _world
+    if _watcher is not None:
+        # First: its watchdog polls the store, which the process group's end takes away.
+        _watcher.stop()
+    if dist.is_available() and dist.is_initialized():
+        groups = watch()
+        dist.destroy_process_group()
+        release(groups)
+    _world = None

@@ -1,0 +1,261 @@
+"""Start N local workers of a script, as torchrun does: `microddp run -n N script.py [args]`.
+
+Starts N workers with the environment torchrun gives them, prefixes every output line with
+`[rank k]`, and if one worker fails stops the rest at once (each with its process group),
+repeats the failing rank's last lines, and exits non-zero. `--max-restarts K` starts the whole
+group again after a failure, unless a worker exited with 2 (a usage error: a restart would
+repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job (exit 128 + signal); so does a
+closed output pipe, quietly (exit 141, as `| head` expects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from ..errors import MicroDDPError
+from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
+
+MAX_WORKERS = 1024
+TAIL_LINES = 40
+MAX_PORT = 65535
+USAGE_ERROR = 2  # a worker's exit code for a mistake in its input: restarting cannot help
+PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+# What torchrun's agent handles; SIGINT too, as KeyboardInterrupt. SIGKILL cannot be caught:
+# then only the workers themselves die (PR_SET_PDEATHSIG), not their own children.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+EPILOG = """\
+examples:
+  microddp run -n 2 -m microddp.commands.hello                 # 2 local workers of a module
+  microddp run -n 2 -m microddp.train --epochs 1      # the training job, one worker per rank
+  microddp run -n 2 --max-restarts 2 -m microddp.train --epochs 2 --out runs/restartable
+SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
+init_process_group); the course scripts start their own ranks: run them with plain python.
+
+many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hosts
+  torchrun --nnodes 2 --nproc-per-node 4 --node-rank R \\
+           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 -m microddp.commands.hello
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--nproc", type=int, default=2, help="number of workers (default 2)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all workers up to K times after a failure, except exit code 2 "
+                        "(default 0)")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="rendezvous port on 127.0.0.1 (default: a free one)")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="treat SCRIPT as a module name, as `python -m` does")
+    p.add_argument("script", help="the Python script (or module, with -m) each worker runs")
+    rest = p.add_argument("script_args", nargs=argparse.REMAINDER,
+                          help="arguments for the script")
+    rest.required = False  # argparse would list it as missing beside the script
+
+
+class _Output:
+    """This process's stdout, shared by the workers' reader threads, until its reader goes away.
+
+    A closed pipe (`microddp run ... | head`) or a vanished terminal makes printing fail; the
+    readers then keep draining the workers' pipes (a worker blocked on a full pipe would never
+    exit) and the launcher stops the job, as a shell pipeline would.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def line(self, text: str) -> None:
+        with self.lock:
+            if self.closed.is_set():
+                return
+            try:
+                print(text, flush=True)
+            except OSError:  # EPIPE from a closed pipe, EIO from a closed terminal
+                _discard_stdout()
+                self.closed.set()
+
+
+def _discard_stdout() -> None:
+    """Point fd 1 at /dev/null, so flushing what is left in sys.stdout cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+class _Worker:
+    def __init__(self, rank: int, cmd: list[str], env: dict, out: _Output):
+        self.rank = rank
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            errors="replace", bufsize=1, start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
+        self.reader = threading.Thread(target=self._pump, args=(out,), daemon=True)
+        self.reader.start()
+
+    def _pump(self, out: _Output) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.tail.append(line)  # kept even when nobody reads: the failure report needs it
+            out.line(f"[rank {self.rank}] {line}")
+
+
+def _check_module(name: str) -> None:
+    """Fail before starting any worker if `python -m name` would not find it (searched as the
+    workers will search: the working folder first)."""
+    saved = sys.path[:]
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+        runnable = spec is None or spec.submodule_search_locations is None or \
+            importlib.util.find_spec(f"{name}.__main__") is not None
+    except (ImportError, ValueError):  # a parent package is missing, or the name is malformed
+        spec = None
+    finally:
+        sys.path[:] = saved
+    if spec is None:
+        raise MicroDDPError(f"no module named {name!r} (for -m); check the name, the working "
+                            "folder, and that its package is installed")
+    if not runnable:
+        raise MicroDDPError(f"{name!r} is a package without __main__.py, so -m cannot run it; "
+                            "name a module inside it")
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    if args.module:
+        _check_module(args.script)
+        return [sys.executable, "-u", "-m", args.script, *args.script_args]
+    path = Path(args.script)
+    if not path.is_file():
+        raise MicroDDPError(f"script {args.script!r} does not exist; give the path to a .py file")
+    return [sys.executable, "-u", str(path), *args.script_args]
+
+
+def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
+              run_id: str, out: _Output) -> int:
+    """One attempt: start all workers, wait; on the first failure stop the rest."""
+    agent = AgentStore.start(port)
+    envs = [worker_env(os.environ, r, n, agent, restart, max_restarts, run_id=run_id)
+            for r in range(n)]
+    workers = [_Worker(r, cmd, env, out) for r, env in enumerate(envs)]
+    try:
+        while not out.closed.is_set():
+            codes = [w.proc.poll() for w in workers]
+            failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
+            if failed:
+                first = failed[0]
+                kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in workers])
+                _report(first, workers)
+                code = first.proc.returncode
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.05)
+        return PIPE_CLOSED
+    finally:
+        kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in workers], grace=1)
+        for w in workers:
+            w.reader.join(timeout=2)
+        del agent
+
+
+def _report(first: _Worker, workers: list[_Worker]) -> None:
+    for w in workers:
+        w.reader.join(timeout=2)  # let the failing rank's last lines reach the screen first
+    failed = f"microddp run: rank {first.rank} failed ({describe_exit(first.proc.returncode)})"
+    # Often only rank 0 prints: then say so rather than promise lines that never come.
+    tail = "Its last lines:" if first.tail else "It printed nothing."
+    hang = _hang_report(first, workers)
+    if hang:
+        # After a hang, the monitor's report says where every rank is; the failing rank's
+        # traceback (often from gloo's C++) only says that its wait ended: it comes second.
+        print(f"{failed} after a hang; stopped the other ranks. The monitor's report:",
+              file=sys.stderr)
+        for line in hang:
+            print(f"  {line}", file=sys.stderr)
+        print(f"microddp run: rank {first.rank}'s output. {tail}", file=sys.stderr)
+    else:
+        print(f"{failed}; stopped the other ranks. {tail}", file=sys.stderr)
+    for line in first.tail:
+        print(f"  [rank {first.rank}] {line}", file=sys.stderr)
+
+
+def _hang_report(first: _Worker, workers: list[_Worker]) -> list[str]:
+    """The monitor's hang report from the failing rank's output, else from another rank's (the
+    rank that reported may not be the one that failed first)."""
+    from ..monitor.hang import find_report  # noqa: PLC0415 (only after a failure)
+
+    for w in [first, *(w for w in workers if w is not first)]:
+        found = find_report(list(w.tail))
+        if found:
+            return found
+    return []
+
+
+def _on_signal(signum: int, _frame) -> None:
+    """Unwind through the `finally` that stops the workers and their process groups."""
+    for sig in (*STOP_SIGNALS, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # one stop is enough: let the cleanup finish
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _signals_stop_the_job():
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; its caller owns the signals then
+        return
+    before = {sig: signal.signal(sig, _on_signal) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the workers, restarting up to --max-restarts times; return the exit code."""
+    n = args.nproc
+    if not 1 <= n <= MAX_WORKERS:
+        raise MicroDDPError(f"--nproc must be between 1 and {MAX_WORKERS}, got {n}")
+    if args.max_restarts < 0:
+        raise MicroDDPError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if not 0 <= args.master_port <= MAX_PORT:
+        raise MicroDDPError(f"--master-port must be between 0 and {MAX_PORT} (0: a free one), "
+                            f"got {args.master_port}")
+    cmd = _command(args)
+    out, run_id = _Output(), new_run_id()
+    with _signals_stop_the_job():
+        for attempt in range(args.max_restarts + 1):
+            code = _run_once(cmd, n, args.master_port, attempt, args.max_restarts, run_id,
+                             out)
+            if out.closed.is_set():
+                return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
+            if code == 0:
+                return 0
+            if code == USAGE_ERROR and attempt < args.max_restarts:
+                print("microddp run: not restarting: exit code 2 is a usage error (microddp's "
+                      "and argparse's code for a mistake in the input), which a restart would "
+                      "only repeat", file=sys.stderr)
+                return code
+            if attempt < args.max_restarts:
+                print(f"microddp run: restarting all {n} workers "
+                      f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
+    return code

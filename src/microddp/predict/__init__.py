@@ -1,0 +1,20 @@
+"""Predicting a DDP step before running it: the cost model of a step (step.py, built on
+collectives.cost) and its calibration against this machine (calibrate.py)."""
+
+from .step import (
+    ALGORITHMS,
+    HARDWARE,
+    MODELS,
+    Hardware,
+    Model,
+    allreduce_time,
+    fullmlp,
+    predict,
+    save_calibration,
+    scaling,
+    table,
+    verdict,
+)
+
+__all__ = ["ALGORITHMS", "HARDWARE", "MODELS", "Hardware", "Model", "allreduce_time", "fullmlp",
+           "predict", "save_calibration", "scaling", "table", "verdict"]

@@ -1,0 +1,226 @@
+"""Measure this host for the cost model: compute rate, and all-reduce alpha and beta.
+
+`microddp predict --calibrate [--verify 2 4]` runs these, saves the figures as the
+'calibrated' hardware preset, and (with --verify) compares predicted with measured step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comms
+from ..collectives.cost import fit_line
+from ..comms.world import World
+from ..launch.spawn import spawn
+from ..model import FullMLP
+from ..timing import interleaved
+from .step import Hardware, fullmlp, predict, save_calibration
+
+SIZES = [2**k for k in range(10, 24, 2)]  # 1 KiB .. 4 MiB of float32
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor) -> None:
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def host_rates(dim: int, depth: int, batch: int, repeats: int = 20) -> tuple[float, float]:
+    """Sustained training FLOP/s and memory bytes/s of the whole host.
+
+    One rank per core works at once, as in a DDP run, and their rates add up: this counts
+    the contention between ranks that a single process would not see.
+    """
+    cores = os.cpu_count() or 1
+    rates = spawn(_rate_job, cores, args=(dim, depth, batch, repeats), timeout=300,
+                  backend="gloo")
+    return sum(r[0] for r in rates), sum(r[1] for r in rates)
+
+
+def rank_rate(dim: int, depth: int, batch: int, repeats: int = 20) -> float:
+    """Training FLOP/s of one rank alone, which gets every core's threads (as `spawn` and
+    `microddp run` give a single rank). On CPU it falls well short of `host_rates`: a
+    FullMLP's small matrices do not split well over threads."""
+    return spawn(_rate_job, 1, args=(dim, depth, batch, repeats), timeout=300,
+                 backend="gloo")[0][0]
+
+
+def _rate_job(world: World, dim: int, depth: int, batch: int,
+              repeats: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = FullMLP(dim, depth)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, dim), torch.randint(0, 2, (batch,))
+    grads = torch.randn(sum(p.numel() for p in model.parameters()))
+    bucket = torch.empty_like(grads)
+
+    def copies() -> None:  # what a DDP bucket costs: copy in, average, copy out
+        bucket.copy_(grads)
+        bucket.div_(2)
+        grads.copy_(bucket)
+
+    t = interleaved({"step": lambda: _train_step(model, opt, x, y), "copies": copies},
+                    repeats, warmup=3)
+    flops = fullmlp(dim, depth).flops_per_sample * batch / statistics.median(t["step"])
+    return flops, 3 * grads.numel() * 4 / statistics.median(t["copies"])
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this whole process, every thread (gloo's own threads do the sending)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _allreduce_times(world: World, sizes: list[int], repeats: int) -> tuple[list[float], float]:
+    """Median all-reduce time per size, and the CPU-seconds this rank spent per second of
+    all-reduce at the largest size (the rest of the time it waited)."""
+    out = []
+    for n in sizes:
+        t = torch.ones(n // 4)
+        times, cpu = [], 0.0
+        for i in range(repeats + 2):
+            comms.barrier()
+            c0, t0 = _cpu_seconds(), time.perf_counter()
+            comms.all_reduce(t)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+                cpu += _cpu_seconds() - c0
+        out.append(statistics.median(times))
+    return out, cpu / sum(times)
+
+
+def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[float, float]:
+    """Fit t = a + b n to ring all-reduce times, read as a ring: a = 2(N-1) alpha and
+    b = 2(N-1)/N / bandwidth. Returns (alpha seconds, bandwidth bytes/s)."""
+    a, b = fit_line(sizes, times)
+    return max(a, 1e-7) / (2 * (world - 1)), 2 * (world - 1) / world / max(b, 1e-15)
+
+
+def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float, float]:
+    """(alpha, bandwidth, comm_cpu): the fitted link, and the CPU share of its time."""
+    ranks = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300, backend="gloo")
+    busy = statistics.mean(cpu for _, cpu in ranks)
+    return (*fit_alpha_beta(SIZES, ranks[0][0], world), busy)
+
+
+def _step_times(world: World, engine: str, dim: int, depth: int, batch: int,
+                repeats: int, bucket_mb: float) -> list[float]:
+    from ..trace.steps import wrap
+
+    torch.manual_seed(0)
+    model = FullMLP(dim, depth)
+    model = wrap(model, engine, bucket_mb) if world.distributed else model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, dim), torch.randint(0, 2, (batch,))
+    times = []
+    for i in range(repeats + 3):
+        if world.distributed:
+            dist.barrier()
+        t0 = time.perf_counter()
+        _train_step(model, opt, x, y)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def measured_step(world: int, engine: str, dim: int, depth: int, batch: int,
+                  bucket_mb: float = 25.0, repeats: int = 15) -> float:
+    """Median step time over ranks' medians, real ranks on this host."""
+    per_rank = spawn(_step_times, world, args=(engine, dim, depth, batch, repeats, bucket_mb),
+                     timeout=600, backend="gloo")  # CPU tensors: this models CPU training
+    return statistics.median(statistics.median(t) for t in per_rank)
+
+
+# Above this max/min ratio between rounds a figure is reported as unsteady: the host's load
+# changed while it was measured, and a prediction from it is uncertain by as much.
+WIDE_SPREAD = 1.5
+SPREAD_NAMES = {"flops": ("compute", "FLOP/s"), "rank_flops": ("one rank alone", "FLOP/s"),
+                "memory": ("memory", "B/s"), "alpha": ("latency (alpha)", "s"),
+                "bandwidth": ("bandwidth (1/beta)", "B/s")}
+
+
+def spread(values: list[float]) -> float:
+    """max / min of positive measurements of one figure (1.0 = all the same)."""
+    low = min(values)
+    return max(values) / low if low > 0 else float("inf")
+
+
+def report_spread(got: dict[str, list[float]], rounds: int) -> list[str]:
+    """Print min / median / max over the rounds of each figure, and warn for every figure
+    whose rounds differ by more than WIDE_SPREAD; returns the names of those figures."""
+    print(f"measured over {rounds} rounds: min / median / max (spread = max / min)")
+    wide = []
+    for key, (name, unit) in SPREAD_NAMES.items():
+        v = got[key]
+        s = spread(v)
+        print(f"  {name:19} {min(v):9.3g} / {statistics.median(v):9.3g} / {max(v):9.3g} {unit:6} "
+              f"spread {s:.2f}x")
+        if s > WIDE_SPREAD:
+            wide.append(name)
+    if wide:
+        print(f"warning: {', '.join(wide)} varied by more than {WIDE_SPREAD:g}x between rounds: "
+              "this host's load changed while it was measured, so predictions made from these "
+              "figures are uncertain by as much; calibrate again when the machine is quiet",
+              flush=True)
+    return wide
+
+
+def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
+    """Measure, save, and with --verify compare predictions with real step times.
+
+    Calibration and verification alternate over `rounds` rounds and each figure is the median
+    over rounds, so a change in the machine's load between them does not decide the result.
+    """
+    dim, depth, batch = args.dim, args.depth, int(args.batch)
+    worlds = args.verify or []
+    print(f"calibrating on FullMLP({dim}, depth {depth}), batch {batch}, {os.cpu_count()} cores, "
+          f"{rounds} rounds ...")
+    got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "bandwidth",
+                                                   "busy", "rank_flops")}
+    steps: dict[int, list[float]] = {n: [] for n in worlds}
+    for _ in range(rounds):
+        flops, memory = host_rates(dim, depth, batch)
+        got["flops"].append(flops)
+        got["memory"].append(memory)
+        got["rank_flops"].append(rank_rate(dim, depth, batch))
+        alpha, bandwidth, busy = alpha_beta(2)
+        got["alpha"].append(alpha)
+        got["bandwidth"].append(bandwidth)
+        got["busy"].append(busy)
+        for n in worlds:
+            steps[n].append(measured_step(n, "overlap", dim, depth, batch, args.bucket_mb))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    report_spread(got, rounds)
+    hw = Hardware(med["flops"], med["bandwidth"], med["alpha"],
+                  "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
+                  memory=med["memory"], comm_cpu=med["busy"], rank_flops=med["rank_flops"])
+    save_calibration(hw, args.calibration)
+    print(f"compute {hw.flops:.3g} FLOP/s ({hw.rank_flops:.3g} for one rank alone), memory "
+          f"{hw.memory:.3g} B/s, latency (alpha) {1e6 * hw.latency:.1f} us, bandwidth (1/beta) "
+          f"{hw.bandwidth:.3g} B/s, all-reduce keeps {100 * hw.comm_cpu:.0f}% of a core busy; "
+          f"saved to {args.calibration} "
+          "(--hardware calibrated)")
+    if not worlds:
+        return 0
+    print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  {'limit':<10} "
+          f"(engine overlap, batch {batch} per rank, local ranks share the host's compute)")
+    worst = 0.0
+    for n in worlds:
+        row = predict(fullmlp(dim, depth), hw, n, batch, bucket_mb=args.bucket_mb,
+                      local_ranks=n)
+        pred, meas = row["step_s"], statistics.median(steps[n])
+        limit = "host CPU" if row["cpu_bound_s"] > row["chain_s"] else "one rank"
+        err = (pred - meas) / meas
+        worst = max(worst, abs(err))
+        print(f"{n:>5} {1e3 * pred:>13.2f} {1e3 * meas:>12.2f} {100 * err:>+6.1f}%  {limit:<10}")
+    print(f"worst error {100 * worst:.1f}% ({'within' if worst <= 0.25 else 'outside'} 25%)")
+    return 0

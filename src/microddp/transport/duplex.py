@@ -1,0 +1,93 @@
+"""Two ranks on gloo: a second connection, so that each direction has a socket of its own.
+
+In a ring of 3 or more ranks a rank sends to one neighbour and receives from another: two
+connections. With 2 ranks both neighbours are the same rank, and gloo gives each pair of
+ranks one connection (one socket, one lock) for both directions. That costs more than it
+seems. A send whose receiver has already posted its buffer is written by the calling thread,
+holding the connection's lock, for as long as the kernel takes the bytes (~0.4 ms for
+1 MiB here); meanwhile gloo's I/O thread, which reads incoming messages, cannot take the
+lock and leaves the other direction's bytes waiting in the socket. The two directions of an
+exchange take turns instead of overlapping.
+
+So the ring on a 2-rank gloo group opens a second process group over the same ranks (its
+own sockets and I/O thread) and sends every message from group rank 1 to rank 0 over it,
+those from 0 to 1 over the group itself (`Peers.isend`/`irecv` route them). Measured
+interleaved against gloo's all_reduce (`/tmp` scripts, 60-300 calls per size), with whole
+chunks and receives posted first: 0.59-0.87x gloo's time from 64 KiB to 64 MiB, where the
+lookahead ring on one connection took 0.72-1.07x, and the pair loop 0.91-0.95x at 16-64 MiB
+(chapter 4).
+
+Opening it is collective over the two ranks (the new group meets through the group's own
+store), so only code that both ranks run at the same point may call `duplex`: the ring does,
+on its first call on a group. It lives as long as the group's Python object (kept weakly):
+torch.distributed does not know it, so `destroy_process_group` frees it only once nothing
+else holds the group. MICRODDP_DUPLEX=0 (the same on every rank: with check=True the ring
+agrees on it) keeps one connection, and the ring then runs the orders it uses on one
+(ring_loops.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
+may hold GPU tensors that a gloo connection cannot send.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..errors import MicroDDPError
+from .peers import Peers
+
+_backs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> second group or None
+_UNSEEN = object()
+
+
+def duplex_enabled() -> bool:
+    """Whether the ring opens a second connection on 2-rank gloo groups (MICRODDP_DUPLEX)."""
+    return os.environ.get("MICRODDP_DUPLEX", "1").strip() not in ("0", "false", "no", "off")
+
+
+def duplex_decided(peers: Peers) -> bool:
+    """Whether this group's connections are settled (by its first ring call), so that `duplex`
+    only looks them up: no exchange, nothing to agree on first."""
+    return peers.pg in _backs
+
+
+def duplex(peers: Peers) -> Peers:
+    """`peers`, with messages from group rank 1 to 0 on a connection of their own, if this is
+    a 2-rank gloo group and the feature is on; opened on first use, which is collective."""
+    if peers.size != 2 or peers.nccl or peers.back is not None:
+        return peers
+    back = _backs.get(peers.pg, _UNSEEN)
+    if back is _UNSEEN:  # decided once per group, so every later call on it agrees
+        wanted = duplex_enabled() and dist.get_backend(peers.pg) == "gloo"  # not MPI, UCC
+        back = _backs[peers.pg] = _open(peers) if wanted else None
+    peers.back = back
+    return peers
+
+
+def _open(peers: Peers):
+    """A gloo process group over the same two ranks, meeting through the group's store."""
+    store = dist.PrefixStore("microddp-duplex/", peers.pg.get_group_store())
+    try:
+        return dist.ProcessGroupGloo(store, peers.me, 2, _timeout(peers.pg))
+    except Exception as e:  # e.g. the other rank never came: it failed before its first ring
+        raise MicroDDPError(
+            f"ring_all_reduce: could not open the second connection between the 2 ranks of "
+            f"this group ({type(e).__name__}: {e}); it opens on the first ring_all_reduce "
+            "on the group, which every rank of it must reach. MICRODDP_DUPLEX=0 on every rank "
+            "keeps one connection") from e
+
+
+def _timeout(pg) -> datetime.timedelta:
+    """The group's own timeout, so that a stuck receive fails as soon on both connections."""
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):  # private API: fall back to torch's default
+        return dist.default_pg_timeout
+
+
+def open_duplexes() -> int:
+    """How many second connections are open in this process (for tests)."""
+    return sum(back is not None for back in _backs.values())
