@@ -14,14 +14,15 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top; a name is a folder or a flat module of src/microddp. A row may import its
-# own row (no cycle: test_no_import_cycle) and the rows below it, never a row above. docs/architecture.md draws this picture.
+# own row (no cycle: test_no_import_cycle) and the rows below it, never a row above.
+# docs/architecture.md draws this picture.
 LAYERS = [
     ("errors", "outputs", "model", "spans", "timing"),   # shared by everything
     ("comms",),                # world, rendezvous, typed ops
     ("transport",),            # how two ranks move bytes
     ("collectives",),          # algorithms over transport
     ("monitor",),              # hang and desync reports over comms and collectives
-    ("dp", "pipeline", "data", "checkpoint"),   # parallelism, and what a job reads and keeps
+    ("dp", "pipeline", "zero", "ps", "data", "checkpoint"),  # parallelism; what a job reads, keeps
     ("flags",),                # command-line checks (engine names come from dp)
     ("launch",),               # starting ranks
     ("trace",),                # traced runs of the engines
