@@ -144,7 +144,7 @@ def test_cpu_benchmarks_ask_for_gloo_even_on_a_gpu_host(monkeypatch):
     import importlib
 
     from microddp import commands as cli
-    from microddp.predict.step import calibrate
+    from microddp.predict import calibrate
 
     class Started(Exception):
         pass

@@ -113,7 +113,7 @@ def test_one_rank_computes_at_its_own_rate_not_the_whole_hosts():
 
 
 def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeypatch, capsys):
-    from microddp.predict.step import calibrate
+    from microddp.predict import calibrate
 
     assert calibrate.rank_rate(64, 2, 8, repeats=3) > 0  # a real spawned rank, briefly
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 1e10))
@@ -284,7 +284,7 @@ def test_scaling_bench_names_sizes_for_people():
 
 def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path, monkeypatch,
                                                                        capsys):
-    from microddp.predict.step import calibrate
+    from microddp.predict import calibrate
 
     rates = iter([(1e10, 4e10), (3e10, 4e10), (2e10, 4e10)])  # a host whose load changed
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: next(rates))
@@ -308,7 +308,7 @@ def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path
 
 
 def test_a_steady_calibration_gives_no_warning(tmp_path, monkeypatch, capsys):
-    from microddp.predict.step import calibrate
+    from microddp.predict import calibrate
 
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 4e10))
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)

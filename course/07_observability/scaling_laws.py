@@ -9,7 +9,7 @@ every rank the same batch. Then: where does adding ranks stop paying, and why? L
 ranks sharing one host: past its cores, the host's CPU work is the limit instead.
 """
 
-from microddp.predict.step import step as predict
+from microddp import predict
 
 MODEL = predict.Model(params=110e6, flops_per_sample=6 * 110e6 * 512,
                       note="a BERT-base-sized model, 512 tokens per sample")

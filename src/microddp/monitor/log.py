@@ -24,7 +24,7 @@ _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
     os.path.dirname(__file__),
     sysconfig.get_paths()["stdlib"],
 })
-_COMMS = os.path.normcase(os.path.join(os.path.dirname(os.path.dirname(__file__)), "comms.py"))
+_COMMS = os.path.normcase(os.path.join(os.path.dirname(os.path.dirname(__file__)), "comms", "ops.py"))
 
 
 @functools.lru_cache(maxsize=4096)  # once per function (see _kind), and by tests
