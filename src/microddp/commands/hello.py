@@ -22,10 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch.run import run as launch
+    from ..launch.run import launch
 
-    return launch(argparse.Namespace(nproc=args.nproc, max_restarts=0, master_port=0,
-                                     module=True, script="microddp.commands.hello", script_args=[]))
+    return launch("microddp.commands.hello", [], nproc=args.nproc, module=True)
 
 
 def say(line: str) -> None:

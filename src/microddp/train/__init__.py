@@ -114,13 +114,12 @@ def run(args: argparse.Namespace) -> int:
         if cfg.checkpoint_dir:
             check_folder(cfg.checkpoint_dir, "--checkpoint-dir")
         _check_checkpoints(cfg)
-        from ..launch.run import run as launch
+        from ..launch.run import launch
 
         print(f"microddp train: run folder {cfg.out}", flush=True)
         announced = True
-        code = launch(argparse.Namespace(nproc=cfg.nproc, max_restarts=cfg.max_restarts,
-                                         master_port=0, module=True, script="microddp.train",
-                                         script_args=cfg.to_argv()))
+        code = launch("microddp.train", cfg.to_argv(), nproc=cfg.nproc, module=True,
+                      max_restarts=cfg.max_restarts)
         return code
     finally:
         # A run stopped or failed before it wrote anything leaves no empty folder behind.
