@@ -67,7 +67,7 @@ def test_doctor_passes_on_this_machine():
 
 def test_doctor_names_what_is_wrong_with_the_ring():
     import microddp as mdp
-    from microddp.commands import doctor
+    from microddp.launch import doctor
 
     world = mdp.init()  # a world of one: the expected sum is the tensor itself
     assert doctor.ring_problem(world) is None

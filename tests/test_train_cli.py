@@ -191,8 +191,8 @@ def test_a_run_stopped_before_it_wrote_anything_leaves_no_folder(tmp_path, capsy
     monkeypatch.chdir(tmp_path)
     outcomes = iter([KeyboardInterrupt, 1])
 
-    def launch(args):  # what the workers leave after an early interrupt or failure
-        out = tmp_path / args.script_args[args.script_args.index("--out") + 1]
+    def launch(script, script_args, **kwargs):  # what workers leave after an early stop
+        out = tmp_path / script_args[script_args.index("--out") + 1]
         (out / "checkpoints").mkdir()
         (out / "metrics.jsonl").write_text("")
         outcome = next(outcomes)
@@ -200,7 +200,7 @@ def test_a_run_stopped_before_it_wrote_anything_leaves_no_folder(tmp_path, capsy
             raise outcome
         return outcome
 
-    monkeypatch.setattr(microddp.launch.run, "run", launch)
+    monkeypatch.setattr(microddp.launch.run, "launch", launch)
     assert main(["train", "--dataset", "synthetic"]) == 130
     assert main(["train", "--dataset", "synthetic"]) == 1
     assert list((tmp_path / "runs").iterdir()) == []

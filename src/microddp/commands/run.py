@@ -1,8 +1,49 @@
-"""`microddp run`: its arguments and what it runs live with the library (launch/run.py), which
-other code calls too; this file is its place in the command line, and --help shows the
-library's docstring."""
+"""Start N local workers of a script, as torchrun does: `microddp run -n N script.py [args]`.
 
-from ..launch import run as library
+Starts N workers with the environment torchrun gives them, prefixes every output line with
+`[rank k]`, and if one worker fails stops the rest at once (each with its process group),
+repeats the failing rank's last lines, and exits non-zero. `--max-restarts K` starts the whole
+group again after a failure, unless a worker exited with 2 (a usage error: a restart would
+repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job (exit 128 + signal); so does a
+closed output pipe, quietly (exit 141, as `| head` expects).
+"""
 
-__doc__ = library.__doc__
-EPILOG, add_arguments, run = library.EPILOG, library.add_arguments, library.run
+from __future__ import annotations
+
+import argparse
+
+from ..launch.run import launch
+
+EPILOG = """\
+examples:
+  microddp run -n 2 -m microddp.commands.hello                 # 2 local workers of a module
+  microddp run -n 2 -m microddp.train --epochs 1      # the training job, one worker per rank
+  microddp run -n 2 --max-restarts 2 -m microddp.train --epochs 2 --out runs/restartable
+SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
+init_process_group); the course scripts start their own ranks: run them with plain python.
+
+many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hosts
+  torchrun --nnodes 2 --nproc-per-node 4 --node-rank R \\
+           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 -m microddp.commands.hello
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--nproc", type=int, default=2, help="number of workers (default 2)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all workers up to K times after a failure, except exit code 2 "
+                        "(default 0)")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="rendezvous port on 127.0.0.1 (default: a free one)")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="treat SCRIPT as a module name, as `python -m` does")
+    p.add_argument("script", help="the Python script (or module, with -m) each worker runs")
+    rest = p.add_argument("script_args", nargs=argparse.REMAINDER,
+                          help="arguments for the script")
+    rest.required = False  # argparse would list it as missing beside the script
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the workers, restarting up to --max-restarts times; return the exit code."""
+    return launch(args.script, args.script_args, nproc=args.nproc, module=args.module,
+                  max_restarts=args.max_restarts, master_port=args.master_port)

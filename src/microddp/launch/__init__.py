@@ -1,6 +1,7 @@
 """Starting ranks: `spawn` (a function on N local ranks with a deadline: tests, benchmarks,
-the course), `run` (the launcher `microddp run` is, as torchrun would start a script) and what
-both need (procs: the store, the workers' environment, stopping a process tree)."""
+the course), `run.launch` (a script on N local workers, as torchrun would start it: what
+`microddp run`, `train` and `hello` call) and what both need (procs: the store, the workers'
+environment, stopping a process tree)."""
 
 from .spawn import spawn
 

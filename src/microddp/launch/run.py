@@ -1,16 +1,16 @@
-"""Start N local workers of a script, as torchrun does: `microddp run -n N script.py [args]`.
+"""The launcher as a library: `launch(script, args, nproc=N)` starts N local workers of a
+script with the environment torchrun gives them, as `microddp run`, `microddp train` and
+`microddp hello` do.
 
-Starts N workers with the environment torchrun gives them, prefixes every output line with
-`[rank k]`, and if one worker fails stops the rest at once (each with its process group),
-repeats the failing rank's last lines, and exits non-zero. `--max-restarts K` starts the whole
-group again after a failure, unless a worker exited with 2 (a usage error: a restart would
-repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job (exit 128 + signal); so does a
-closed output pipe, quietly (exit 141, as `| head` expects).
+Every output line gets a `[rank k]` prefix; if one worker fails the rest are stopped at once
+(each with its process group), the failing rank's last lines are repeated, and the exit code is
+non-zero. `max_restarts=K` starts the whole group again after a failure, unless a worker exited
+with 2 (a usage error: a restart would repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the
+job (exit 128 + signal); so does a closed output pipe, quietly (exit 141, as `| head` expects).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib.util
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import MicroDDPError
@@ -34,34 +35,6 @@ PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a writer whose read
 # What torchrun's agent handles; SIGINT too, as KeyboardInterrupt. SIGKILL cannot be caught:
 # then only the workers themselves die (PR_SET_PDEATHSIG), not their own children.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
-EPILOG = """\
-examples:
-  microddp run -n 2 -m microddp.commands.hello                 # 2 local workers of a module
-  microddp run -n 2 -m microddp.train --epochs 1      # the training job, one worker per rank
-  microddp run -n 2 --max-restarts 2 -m microddp.train --epochs 2 --out runs/restartable
-SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
-init_process_group); the course scripts start their own ranks: run them with plain python.
-
-many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hosts
-  torchrun --nnodes 2 --nproc-per-node 4 --node-rank R \\
-           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 -m microddp.commands.hello
-"""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--nproc", type=int, default=2, help="number of workers (default 2)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart all workers up to K times after a failure, except exit code 2 "
-                        "(default 0)")
-    p.add_argument("--master-port", type=int, default=0,
-                   help="rendezvous port on 127.0.0.1 (default: a free one)")
-    p.add_argument("-m", dest="module", action="store_true",
-                   help="treat SCRIPT as a module name, as `python -m` does")
-    p.add_argument("script", help="the Python script (or module, with -m) each worker runs")
-    rest = p.add_argument("script_args", nargs=argparse.REMAINDER,
-                          help="arguments for the script")
-    rest.required = False  # argparse would list it as missing beside the script
 
 
 class _Output:
@@ -137,14 +110,14 @@ def _check_module(name: str) -> None:
                             "name a module inside it")
 
 
-def _command(args: argparse.Namespace) -> list[str]:
-    if args.module:
-        _check_module(args.script)
-        return [sys.executable, "-u", "-m", args.script, *args.script_args]
-    path = Path(args.script)
+def _command(script: str, script_args: list[str], module: bool) -> list[str]:
+    if module:
+        _check_module(script)
+        return [sys.executable, "-u", "-m", script, *script_args]
+    path = Path(script)
     if not path.is_file():
-        raise MicroDDPError(f"script {args.script!r} does not exist; give the path to a .py file")
-    return [sys.executable, "-u", str(path), *args.script_args]
+        raise MicroDDPError(f"script {script!r} does not exist; give the path to a .py file")
+    return [sys.executable, "-u", str(path), *script_args]
 
 
 def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
@@ -230,32 +203,37 @@ def _signals_stop_the_job():
             signal.signal(sig, handler)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Launch the workers, restarting up to --max-restarts times; return the exit code."""
-    n = args.nproc
+def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: bool = False,
+           max_restarts: int = 0, master_port: int = 0) -> int:
+    """Run `script` (a module name with module=True, as `python -m`) on `nproc` local workers,
+    restarting all of them up to `max_restarts` times; return the job's exit code.
+
+    `master_port` 0 picks a free port. The errors name the `microddp run` flags, since the
+    command line is how most people reach this.
+    """
+    n = nproc
     if not 1 <= n <= MAX_WORKERS:
         raise MicroDDPError(f"--nproc must be between 1 and {MAX_WORKERS}, got {n}")
-    if args.max_restarts < 0:
-        raise MicroDDPError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    if not 0 <= args.master_port <= MAX_PORT:
+    if max_restarts < 0:
+        raise MicroDDPError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    if not 0 <= master_port <= MAX_PORT:
         raise MicroDDPError(f"--master-port must be between 0 and {MAX_PORT} (0: a free one), "
-                            f"got {args.master_port}")
-    cmd = _command(args)
+                            f"got {master_port}")
+    cmd = _command(script, list(script_args), module)
     out, run_id = _Output(), new_run_id()
     with _signals_stop_the_job():
-        for attempt in range(args.max_restarts + 1):
-            code = _run_once(cmd, n, args.master_port, attempt, args.max_restarts, run_id,
-                             out)
+        for attempt in range(max_restarts + 1):
+            code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out)
             if out.closed.is_set():
                 return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
             if code == 0:
                 return 0
-            if code == USAGE_ERROR and attempt < args.max_restarts:
+            if code == USAGE_ERROR and attempt < max_restarts:
                 print("microddp run: not restarting: exit code 2 is a usage error (microddp's "
                       "and argparse's code for a mistake in the input), which a restart would "
                       "only repeat", file=sys.stderr)
                 return code
-            if attempt < args.max_restarts:
+            if attempt < max_restarts:
                 print(f"microddp run: restarting all {n} workers "
-                      f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
+                      f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr)
     return code

@@ -4,7 +4,8 @@ import argparse
 import sys
 
 from ..errors import MicroDDPError
-from . import add_arguments, from_args, worker
+from . import worker
+from .config import add_arguments, from_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,6 +87,53 @@ class TrainConfig:
         return asdict(self)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The job's flags, defaults from TrainConfig: `microddp train` and `python -m
+    microddp.train` (each rank) parse the same ones."""
+    d = TrainConfig()
+    a = p.add_argument
+    a("-n", "--nproc", type=int, default=d.nproc, help=f"local ranks to start (default {d.nproc})")
+    a("--epochs", type=int, default=d.epochs, help=f"passes over the data (default {d.epochs})")
+    a("--batch-size", type=int, default=d.batch_size,
+      help=f"global batch per micro-step, split over ranks (default {d.batch_size})")
+    a("--lr", type=float, default=None, help="learning rate (default 0.05 sgd, 0.002 adam)")
+    a("--optimizer", default=d.optimizer,
+      help=f"{' | '.join(OPTIMIZERS)} (default {d.optimizer})")
+    a("--engine", default=d.engine,
+      help=f"data-parallel engine: {' | '.join(ENGINES)} (torch = PyTorch's DDP; "
+           f"default {d.engine})")
+    a("--dataset", default=d.dataset,
+      help=f"digits (real, bundled) | synthetic (default {d.dataset})")
+    a("--accumulate", type=int, default=d.accumulate,
+      help=f"micro-steps per optimizer step, with no_sync (default {d.accumulate})")
+    a("--amp", default=None,
+      help=f"mixed precision: {' | '.join(AMP)} (fp16 needs CUDA; default: off, float32)")
+    a("--hidden", type=int, default=d.hidden, help=f"MLP width (default {d.hidden})")
+    a("--depth", type=int, default=d.depth, help=f"hidden layers (default {d.depth})")
+    a("--out", default=None, help="run folder (default: a new runs/train-DATE-TIME)")
+    a("--checkpoint-dir", default=None, help="checkpoint folder (default OUT/checkpoints)")
+    a("--checkpoint-every", type=int, default=d.checkpoint_every,
+      help="save every N optimizer steps (default 0: after every epoch)")
+    a("--keep", type=int, default=d.keep, help=f"checkpoints to keep (default {d.keep})")
+    a("--resume", action="store_true", help="continue from the newest checkpoint in the folder")
+    a("--max-restarts", type=int, default=d.max_restarts,
+      help="restart all ranks up to K times if one dies; they resume from the last checkpoint "
+           f"(default {d.max_restarts})")
+    a("--max-steps", type=int, default=d.max_steps,
+      help="stop after N optimizer steps (default 0: all)")
+    a("--seed", type=int, default=d.seed,
+      help=f"seed of the weights and the shuffling (default {d.seed})")
+    a("--log-every", type=int, default=d.log_every,
+      help="steps between progress lines (default 0: about five per epoch)")
+    a("--trace", action="store_true", help="record a timeline of every step (Chrome trace and summary)")
+    a("--monitor-timeout", type=float, default=d.monitor_timeout,
+      help="seconds a collective may stall before every rank reports where it is "
+           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off)")
+    a("--drift-every", type=int, default=d.drift_every,
+      help="every K steps check that all replicas hold the same parameters (default 0: off)")
+    a("--no-plot", dest="plot", action="store_false", help="skip curves.png")
+
+
 def from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
