@@ -32,6 +32,7 @@ import importlib
 import inspect
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -256,14 +257,19 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
     return wrapper
 
 
-_gloo_groups: dict[Any, bool] = {}  # group -> is it gloo's: asked once per group
+# group -> is it gloo's: asked once per group. Held weakly: a strong key kept every group the
+# monitor saw alive after destroy_process_group, with its threads (comms/teardown.py).
+_gloo_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _gloo(group: Any) -> bool:
+    key = group if group is not None else dist.GroupMember.WORLD
     try:
-        return _gloo_groups[group]
-    except KeyError:
-        gloo = _gloo_groups[group] = _backend(group) == "gloo"
+        return _gloo_groups[key]
+    except (KeyError, TypeError):  # new, or not a group object (None before init)
+        gloo = _backend(group) == "gloo"
+        if key is not None:
+            _gloo_groups[key] = gloo
         return gloo
 
 
