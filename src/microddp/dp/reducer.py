@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import spans as trace
+from ..comms import distributed, group_rank, group_size
 from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
 from .comm_hooks import CommHook, Summing, start_reduction
@@ -32,7 +33,7 @@ from .double_backward import DoubleBackward
 from .grads import BucketCopies, Lender
 from .logging_data import RuntimeStats
 from .refusals import refusal
-from .sync import distributed, global_rank
+from .sync import global_rank
 from .unused import accumulators, find_unused, no_gradient
 
 # Gradients of at least this many elements are copied into their bucket the moment they are
@@ -49,7 +50,7 @@ class Reducer(BucketCopies, DoubleBackward):
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False) -> None:
         self.params, self.names, self.group = list(params), list(names), group
-        self.world_size = dist.get_world_size(group) if distributed(group) else 1
+        self.world_size = group_size(group)
         self.div_factor = self.world_size
         self.caps = [first_bucket_bytes, bucket_cap_bytes]
         # With static_graph, find_unused_parameters makes no difference (as in torch): the
@@ -109,7 +110,7 @@ class Reducer(BucketCopies, DoubleBackward):
         if not self.rebuild_due:
             return False
         order = torch.tensor(self.arrival, dtype=torch.int64, device=self.params[0].device)
-        if distributed(self.group):
+        if distributed():
             dist.broadcast(order, global_rank(self.group, 0), self.group)
         self.set_buckets(plan_buckets(self.params, self.caps, order=order.tolist()))
         self.rebuild_due, self.will_rebuild, self.arrival = False, False, []
@@ -335,7 +336,7 @@ def _remove_all(handles: list) -> None:
 
 
 def _rank(group) -> int:
-    return dist.get_rank(group) if distributed(group) else 0
+    return group_rank(group)
 
 
 def _record_when_done(fut, k: int, nbytes: int, launched: float) -> None:
