@@ -30,7 +30,7 @@ from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
 from .comm_hooks import CommHook, Summing, start_reduction
 from .double_backward import DoubleBackward
-from .grads import BucketCopies, Lender
+from .grads import GradCopier, Lender
 from .logging_data import RuntimeStats
 from .refusals import refusal
 from .sync import global_rank
@@ -41,7 +41,7 @@ from .unused import accumulators, find_unused, no_gradient
 COPY_AT_ONCE = 1 << 16
 
 
-class Reducer(BucketCopies, DoubleBackward):
+class Reducer(DoubleBackward):
     """Averages the gradients of `params` over the ranks of `group` during backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group=None,
@@ -93,9 +93,9 @@ class Reducer(BucketCopies, DoubleBackward):
         """(Re)allocate flat buffers for `plan` (lists of parameter indices, in launch order)."""
         self.buckets = [Bucket([self.params[i] for i in idx], k, idx)
                         for k, idx in enumerate(plan)]
+        # Composed, not inherited: each is handed what it needs and reads nothing of ours.
         self.lender = Lender(self.buckets, self.as_view)
-        # Buckets whose views are all row-major, back to back: `_copy_whole` can fill them.
-        self.row_major = [all(v.is_contiguous() for v in b.views) for b in self.buckets]
+        self.copier = GradCopier(self.params, self.buckets, self.lender, self.as_view)
         self.where = {}
         for b in self.buckets:
             for pos, i in enumerate(b.indices):
@@ -151,6 +151,10 @@ class Reducer(BucketCopies, DoubleBackward):
         """Divide the summed gradients by `n` (the world size, or under a join the ranks still
         training, if the join says so)."""
         self.div_factor = n
+
+    def _divisor(self) -> int | None:
+        """What the copier divides gradients by: None when a comm hook does the dividing."""
+        return None if self.comm_hook is not None else self.div_factor
 
     def skip_iteration(self) -> None:
         """A backward this rank only shadowed with zeros (it joined): learn nothing from it,
@@ -225,7 +229,7 @@ class Reducer(BucketCopies, DoubleBackward):
             if grad is not None and not self.as_view and self.comm_hook is None:
                 torch.mul(grad, 1.0 / self.div_factor, out=bucket.views[pos])  # the usual case
             else:
-                self._copy_in(bucket, [pos])
+                self.copier.copy_in(bucket, [pos], self._divisor(), self.zeroed)
             self.copied[i] = 1
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -237,8 +241,8 @@ class Reducer(BucketCopies, DoubleBackward):
                and self.buckets[self.next_bucket].pending == 0):
             k = self.next_bucket
             bucket = self.buckets[k]
-            self._copy_in(bucket, [pos for pos, i in enumerate(bucket.indices)
-                                   if not self.copied[i]])
+            self.copier.copy_in(bucket, [pos for pos, i in enumerate(bucket.indices)
+                                         if not self.copied[i]], self._divisor(), self.zeroed)
             self.launched_at[k] = time.perf_counter()
             if k == 0:
                 self.stats.mark("backward_comm_time_start")
@@ -293,7 +297,7 @@ class Reducer(BucketCopies, DoubleBackward):
         for k, bucket in enumerate(self.buckets):
             result = self.futures[k].wait()
             result = result[0] if isinstance(result, list) else result
-            self._write_back(bucket, result, used)
+            self.copier.write_back(bucket, result, used)
         if trace.enabled():
             trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self.stats.backward_done()
