@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comms.world import World
+from .comms.world import World, distributed
 from .errors import MicroDDPError
 
 FORMAT = 1
@@ -203,7 +203,7 @@ def set_rng_state(state: dict) -> None:
 def gather_rng_states(world: World) -> list[dict] | None:
     """Every rank's RNG states, on rank 0 (None elsewhere): one process writes the file."""
     mine = rng_state()
-    if not world.distributed:
+    if not distributed():
         return [mine]
     out: list | None = [None] * world.world_size if world.rank == 0 else None
     dist.gather_object(mine, out, dst=0)
@@ -212,7 +212,7 @@ def gather_rng_states(world: World) -> list[dict] | None:
 
 def broadcast_choice(value, world: World):
     """Rank 0's `value` on every rank, so all ranks act on the same decision."""
-    if not world.distributed:
+    if not distributed():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -238,7 +238,7 @@ def save_from_rank0(make_state: Callable[[], dict], folder: str | Path, step: in
             error = f"cannot write checkpoint {path}: {e.strerror or e}; free space or pick " \
                     "another --checkpoint-dir"
     error = broadcast_choice(error, world)
-    if world.distributed:
+    if distributed():
         dist.barrier()
     if error:
         raise MicroDDPError(error)

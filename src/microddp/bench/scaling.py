@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import flags, outputs
 from .. import spans as trace
-from ..comms.world import World
+from ..comms.world import World, distributed
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
@@ -43,7 +43,7 @@ def _contender(world: World, engine: str, dim: int, depth: int, batch: int):
 
     torch.manual_seed(0)
     model = FullMLP(dim, depth).to(world.device)
-    if world.distributed:
+    if distributed():
         model = wrap(model, engine)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(world.rank)
@@ -60,9 +60,9 @@ def _contender(world: World, engine: str, dim: int, depth: int, batch: int):
 
 def _job(world: World, engines: list[str], dim: int, depth: int, batch: int, repeats: int,
          warmup: int) -> dict:
-    names = engines if world.distributed else ["1 process"]
+    names = engines if distributed() else ["1 process"]
     made = {e: _contender(world, e, dim, depth, batch) for e in names}
-    sync = dist.barrier if world.distributed else None
+    sync = dist.barrier if distributed() else None
     times = interleaved({e: m[0] for e, m in made.items()}, repeats, warmup, sync)
     spans = {e: [s for s in trace_report.to_wall(m[1]) if s.step >= warmup]
              for e, m in made.items()}

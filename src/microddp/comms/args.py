@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
-from .world import distributed, get_world, uses_nccl
+from .world import distributed, get_world, group_size, uses_nccl
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -57,7 +57,7 @@ def check_op_dtype(name: str, tensor: torch.Tensor) -> None:
 def check_list(tensors, group, what: str, like: torch.Tensor) -> None:
     """One tensor per rank, each of `like`'s dtype and device and, except on NCCL (which takes
     uneven sizes), of its shape: gloo's reduce_scatter aborts the process on a wrong shape."""
-    n = _size(group)
+    n = group_size(group)
     if tensors is None or isinstance(tensors, torch.Tensor) or len(tensors) != n:
         got = ("none" if tensors is None else "a tensor, not a list"
                if isinstance(tensors, torch.Tensor) else len(tensors))
@@ -96,7 +96,7 @@ def peer(rank: int | None, group_rank: int | None, group, what: str) -> int | No
     """The global rank of the other end of a send or receive, from `dst`/`src` or, as in
     torch, `group_dst`/`group_src`: another rank of this world (None: any, for a receive)."""
     world = get_world()
-    if not world.distributed:
+    if not distributed():
         raise MicroDDPError(f"{what}: a world of one process has no other rank to talk to")
     if group_rank is not None:
         side = "dst" if "send" in what else "src"
@@ -126,11 +126,7 @@ def check_group_rank(rank: int | None, group_rank: int, size: int, name: str,
 
 
 def _from_group_rank(rank: int | None, group_rank: int, group, what: str) -> int:
-    check_group_rank(rank, group_rank, _size(group), what.rpartition(" ")[2], what)
+    check_group_rank(rank, group_rank, group_size(group), what.rpartition(" ")[2], what)
     return dist.get_global_rank(group, group_rank) if distributed() and group else group_rank
 
 
-
-
-def _size(group) -> int:
-    return dist.get_world_size(group) if distributed() else 1

@@ -23,7 +23,16 @@ import torch.distributed as dist
 from ..errors import MicroDDPError
 from .args import REDUCE_OPS, check_list, check_op_dtype, op_name, peer, root
 from .handle import Handle
-from .world import World, distributed, get_world, init, is_initialized, shutdown
+from .world import (
+    World,
+    distributed,
+    get_world,
+    group_rank,
+    group_size,
+    init,
+    is_initialized,
+    shutdown,
+)
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
@@ -33,15 +42,6 @@ __all__ = [
 ]
 
 Op = str  # one of REDUCE_OPS; a dist.ReduceOp is accepted too
-
-
-def group_size(group=None) -> int:
-    return dist.get_world_size(group) if distributed() else 1
-
-
-def group_rank(group=None) -> int:
-    """This process's rank inside `group` (-1 if it is not a member)."""
-    return dist.get_rank(group) if distributed() else 0
 
 
 def _outside(group) -> bool:
@@ -257,7 +257,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         raise MicroDDPError(f"new_group's second argument is the timeout, as in torch, not "
                             f"{timeout!r}; pass the backend by name: backend={timeout!r}")
     world = get_world()
-    if not world.distributed:
+    if not distributed():
         if ranks is not None and list(ranks) != [0]:
             raise MicroDDPError(f"a world of one process has only rank 0, not {list(ranks)}")
         return None

@@ -67,10 +67,34 @@ def watch_with(watcher: Watcher | None) -> None:
     _watcher = watcher
 
 
-def distributed() -> bool:
-    """Is there a process group to talk through? False in a world of one process, where every
-    collective is a local no-op or copy. The one place microddp asks this question."""
-    return get_world().distributed
+def distributed(group=None) -> bool:
+    """Is there a process group to talk through? The one place microddp asks "is this a world
+    of one?"; every other module calls this (tests/test_layout.py checks that).
+
+    False in a world of one process, where every collective is a local no-op or copy, and
+    False once torch's default group is gone behind microddp's back (a script that called
+    `dist.destroy_process_group()` itself, as torch's DDP examples do): then there is nothing
+    to talk through, and a DDP built afterwards must act alone rather than fail.
+
+    With `group`, also "does `group` hold more than one rank?": False for a group of one (or
+    one this rank is not in: torch gives its size as -1), where a reduction is the identity.
+    Without `group` the size is not asked: a one-rank world formed through a store
+    (`init(world_size=1, init_method=...)`) still talks through its group, as in torch.
+    """
+    if not (get_world().distributed and dist.is_initialized()):
+        return False
+    return group is None or dist.get_world_size(group) > 1
+
+
+def group_size(group=None) -> int:
+    """How many ranks `group` holds (the whole world when None); 1 in a world of one.
+    -1 if this rank is not in `group` (torch's answer)."""
+    return dist.get_world_size(group) if distributed() else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's rank inside `group` (-1 if it is not a member); 0 in a world of one."""
+    return dist.get_rank(group) if distributed() else 0
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:

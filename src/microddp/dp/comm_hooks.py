@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..comms import get_world
+from ..comms import distributed, group_size
 from ..errors import MicroDDPError
 from .buckets import Bucket, bucket_view
 
@@ -79,15 +79,9 @@ def done(value) -> Future:
     return fut
 
 
-def _group_size(group) -> int:
-    if not (get_world().distributed and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 def sum_future(tensor: torch.Tensor, group=None) -> Future:
     """Start an all-reduce (sum) of `tensor` in place; the future's value is the tensor."""
-    if _group_size(group) == 1 or not dist.is_initialized():
+    if group_size(group) == 1:
         return done(tensor)
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(
         lambda fut: fut.value()[0])
@@ -100,7 +94,7 @@ class Summing:
     def __init__(self, tensor: torch.Tensor, group=None) -> None:
         self.tensor = tensor
         self.work = None
-        if _group_size(group) > 1:
+        if distributed(group):
             self.work = dist.all_reduce(tensor, group=group, async_op=True)
 
     def wait(self) -> torch.Tensor:
@@ -128,14 +122,14 @@ def start_reduction(bucket: Bucket, count: int, group, hook: CommHook | None,
 def allreduce(state, bucket: GradBucket) -> Future:
     """Average the bucket: divide by the number of ranks, then sum over ranks (what DDP does)."""
     flat = bucket.buffer()
-    flat.div_(_group_size(state))
+    flat.div_(group_size(state))
     return sum_future(flat, state)
 
 
 def _compressed(dtype: torch.dtype) -> CommHook:
     def hook(state, bucket: GradBucket) -> Future:
         flat = bucket.buffer()
-        small = flat.to(dtype).div_(_group_size(state))  # divide first: no overflow in the sum
+        small = flat.to(dtype).div_(group_size(state))  # divide first: no overflow in the sum
 
         def restore(fut: Future) -> torch.Tensor:
             return flat.copy_(fut.value())

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
+from ..comms import distributed
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from .comm_hooks import BUILTIN, CommHook
@@ -28,7 +29,6 @@ from .join import Join, TorchJoinHook
 from .reducer import Reducer
 from .sync import (
     broadcast_coalesced,
-    distributed,
     global_rank,
     sync_module_states,
     verify_same_model,
@@ -290,7 +290,7 @@ def _device_ids(module: nn.Module, device_ids) -> list[torch.device] | None:
 def _refuse_off_gpu(module: nn.Module, group, buffers: bool) -> None:
     """NCCL moves CUDA tensors only: a module left on the CPU would fail in the first
     broadcast with the backend's error, not one that says to move it."""
-    if not distributed(group) or str(dist.get_backend(group)) != "nccl":
+    if not distributed() or str(dist.get_backend(group)) != "nccl":
         return
     tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
     off = sorted({str(t.device) for t in tensors if t.device.type != "cuda"})

@@ -120,10 +120,9 @@ def wrap(module: nn.Module, engine: str = "overlap", **ddp_kwargs) -> nn.Module:
 
 
 def _torch_ddp(module: nn.Module, **kwargs) -> nn.Module:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    if not (distributed() and dist.is_initialized()):
+    if not distributed():
         raise MicroDDPError("engine 'torch' needs a process group; start several ranks "
                             "(microddp run -n 2 ...) or pick another engine for one process")
     return DistributedDataParallel(module, **kwargs)

@@ -3,9 +3,10 @@
 grads:
 Moving gradients into a bucket before its all-reduce, and the averages back out after.
 
-The Reducer (reducer.py) decides *when* a bucket is filled, launched and emptied; this mixin
-does the copies, in as few tensor calls as the case allows: it uses the Reducer's `params`,
-`comm_hook`, `div_factor`, `as_view`, `zeroed`, `row_major` and `lender`.
+The Reducer (reducer.py) decides *when* a bucket is filled, launched and emptied; its
+GradCopier does the copies, in as few tensor calls as the case allows, with what it is
+given (parameters, buckets, Lender, divisor, flags): a composed object, not a mixin that
+reads the Reducer's attributes.
 
 lending:
 Lending a reduced bucket to `.grad`, instead of copying the averages out of it.
@@ -30,25 +31,40 @@ import torch
 from .buckets import Bucket, bucket_view, present_grads, same_memory, view_layout
 
 
-class BucketCopies:
-    """Gradients -> bucket views (divided by the world size) and averages -> `.grad`."""
+class GradCopier:
+    """Gradients -> bucket views (divided by the world size) and averages -> `.grad`.
 
-    def _copy_in(self, bucket: Bucket, positions: Sequence[int]) -> None:
-        """Gradients -> bucket views, divided by the world size (unless a comm hook divides).
+    The Reducer owns one per bucket plan (a rebuild makes a new one) and decides *when*; this
+    object does the copies, in as few tensor calls as the case allows. It is given what never
+    changes for a plan (the parameters, the buckets, the Lender, gradient_as_bucket_view) and,
+    per call, what may change between backwards (the divisor, the gradients zeroed by Join):
+    it reads nothing of the Reducer's.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], buckets: Sequence[Bucket],
+                 lender: Lender, as_view: bool) -> None:
+        self.params, self.lender, self.as_view = params, lender, as_view
+        # Buckets whose views are all row-major, back to back: `_copy_whole` can fill them.
+        self.row_major = [all(v.is_contiguous() for v in b.views) for b in buckets]
+
+    def copy_in(self, bucket: Bucket, positions: Sequence[int], div: int | None,
+                zeroed: set[int]) -> None:
+        """Gradients -> bucket views, divided by `div` (None: a comm hook divides, so only
+        copy); the parameters in `zeroed` contribute zeros (a joined rank's shadow backward).
 
         Copy-then-multiply rounds exactly like PyTorch's multiply-while-copying; batching the
         small tensors into two foreach calls saves a dispatch per tensor.
         """
-        hooked, div = self.comm_hook is not None, self.div_factor
+        hooked = div is None
         if not self.lender.claimed[bucket.index]:
-            self.claim(bucket)
-        if len(positions) == len(bucket.views) and self._copy_whole(bucket):
+            self.lender.claim(bucket)
+        if len(positions) == len(bucket.views) and self._copy_whole(bucket, div, zeroed):
             return
         dst, src, owners, alias = [], [], [], []
         for pos in positions:
             i, view = bucket.indices[pos], bucket.views[pos]
             grad = self.params[i].grad
-            if grad is None or i in self.zeroed:
+            if grad is None or i in zeroed:
                 view.zero_()
             elif self.as_view and same_memory(grad, view):
                 alias.append(view)  # accumulated in place: no copy needed
@@ -68,7 +84,7 @@ class BucketCopies:
             for i, view in zip(owners, dst, strict=True):
                 self.params[i].grad = view
 
-    def _copy_whole(self, bucket: Bucket) -> bool:
+    def _copy_whole(self, bucket: Bucket, div: int | None, zeroed: set[int]) -> bool:
         """The whole bucket at once, in the usual case (no comm hook, grads not bucket views,
         every gradient present): one concatenation into the flat buffer, then one multiply
         over it. False, having done nothing, if the case is not the usual one.
@@ -77,8 +93,7 @@ class BucketCopies:
         either way), at half the cost: FullMLP(128)'s 33 gradients took 211 us as a copy and a
         multiply per view, 126 us this way (foreach calls over views, measured here).
         """
-        if (self.comm_hook is not None or self.as_view or self.zeroed
-                or not self.row_major[bucket.index]):
+        if div is None or self.as_view or zeroed or not self.row_major[bucket.index]:
             return False
         grads = present_grads(bucket)
         if grads is None:
@@ -88,10 +103,13 @@ class BucketCopies:
             return False  # a lent view kept by zero_grad: torch.cat cannot read what it writes
         # reshape(-1) reads a gradient in row-major order, which is how its view lays it out.
         torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
-        bucket.flat.mul_(1.0 / self.div_factor)
+        bucket.flat.mul_(1.0 / div)
         return True
 
-    def _write_back(self, bucket: Bucket, result: torch.Tensor, used: list[int] | None) -> None:
+    def write_back(self, bucket: Bucket, result: torch.Tensor, used: list[int] | None) -> None:
+        """The reduced `result` (the bucket's own buffer, or what a comm hook returned) ->
+        `.grad`: lent when the bucket is lendable, else copied; `used` (find_unused_parameters)
+        marks the parameters no rank used, whose `.grad` stays as it was."""
         same = same_memory(result, bucket.flat)
         if same and used is None and self.lender.lendable[bucket.index]:
             self.lender.lend(bucket)

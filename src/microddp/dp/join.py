@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from ..comms import distributed, group_rank, group_size
 from ..errors import MicroDDPError
 from .comm_hooks import Summing, start_reduction
-from .sync import broadcast_coalesced, distributed, sync_module_states
+from .sync import broadcast_coalesced, sync_module_states
 
 
 class ShadowedReducer(Protocol):
@@ -63,11 +64,11 @@ class Join:
     def __init__(self, ddp: Joinable, divide_by_initial_world_size: bool = True,
                  enable: bool = True, throw_on_early_termination: bool = False) -> None:
         self.ddp, self.divide_by_initial = ddp, divide_by_initial_world_size
-        self.enable = enable and distributed(ddp.process_group)
+        self.enable = enable and distributed()
         self.throw = throw_on_early_termination
         group = ddp.process_group
-        self.size = dist.get_world_size(group) if self.enable else 1
-        self.rank = dist.get_rank(group) if self.enable else 0
+        self.size = group_size(group) if self.enable else 1
+        self.rank = group_rank(group) if self.enable else 0
 
     def __enter__(self) -> Join:
         if self.enable:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .sync import distributed
+from ..comms import distributed, group_rank, group_size
 
 FIRST_SAMPLED = 10  # torch records every one of the first 10 iterations
 DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
@@ -92,12 +92,12 @@ def _joined(values) -> str:
 def logging_data(ddp: nn.Module) -> dict:
     """The dictionary `_get_ddp_logging_data()` returns (see the module docstring)."""
     reducer, group = ddp.reducer, ddp.process_group
-    on = distributed(group)
+    on = distributed()
     params = reducer.params
     sizes = [b.nbytes for b in reducer.buckets]
     data = {
-        "world_size": dist.get_world_size(group) if on else 1,
-        "rank": dist.get_rank(group) if on else 0,
+        "world_size": group_size(group),
+        "rank": group_rank(group),
         "module_name": type(ddp.module).__name__,
         "device_ids": _joined(ddp.device_ids) if ddp.device_ids else "",
         "output_device": -1 if ddp.output_device is None else int(

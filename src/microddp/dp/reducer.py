@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 
 from .. import spans as trace
+from ..comms import distributed, group_rank, group_size
 from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
 from .comm_hooks import CommHook, Summing, start_reduction
 from .double_backward import DoubleBackward
-from .grads import BucketCopies, Lender
+from .grads import GradCopier, Lender
 from .logging_data import RuntimeStats
 from .refusals import refusal
-from .sync import distributed, global_rank
+from .sync import global_rank
 from .unused import accumulators, find_unused, no_gradient
 
 # Gradients of at least this many elements are copied into their bucket the moment they are
@@ -40,7 +41,7 @@ from .unused import accumulators, find_unused, no_gradient
 COPY_AT_ONCE = 1 << 16
 
 
-class Reducer(BucketCopies, DoubleBackward):
+class Reducer(DoubleBackward):
     """Averages the gradients of `params` over the ranks of `group` during backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group=None,
@@ -49,7 +50,7 @@ class Reducer(BucketCopies, DoubleBackward):
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False) -> None:
         self.params, self.names, self.group = list(params), list(names), group
-        self.world_size = dist.get_world_size(group) if distributed(group) else 1
+        self.world_size = group_size(group)
         self.div_factor = self.world_size
         self.caps = [first_bucket_bytes, bucket_cap_bytes]
         # With static_graph, find_unused_parameters makes no difference (as in torch): the
@@ -92,9 +93,9 @@ class Reducer(BucketCopies, DoubleBackward):
         """(Re)allocate flat buffers for `plan` (lists of parameter indices, in launch order)."""
         self.buckets = [Bucket([self.params[i] for i in idx], k, idx)
                         for k, idx in enumerate(plan)]
+        # Composed, not inherited: each is handed what it needs and reads nothing of ours.
         self.lender = Lender(self.buckets, self.as_view)
-        # Buckets whose views are all row-major, back to back: `_copy_whole` can fill them.
-        self.row_major = [all(v.is_contiguous() for v in b.views) for b in self.buckets]
+        self.copier = GradCopier(self.params, self.buckets, self.lender, self.as_view)
         self.where = {}
         for b in self.buckets:
             for pos, i in enumerate(b.indices):
@@ -109,7 +110,7 @@ class Reducer(BucketCopies, DoubleBackward):
         if not self.rebuild_due:
             return False
         order = torch.tensor(self.arrival, dtype=torch.int64, device=self.params[0].device)
-        if distributed(self.group):
+        if distributed():
             dist.broadcast(order, global_rank(self.group, 0), self.group)
         self.set_buckets(plan_buckets(self.params, self.caps, order=order.tolist()))
         self.rebuild_due, self.will_rebuild, self.arrival = False, False, []
@@ -150,6 +151,10 @@ class Reducer(BucketCopies, DoubleBackward):
         """Divide the summed gradients by `n` (the world size, or under a join the ranks still
         training, if the join says so)."""
         self.div_factor = n
+
+    def _divisor(self) -> int | None:
+        """What the copier divides gradients by: None when a comm hook does the dividing."""
+        return None if self.comm_hook is not None else self.div_factor
 
     def skip_iteration(self) -> None:
         """A backward this rank only shadowed with zeros (it joined): learn nothing from it,
@@ -224,7 +229,7 @@ class Reducer(BucketCopies, DoubleBackward):
             if grad is not None and not self.as_view and self.comm_hook is None:
                 torch.mul(grad, 1.0 / self.div_factor, out=bucket.views[pos])  # the usual case
             else:
-                self._copy_in(bucket, [pos])
+                self.copier.copy_in(bucket, [pos], self._divisor(), self.zeroed)
             self.copied[i] = 1
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -236,8 +241,8 @@ class Reducer(BucketCopies, DoubleBackward):
                and self.buckets[self.next_bucket].pending == 0):
             k = self.next_bucket
             bucket = self.buckets[k]
-            self._copy_in(bucket, [pos for pos, i in enumerate(bucket.indices)
-                                   if not self.copied[i]])
+            self.copier.copy_in(bucket, [pos for pos, i in enumerate(bucket.indices)
+                                         if not self.copied[i]], self._divisor(), self.zeroed)
             self.launched_at[k] = time.perf_counter()
             if k == 0:
                 self.stats.mark("backward_comm_time_start")
@@ -292,7 +297,7 @@ class Reducer(BucketCopies, DoubleBackward):
         for k, bucket in enumerate(self.buckets):
             result = self.futures[k].wait()
             result = result[0] if isinstance(result, list) else result
-            self._write_back(bucket, result, used)
+            self.copier.write_back(bucket, result, used)
         if trace.enabled():
             trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self.stats.backward_done()
@@ -335,7 +340,7 @@ def _remove_all(handles: list) -> None:
 
 
 def _rank(group) -> int:
-    return dist.get_rank(group) if distributed(group) else 0
+    return group_rank(group)
 
 
 def _record_when_done(fut, k: int, nbytes: int, launched: float) -> None:

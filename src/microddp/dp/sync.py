@@ -11,17 +11,13 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..comms import get_world
+from ..comms import distributed
 from ..errors import MicroDDPError
 from .buckets import MiB, plan_buckets
 
 BROADCAST_BUCKET_BYTES = 250 * MiB  # PyTorch's broadcast_bucket_size
 # torch >= 2.2; without it a copy bumps the version counter, as before.
 _preserve_version = getattr(torch.autograd, "_unsafe_preserve_version_counter", nullcontext)
-
-
-def distributed(group=None) -> bool:
-    return get_world().distributed and dist.is_initialized()
 
 
 def global_rank(group, group_rank: int) -> int:
@@ -39,7 +35,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, group=Non
     autograd version counters alone, so a buffer an earlier forward saved for its backward
     (eval-mode BatchNorm) does not make that backward fail."""
     tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors or not distributed(group):
+    if not tensors or not distributed():
         return
     for indices in plan_buckets(tensors, [bucket_bytes]):
         chunk = [tensors[i] for i in indices]
@@ -71,7 +67,7 @@ def describe(module: nn.Module, buffers: bool = True) -> list[tuple]:
 def verify_same_model(module: nn.Module, group=None, buffers: bool = True) -> None:
     """Raise MicroDDPError on every rank (not a hang on some) if the replicas' layouts differ.
     `buffers`: compare the buffers too (they will be overwritten with rank 0's)."""
-    if not distributed(group):
+    if not distributed():
         return
     mine = describe(module, buffers)
     everyone: list = [None] * dist.get_world_size(group)

@@ -16,10 +16,11 @@ from torch import nn
 from torch.nn.parallel.scatter_gather import gather as _gather
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
+from ..comms import distributed, group_rank
 from ..errors import MicroDDPError
 from .logging_data import logging_data
 from .refusals import TORCH_NAMES, refusal
-from .sync import BROADCAST_BUCKET_BYTES, distributed
+from .sync import BROADCAST_BUCKET_BYTES
 
 _BUILTIN_HOOKS = {"ALLREDUCE": "allreduce", "FP16_COMPRESS": "fp16_compress"}
 
@@ -122,7 +123,7 @@ class TorchDDPApi:
 
     @property
     def _distributed_rank(self) -> int:
-        return dist.get_rank(self.process_group) if distributed() else 0
+        return group_rank(self.process_group)
 
     def will_sync_module_buffers(self) -> bool:
         return self.will_sync_buffers()

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..comms.world import get_world
+from ..comms.world import distributed, get_world
 from ..errors import MicroDDPError
 from . import patch
 from .default import interrupt_pays, stall_seconds, wanted
@@ -63,7 +63,7 @@ def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
     it). Returns None in a world of one process.
     """
     world = get_world()
-    if not world.distributed:
+    if not distributed():
         return None
     disable()
     if store is None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comms.world import get_world
+from ..comms.world import distributed
 from ..errors import MicroDDPError
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -38,7 +38,7 @@ def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def check_replicas(module: nn.Module, step: int | None = None, group=None) -> None:
     """Raise MicroDDPError naming the first parameter whose value differs between ranks."""
-    if not get_world().distributed:
+    if not distributed():
         return
     state = named_state(module)
     if not state:

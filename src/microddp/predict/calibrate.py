@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import comms
 from ..collectives.cost import fit_line
-from ..comms.world import World
+from ..comms.world import World, distributed
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..timing import interleaved
@@ -118,12 +118,12 @@ def _step_times(world: World, engine: str, dim: int, depth: int, batch: int,
 
     torch.manual_seed(0)
     model = FullMLP(dim, depth)
-    model = wrap(model, engine, bucket_mb) if world.distributed else model
+    model = wrap(model, engine, bucket_mb) if distributed() else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(batch, dim), torch.randint(0, 2, (batch,))
     times = []
     for i in range(repeats + 3):
-        if world.distributed:
+        if distributed():
             dist.barrier()
         t0 = time.perf_counter()
         _train_step(model, opt, x, y)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import outputs
 from .. import spans as trace
-from ..comms.world import World, get_world
+from ..comms.world import World, distributed, get_world
 from ..errors import MicroDDPError
 from ..spans import Span
 
@@ -40,7 +40,7 @@ def gather(rec: trace.Recorder | None, world: World | None = None) -> dict[int, 
     """Every rank's spans, on rank 0 (None elsewhere). Every rank must call it."""
     world = world or get_world()
     mine = to_wall(rec) if rec is not None else []
-    if not world.distributed:
+    if not distributed():
         return {0: mine}
     out: list[Any] | None = [None] * world.world_size if world.rank == 0 else None
     dist.gather_object(mine, out, dst=0)
@@ -267,6 +267,6 @@ def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
                             "before the first step")
     by_rank = gather(rec, world)
     result = [write(by_rank, run_dir) if by_rank is not None else None]
-    if world.distributed:
+    if distributed():
         dist.broadcast_object_list(result, src=0)
     return result[0]

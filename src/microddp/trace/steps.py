@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import flags, outputs
 from .. import spans as trace
-from ..comms.world import World
+from ..comms.world import World, distributed
 from ..dp.engines import ENGINES
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
@@ -138,7 +138,7 @@ def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[fl
     model = wrap(FullMLP(dim, kwargs["depth"]), kwargs["engine"], kwargs["bucket_cap_mb"])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(batch, dim), torch.randint(0, 2, (batch,))
-    mon = monitor.enable(timeout=120) if world.distributed else None
+    mon = monitor.enable(timeout=120) if distributed() else None
     rec = trace.Recorder()
 
     def step(recording: bool, monitoring: bool) -> None:
@@ -146,7 +146,7 @@ def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[fl
         with trace.use(rec if recording else None):
             traced_step(model, opt, x, y)
 
-    sync = dist.barrier if world.distributed else None
+    sync = dist.barrier if distributed() else None
     # "control" is plain again, last in each round: its ratio to plain is the noise floor.
     out = interleaved({"plain": lambda: step(False, False), "traced": lambda: step(True, False),
                        "monitored": lambda: step(False, True),

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..comms.world import World
+from ..comms.world import World, distributed
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from .config import TrainConfig
@@ -39,7 +39,7 @@ def build_model(cfg: TrainConfig, in_features: int, n_classes: int,
 
 def wrap(module: nn.Module, engine: str, world: World) -> nn.Module:
     """Put `module` under the chosen data-parallel engine (all behave like torch's DDP)."""
-    if not world.distributed:
+    if not distributed():
         return Local(module)
     from ..dp import wrap as dp_wrap
 

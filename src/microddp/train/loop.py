@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .. import checkpoint, monitor, outputs
 from .. import spans as trace
-from ..comms.world import World
+from ..comms.world import World, distributed
 from ..data import ShardedBatchSampler, evaluate, load_dataset
 from ..trace import report as trace_report
 from . import resume
@@ -79,7 +79,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     if cfg.trace:
         trace.start()
     # On by default because it is cheap: a stalled collective names every rank's line.
-    if world.distributed and cfg.monitor_timeout:
+    if distributed() and cfg.monitor_timeout:
         monitor.enable(timeout=cfg.monitor_timeout)
     drift = monitor.DriftCheck(bare(model), every=cfg.drift_every) if cfg.drift_every else None
 
@@ -89,7 +89,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     per_rank = cfg.batch_size // world.world_size
     steps_per_epoch = math.ceil(len(sampler) / cfg.accumulate)
     rep.say(f"microddp train: {world.world_size} rank(s) ({world.backend or 'single process'}, "
-            f"{device}), engine {cfg.engine if world.distributed else 'none'}, "
+            f"{device}), engine {cfg.engine if distributed() else 'none'}, "
             f"{cfg.dataset}: {len(train_set)} train / "
             f"{len(test_set)} test samples")
     rep.say(f"batch {cfg.batch_size} global = {per_rank} per rank x {world.world_size}"

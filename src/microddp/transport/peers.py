@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from ..comms.world import get_world, uses_nccl
+from ..comms.world import distributed, uses_nccl
 from ..errors import MicroDDPError
 
 # In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.
@@ -79,8 +79,8 @@ class Peers:
     def __init__(self, group=None):
         self.group = group
         self.back = None  # on 2 ranks, a second group for messages from rank 1 to 0 (transport/duplex.py)
-        self.distributed = get_world().distributed
-        if not self.distributed:
+        self.alone = not distributed()  # asked once: a Peers lives inside one group
+        if self.alone:
             self.size, self.me, self.pg, self.nccl = 1, 0, None, False
             return
         self.pg = group if group is not None else dist.group.WORLD
@@ -101,7 +101,7 @@ class Peers:
 
     def group_rank(self, global_rank: int, what: str) -> int:
         """The group rank of a global `src`/`dst`, with an error naming the members if absent."""
-        if not self.distributed:
+        if self.alone:
             if global_rank != 0:
                 raise MicroDDPError(f"{what}={global_rank}, but a world of one process has only "
                                     "rank 0")
@@ -114,7 +114,7 @@ class Peers:
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of group rank `group_rank` (it must be one)."""
-        if not self.distributed:
+        if self.alone:
             return group_rank
         return dist.get_process_group_ranks(self.pg)[group_rank]
 
