@@ -30,9 +30,8 @@ LAYERS = [
     ("commands",),             # one thin file per verb
     ("__init__", "__main__"),  # the public face
 ]
-# Known exceptions, to remove, not to add to: monitor/overhead.py measures the monitor with
-# DDP steps, so it belongs in bench/ (moved once the monitor branch has landed).
-ALLOWED = {("microddp.monitor.overhead", "dp"), ("microddp.monitor.overhead", "launch")}
+# Known exceptions, to remove, not to add to (none left).
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -1,8 +1,8 @@
 """What the default monitor costs: the same work with it on and off, interleaved in one run.
 
-    python -m microddp.monitor.overhead                 # DDP steps, all_reduce 4 KiB and 4 MiB
-    python -m microddp.monitor.overhead --repeats 60 --dims 128 1024
-    python -m microddp.monitor.overhead --interrupt     # the monitor that waits with its timeout
+    python -m microddp.bench.monitor_overhead                 # DDP steps, all_reduce 4 KiB and 4 MiB
+    python -m microddp.bench.monitor_overhead --repeats 60 --dims 128 1024
+    python -m microddp.bench.monitor_overhead --interrupt     # the monitor that waits with its timeout
 
 Each round runs "on", "off" and "off-2" (off again: the A/A control, how far apart this machine
 puts two equal contenders) in a fresh random order, the monitor switched before each and a
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..launch.spawn import spawn
+from ..monitor import disable, enable, stall_seconds
 from ..timing import compare, median
-from . import disable, enable, stall_seconds
 
 STATES = ("on", "off", "off-2")
 GROUP_TIMEOUT_S = 3600.0  # spawn's deadline, and so the ranks' process group timeout
@@ -116,7 +116,7 @@ def _measure(world, dims: list[int], repeats: int, warmup: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m microddp.monitor.overhead",
+    p = argparse.ArgumentParser(prog="python -m microddp.bench.monitor_overhead",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--dims", type=int, nargs="+", default=[128, 1024],
                    help="FullMLP widths for the DDP step (default: 128 1024)")
