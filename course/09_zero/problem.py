@@ -100,3 +100,16 @@ def world_size_from_args(description: str, default: int = 2) -> int:
         p.error(f"--world-size {n}: every rank takes an equal share of the global batch of "
                 f"{GLOBAL_BATCH}, so the world size must divide it ({ok})")
     return n
+
+
+def against_dp(world: mdp.World, stage: int) -> None:
+    """Train plain DP and ZeRO-`stage` from the same start; print both rows and checksums."""
+    dp, dp_params = train(world, stage=0)
+    mine, my_params = train(world, stage=stage)
+    if world.rank == 0:
+        print(f"rank 0 of {world.world_size}, Adam, fp32, measured at the optimizer step")
+        print(HEADER)
+        print(row(NAMES[0], dp, "-"))
+        print(row(NAMES[stage], mine, same(my_params, dp_params)))
+        print(f"parameter checksum {checksum(my_params):.10f} "
+              f"(plain DP: {checksum(dp_params):.10f})")
