@@ -43,7 +43,10 @@ def test_staleness_histograms_stay_within_their_bound():
     blocks = re.split(r"^(?=\S)", out, flags=re.M)
     for block in (b for b in blocks if "max staleness" in b):
         counts = [int(c) for c in re.findall(r"^\s+\d+ \| #+\s+(\d+)$", block, re.M)]
-        assert sum(counts) == 300  # every applied gradient counted once
+        # Every applied gradient counted once. The run stops at the first update that reaches
+        # 300; an update applies every gradient it holds, so under SSP the last one may take
+        # one more than needed (2 workers: at most 1 more).
+        assert 300 <= sum(counts) <= 301
     assert "async + staleness-aware lr: max staleness" in out
 
 

@@ -15,8 +15,9 @@ SERVER = 0  # the parameter server's rank; workers are ranks 1..world_size-1
 class PSConfig:
     """One run of the parameter server and its workers.
 
-    `steps` counts global batches: the run ends once steps x workers gradients (one shard each)
-    have been applied, so sync, async and backup runs all learn from the same number of samples.
+    `steps` counts global batches: the run ends at the update that brings the gradients applied
+    (one shard each) to steps x workers, so sync, async and backup runs learn from the same
+    number of samples, give or take the last update's (under SSP it applies all it holds).
     `staleness` is the bound S in versions (0 = synchronous, math.inf = fully asynchronous).
     """
 

@@ -61,7 +61,9 @@ class _Server:
         self.sent_at: dict[int, float] = {}
         self.stopping = False
         self.report = ServerReport(workers=len(workers))
-        self.budget = config.steps * len(workers)  # gradients: `steps` global batches' worth
+        # Gradients: `steps` global batches' worth. The run stops at the update that reaches it;
+        # an update applies all it holds, so the last may go up to len(workers) - 1 past it.
+        self.budget = config.steps * len(workers)
         self.inbox = Inbox(workers, self.params.numel(), _BACKSTOP_S)
 
     def give(self, worker: int, kind: int = PARAMS) -> None:
