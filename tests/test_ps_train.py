@@ -62,7 +62,9 @@ def test_staleness_0_equals_one_process_with_the_global_batch(momentum):
 @pytest.mark.parametrize("bound", [1, 2])
 def test_ssp_never_applies_a_gradient_staler_than_the_bound(bound):
     server, *_ = run(staleness=bound, stragglers={2: 3.0})
-    assert len(server["staleness"]) == server["applied"] == 2 * STEPS
+    # The run stops at the update that reaches 2 x STEPS gradients; an update applies all it
+    # holds, so with 2 workers the last may take one more.
+    assert len(server["staleness"]) == server["applied"] in (2 * STEPS, 2 * STEPS + 1)
     assert max(server["staleness"]) <= bound
     assert server["discarded"] == 0
 
