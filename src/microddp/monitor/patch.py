@@ -113,6 +113,20 @@ class MonitoredWork:
         return getattr(self._work, name)
 
 
+def _launch(mon: Monitor, entry: Entry, start: Callable, args: tuple, kwargs: dict) -> Any:
+    """Start an async call; its Work, or None (nothing in flight: the entry is closed). A call
+    refused at launch (bad arguments) is the caller's error, not a hang: its entry is closed
+    too, since left open the watchdog would report it as a stall."""
+    try:
+        work = start(*args, **kwargs)
+    except BaseException:
+        mon.log.end(entry)
+        raise
+    if work is None:
+        mon.log.end(entry)
+    return work
+
+
 def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
     """What a collective's failure becomes: the hang report if the backend gave up on it (or
     a report was made already), else the error itself (arguments refused at once)."""
@@ -170,7 +184,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
     sig = _Signature(fn)
     at = sig.async_at
 
-    def as_async(args: tuple, kwargs: dict) -> Any:
+    def as_async(*args: Any, **kwargs: Any) -> Any:
         if len(args) > at:
             return fn(*args[:at], True, *args[at + 1:], **kwargs)
         return fn(*args, **{**kwargs, "async_op": True})
@@ -181,16 +195,11 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         entry.settle()
         if mon.debug:
             desync.check(mon, entry, group)
-        gloo = _backend(group) == "gloo"
+        gloo = _gloo(group)
         async_op = sig.async_op(args, kwargs)
         if async_op or (at >= 0 and gloo):
-            try:  # a call refused at launch (bad arguments) is the caller's error, not a hang
-                work = fn(*args, **kwargs) if async_op else as_async(args, kwargs)
-            except BaseException:
-                mon.log.end(entry)  # left open, the watchdog would report it as a stall
-                raise
+            work = _launch(mon, entry, fn if async_op else as_async, args, kwargs)
             if work is None:
-                mon.log.end(entry)
                 return None
             if async_op:
                 entry.work = work
@@ -230,13 +239,8 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         entry.ends_itself = torch_own and _gloo(group)
         if sig.async_op(args, kwargs):
             entry.locate_caller()  # the caller moves on; the Work keeps the tensors anyway
-            try:
-                work = fn(*args, **kwargs)
-            except BaseException:
-                mon.log.end(entry)  # left open, the watchdog would report it as a stall
-                raise
+            work = _launch(mon, entry, fn, args, kwargs)
             if work is None:
-                mon.log.end(entry)
                 return None
             entry.work = work  # the watchdog polls it
             # torch's own Work, never a wrapper: torch hands Works to C++ (DDP's reducer under
