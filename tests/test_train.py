@@ -203,3 +203,18 @@ def test_hang_monitor_and_drift_check_leave_training_unchanged(tmp_path):
     bare = _spawn(2, tmp_path / "off", batch_size=32, max_steps=4, monitor_timeout=0)
     _assert_equal(watched[0]["params"], bare[0]["params"])
     _assert_equal(watched[1]["params"], bare[0]["params"])
+
+
+def _monitor_during_training(world, out, timeout):
+    seen = []
+    loop.train(world, _cfg(out, monitor_timeout=timeout, max_steps=2),
+               on_step=lambda step: seen.append(microddp.monitor.active() is not None))
+    return seen
+
+
+@pytest.mark.parametrize("timeout, on", [(0.0, False), (60.0, True)])
+def test_monitor_timeout_zero_turns_the_monitor_off(tmp_path, timeout, on):
+    """--monitor-timeout 0 means no hang monitor, even though init() starts one by default."""
+    for seen in microddp.launch.spawn(_monitor_during_training, 2,
+                                      args=(str(tmp_path), timeout), timeout=120):
+        assert seen == [on, on]

@@ -81,6 +81,8 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     # On by default because it is cheap: a stalled collective names every rank's line.
     if distributed() and cfg.monitor_timeout:
         monitor.enable(timeout=cfg.monitor_timeout)
+    elif not cfg.monitor_timeout:  # off means off: also the one init() may have started
+        monitor.disable()
     drift = monitor.DriftCheck(bare(model), every=cfg.drift_every) if cfg.drift_every else None
 
     state = resume.find(cfg, world)
