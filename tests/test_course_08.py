@@ -1,6 +1,7 @@
 """Chapter 8's scripts run as a learner runs them and print what the chapter promises: naive
 model parallelism never has two ranks computing at once, the grids are the schedules' own,
-and every schedule ends with one process's parameters."""
+every schedule ends with one process's parameters, and the hybrid's replicas talk once a
+step."""
 
 import re
 import subprocess
@@ -57,3 +58,16 @@ def test_too_many_ranks_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, str(CHAPTER / "naive_model_parallel.py"), "-n", "9"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, ranks", [((), [(0, 0), (0, 1), (1, 0), (1, 1)]),
+                                         (("--dp", "3", "--pp", "1", "-m", "3"),
+                                          [(0, 0), (1, 0), (2, 0)])])
+def test_hybrid_averages_once_per_step_and_ends_with_one_process_parameters(args, ranks):
+    out = run("hybrid.py", *args)
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)$", out, re.M)
+    assert [(int(r[1]), int(r[2])) for r in rows] == ranks
+    # 3 steps, each stage's gradients fit one bucket: one all-reduce per step, not one per
+    # micro-batch
+    assert all(int(r[3]) == 3 and float(r[4]) <= 1e-6 for r in rows)
+    assert "every layer trained: True; within 1e-6 of one process: True" in out

@@ -12,6 +12,7 @@ from microddp.errors import MicroDDPError
 from microddp.train import loop
 from microddp.train.build import Precision
 from microddp.train.config import TrainConfig, validate
+from microddp.train.strategies import dp as dp_strategy
 
 SMALL = {"dataset": "digits", "hidden": 32, "depth": 1, "plot": False}
 
@@ -23,7 +24,7 @@ def _cfg(out, **kw) -> TrainConfig:
 def _worker(world, out, kw, count_no_sync=False):
     entered = []
     if count_no_sync:  # prove the loop skips synchronisation on N-1 micro-steps
-        real_wrap = loop.wrap
+        real_wrap = dp_strategy.wrap
 
         def counting_wrap(*a, **k):
             model = real_wrap(*a, **k)
@@ -36,7 +37,7 @@ def _worker(world, out, kw, count_no_sync=False):
             model.no_sync = no_sync
             return model
 
-        loop.wrap = counting_wrap
+        dp_strategy.wrap = counting_wrap
     res = loop.train(world, _cfg(out, **kw))
     return {"params": res.params, "step": res.step, "acc": res.test_accuracy,
             "resumed_from": res.resumed_from, "no_sync": len(entered)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from .errors import MicroDDPError
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "step", "epoch", "position", "sampler", "rng",
             "world_size")
-_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_NAME = re.compile(r"^ckpt-(\d+)(\.pt)?$")  # a file, or a folder of shards (train/sharded.py)
 
 
 def path_for(folder: str | Path, step: int) -> Path:
@@ -35,12 +36,29 @@ def path_for(folder: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Checkpoint files in `folder`, oldest step first (temporary files are ignored)."""
+    """Checkpoints in `folder`, oldest step first: ckpt-N.pt files and ckpt-N folders of
+    shards (temporary files are ignored)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in folder.iterdir()
+             if (m := _NAME.match(p.name)) and (m.group(2) is not None) != p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint, a file or a folder of shards."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prune(folder: Path, keep: int, final: Path) -> None:
+    """Keep the newest `keep` checkpoints, and always `final` (the one just written)."""
+    for old in list_checkpoints(folder)[:-keep]:
+        if old != final:
+            remove(old)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -66,6 +84,24 @@ def _umask() -> int:
     return mask
 
 
+def write_atomic(obj, final: Path) -> Path:
+    """torch.save `obj` to `final` through a temporary file that is flushed to disk and then
+    renamed: a reader (or a crash) never sees half a file under `final`'s name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600 whatever the umask
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(final.parent)  # make the rename itself durable
+    return final
+
+
 def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
     """Write `state` as the checkpoint of `step` atomically, then keep only the newest `keep`.
 
@@ -75,22 +111,8 @@ def save(state: dict, folder: str | Path, step: int, keep: int = 3) -> Path:
         raise MicroDDPError(f"keep must be at least 1 checkpoint, got {keep}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    final = path_for(folder, step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600 whatever the umask
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(folder)  # make the rename itself durable
-    for old in list_checkpoints(folder)[:-keep]:
-        if old != final:
-            old.unlink(missing_ok=True)
+    final = write_atomic(state, path_for(folder, step))
+    prune(folder, keep, final)
     # One writer, one file at a time: any other temporary file is debris of a killed writer.
     for debris in folder.glob(".ckpt-*.tmp"):
         debris.unlink(missing_ok=True)
@@ -152,13 +174,14 @@ def load_latest(folder: str | Path, map_location: torch.device | str = "cpu",
 
 
 def newest_readable(paths: list[Path], map_location: torch.device | str = "cpu",
+                    loader: Callable[[Path, torch.device | str], dict] | None = None,
                     ) -> tuple[tuple[dict, Path] | None, list[MicroDDPError]]:
     """(state, path) of the newest of `paths` that loads, or None; and why each newer one
-    did not, newest first."""
+    did not, newest first. `loader` reads one checkpoint (default `load`: one file)."""
     skipped = []
     for path in reversed(paths):
         try:
-            return (load(path, map_location), path), skipped
+            return ((loader or load)(path, map_location), path), skipped
         except MicroDDPError as e:
             skipped.append(e)
     return None, skipped

@@ -1,7 +1,8 @@
 """Train an MLP on real data with data parallelism: the job to run first.
 
 Starts --nproc local ranks (or runs as one worker under torchrun / `microddp run`), trains
-FullMLP on scikit-learn's handwritten digits with the chosen data-parallel engine, prints
+FullMLP on scikit-learn's handwritten digits with the chosen strategy (data parallel by
+default; pipeline, hybrid or ZeRO with --strategy), prints
 progress and per-epoch test accuracy on rank 0, and leaves a run folder with metrics.jsonl,
 model.pt (the bare module's state_dict), curves.png and checkpoints to resume from.
 """
@@ -21,6 +22,12 @@ examples:
   microddp train --batch-size 32 --accumulate 4 --amp bf16 --epochs 2
   microddp train --out runs/a --epochs 2 --checkpoint-every 10 --max-restarts 2
   microddp train --out runs/a --resume --epochs 4   # continue run a for longer
+
+strategies (--batch-size stays the global batch; the same seed trains to the same weights):
+  microddp train --strategy zero2 --optimizer adam --epochs 2    # sharded grads + Adam state
+  microddp train --strategy zero3 --nproc 4 --accumulate 2 --amp bf16 --epochs 1
+  microddp train --strategy pp --nproc 2 --schedule gpipe --microbatches 4 --epochs 1
+  microddp train --strategy dp-pp --nproc 4 --pp 2 --schedule zero-bubble --depth 4 --epochs 1
 
 one host, under torchrun instead of the built-in launcher:
   torchrun --nproc-per-node 4 --max-restarts 2 -m microddp.train --out runs/b

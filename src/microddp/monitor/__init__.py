@@ -31,9 +31,10 @@ from . import patch
 from .default import interrupt_pays, stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum
 from .hang import Monitor, format_report
+from .log import note
 
 __all__ = ["enable", "disable", "active", "check_replicas", "DriftCheck", "checksum",
-           "Monitor", "format_report", "wanted", "stall_seconds"]
+           "Monitor", "format_report", "wanted", "stall_seconds", "note"]
 
 _generation = itertools.count()  # every rank enables the same number of times: fresh keys each
 _exit_hook = False

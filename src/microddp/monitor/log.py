@@ -94,10 +94,22 @@ def where(frame: FrameType | None, user: bool = False) -> str:
     return name_location(locate(frame, user))
 
 
+_doing: list = [None]  # what the main thread does beside collectives (see note)
+
+
+def note(what: object) -> None:
+    """Say what the main thread is doing now, for a hang report to name with its line (a
+    pipeline's schedule action: it waits in a recv, which is no collective); None: nothing.
+    Costs one assignment; `what` is put in words only when a report asks."""
+    _doing[0] = what
+
+
 def main_thread_where() -> str:
-    """Where this process's main thread is right now (read from another thread)."""
+    """Where this process's main thread is right now (read from another thread), and what it
+    is doing if a note says (see note)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
-    return where(frame)
+    what = _doing[0]
+    return where(frame) + (f" during {what}" if what is not None else "")
 
 
 def describe_tensor(x: Any) -> str:

@@ -6,8 +6,11 @@
     pipeline.validate(schedule)                          # checked before anything runs
     print(pipeline.grid(schedule))                       # the rank x time picture
     loss = pipeline.run_schedule(schedule, {rank: stages[rank]}, x, y, loss_fn)
+
+Hybrid DP x PP: `Replicated` wraps a rank's stages in DDP over their data-parallel group.
 """
 
+from .hybrid import Replicated
 from .runtime import microbatch_sizes, run_schedule
 from .schedules import (
     BUILDERS,
@@ -23,7 +26,7 @@ from .simulate import Timeline, grid, simulate, theory_bubble
 from .split import blocks_per_stage, split_model, stage_bounds, stage_parameter_names
 from .validate import validate
 
-__all__ = ["BUILDERS", "Action", "Schedule", "Timeline", "blocks_per_stage", "build", "gpipe",
+__all__ = ["BUILDERS", "Action", "Replicated", "Schedule", "Timeline", "blocks_per_stage", "build", "gpipe",
            "grid", "interleaved_1f1b", "microbatch_sizes", "one_f_one_b", "run_schedule",
            "simulate", "split_model", "stage_bounds", "stage_parameter_names", "theory_bubble",
            "validate", "zero_bubble_h1"]

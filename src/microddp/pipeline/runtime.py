@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import comms
 from ..errors import MicroDDPError
+from ..monitor import note
 from .schedules import COMPUTE, Action, Schedule, message_key
 
 
@@ -57,14 +58,16 @@ class _Step:
         self.out_grads: dict = {}  # (stage, mb) -> gradient of that output (None for a loss)
         self.in_grads: dict = {}   # (stage, mb) -> gradient of the input, to send down
         self.sends: list = []
+        self.sent_bytes = 0
         self.loss = 0.0
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
         peer = self.schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
         where = {"dst": peer} if self.group is None else {"group_dst": peer}
         tag = _tag(message_key(a), self.schedule.microbatches)
-        self.sends.append(comms.isend(tensor.detach().contiguous(), group=self.group, tag=tag,
-                                      **where))
+        tensor = tensor.detach().contiguous()
+        self.sends.append(comms.isend(tensor, group=self.group, tag=tag, **where))
+        self.sent_bytes += tensor.nbytes
 
     def recv(self, a: Action, like: torch.Tensor) -> torch.Tensor:
         peer = self.schedule.rank_of(a.stage + (-1 if a.kind == "RECV_ACT" else 1))
@@ -89,7 +92,8 @@ class _Step:
 
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
                  y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 *, group=None, record: list | None = None) -> float | None:
+                 *, group=None, record: list | None = None,
+                 sent: list | None = None) -> float | None:
     """Run this rank's program of `schedule` for one step; gradients accumulate into the
     parameters of `stages` ({stage index: module}, the stages this rank holds).
 
@@ -98,7 +102,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     on the rank holding the last stage, None elsewhere. `group`: the pipeline's process group
     (default: the world), in which rank r runs program r. `record`, if given, receives
     (action, start, end) for every compute action, in time.perf_counter() seconds, which one
-    host's processes share: the timeline the course and the benchmarks draw.
+    host's processes share: the timeline the course and the benchmarks draw. `sent`, if
+    given, receives the bytes of the activations and gradients this rank sent.
     """
     rank = comms.group_rank(group)
     p = schedule.ranks
@@ -113,13 +118,20 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     if any(len(part) == 0 for part in xs):
         microbatch_sizes(n, m)  # raises, saying what to do
     st = _Step(schedule, stages, group, rank)
-    for a in schedule.actions[rank]:
-        start = time.perf_counter()
-        _perform(st, a, xs, ys, loss_fn, n)
-        if record is not None and a.kind in COMPUTE:
-            record.append((a, start, time.perf_counter()))
-    for handle in st.sends:
-        handle.wait()
+    try:
+        for a in schedule.actions[rank]:
+            note(a)  # a hang report names the action a stuck rank waits in
+            start = time.perf_counter()
+            _perform(st, a, xs, ys, loss_fn, n)
+            if record is not None and a.kind in COMPUTE:
+                record.append((a, start, time.perf_counter()))
+        note(f"{schedule.name}: waiting for its sends to be received")
+        for handle in st.sends:
+            handle.wait()
+    finally:
+        note(None)
+    if sent is not None:
+        sent.append(st.sent_bytes)
     return st.loss if schedule.stages - 1 in stages else None
 
 

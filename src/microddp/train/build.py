@@ -1,4 +1,5 @@
-"""The pieces a run is made of: model, data-parallel engine, optimizer, mixed precision."""
+"""The pieces a run is made of: model, data-parallel engine, optimizer, mixed precision
+(the strategies in train/strategies/ put them together)."""
 
 from __future__ import annotations
 
@@ -91,11 +92,6 @@ class Precision:
     def load_state_dict(self, state: dict | None) -> None:
         if self.scaler and state:
             self.scaler.load_state_dict(state)
-
-
-def bare(model: nn.Module) -> nn.Module:
-    """The user's module inside any wrapper (what model.pt and checkpoints store)."""
-    return getattr(model, "module", model)
 
 
 Hook = Callable[[int], None]

@@ -18,11 +18,16 @@ from ..errors import MicroDDPError
 from ..flags import at_least, positive
 
 OPTIMIZERS = ("sgd", "adam")
+# How the job spreads the model over ranks; each name has its procedure in train/strategies/.
+# The lead extends this list when a strategy joins (it is the one list --strategy accepts).
+STRATEGIES = ("dp", "pp", "dp-pp", "zero1", "zero2", "zero3")
+PIPELINES = ("pp", "dp-pp")  # the strategies that cut the model into --pp stages
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 AMP = ("bf16", "fp16")
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3}
 # Settings that change the numbers a checkpoint holds: a resume must keep them.
 RESUME_KEYS = ("dataset", "batch_size", "accumulate", "optimizer", "lr", "seed", "amp",
-               "hidden", "depth")
+               "hidden", "depth", "strategy")
 
 
 @dataclass
@@ -35,6 +40,10 @@ class TrainConfig:
     lr: float | None = None  # None: DEFAULT_LR of the optimizer
     optimizer: str = "sgd"
     engine: str = "microddp"
+    strategy: str = "dp"
+    pp: int | None = None  # pipeline stages (pp, dp-pp); None: every rank (pp), 2 (dp-pp)
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # per pipeline step; None: one per stage
     dataset: str = "digits"
     accumulate: int = 1
     amp: str | None = None
@@ -102,6 +111,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--engine", default=d.engine,
       help=f"data-parallel engine: {' | '.join(ENGINES)} (torch = PyTorch's DDP; "
            f"default {d.engine})")
+    a("--strategy", default=d.strategy,
+      help=f"how the model is spread over the ranks: {' | '.join(STRATEGIES)} (dp: a replica "
+           "per rank; pp: the layers cut into stages, one per rank; dp-pp: --pp stages, each "
+           "replicated nproc/pp times; zero1/2/3: data parallel with the optimizer state, "
+           f"gradients, parameters sharded; default {d.strategy})")
+    a("--pp", type=int, default=None,
+      help="pipeline stages for pp/dp-pp; data-parallel replicas = nproc / pp "
+           "(default: nproc for pp, 2 for dp-pp)")
+    a("--schedule", default=d.schedule,
+      help=f"pipeline schedule: {' | '.join(SCHEDULES)} (default {d.schedule})")
+    a("--microbatches", type=int, default=None,
+      help="micro-batches a pipeline cuts each replica's batch into "
+           "(default: one per stage, two per stage for interleaved)")
     a("--dataset", default=d.dataset,
       help=f"digits (real, bundled) | synthetic (default {d.dataset})")
     a("--accumulate", type=int, default=d.accumulate,
@@ -159,6 +181,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                             "installed: pip install 'microddp[train]' (or use --dataset synthetic)")
     _choice(cfg.engine, ENGINES, "engine")
     _choice(cfg.optimizer, OPTIMIZERS, "optimizer")
+    _choice(cfg.strategy, STRATEGIES, "strategy")
+    _choice(cfg.schedule, SCHEDULES, "pipeline schedule")
     if cfg.amp is not None:
         _choice(cfg.amp, AMP, "--amp precision")
         if cfg.amp == "fp16" and not torch.cuda.is_available():
@@ -184,12 +208,79 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         if not 1 <= n <= limit:
             where = "one per GPU" if torch.cuda.is_available() else "4 per CPU core"
             raise MicroDDPError(f"--nproc must be between 1 and {limit} here ({where}), got {n}")
-    if cfg.batch_size % n:
+    _check_strategy(cfg, n)
+    if cfg.drift_every and cfg.strategy not in ("dp", "zero1", "zero2"):
+        raise MicroDDPError(f"--drift-every compares whole replicas of the model, which "
+                            f"--strategy {cfg.strategy} does not keep on every rank; drop it")
+    replicas = n // stages(cfg, n)
+    if cfg.batch_size % replicas:
+        what = (f"{n} ranks" if replicas == n else
+                f"{replicas} replicas ({n} ranks / {stages(cfg, n)} stages)")
         raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch and must split "
-                            f"evenly over {n} ranks; use a multiple of {n}")
+                            f"evenly over {what}; use a multiple of {replicas}")
     if cfg.resume and not (cfg.out or cfg.checkpoint_dir):
         raise MicroDDPError("--resume needs the run to continue: pass its --out DIR "
                             "(or --checkpoint-dir)")
+
+
+def stages(cfg: TrainConfig, world_size: int) -> int:
+    """Pipeline ranks per replica: --pp, or its default for the strategy (1: no pipeline)."""
+    if cfg.strategy not in PIPELINES:
+        return 1
+    return cfg.pp or (world_size if cfg.strategy == "pp" else 2)
+
+
+def microbatches(cfg: TrainConfig, world_size: int) -> int:
+    """Micro-batches per pipeline step: --microbatches, else enough to fill the pipeline."""
+    return cfg.microbatches or stages(cfg, world_size) * (2 if cfg.schedule == "interleaved"
+                                                          else 1)
+
+
+def _check_strategy(cfg: TrainConfig, n: int) -> None:
+    """The settings a strategy needs, checked before any rank starts."""
+    pipeline = cfg.strategy in PIPELINES
+    if not pipeline:
+        for flag, value, default in (("--pp", cfg.pp, None),
+                                     ("--microbatches", cfg.microbatches, None),
+                                     ("--schedule", cfg.schedule, "1f1b")):
+            if value != default:
+                raise MicroDDPError(f"{flag} {value} cuts a pipeline, which --strategy "
+                                    f"{cfg.strategy} has none of; use --strategy pp or dp-pp")
+        if cfg.strategy.startswith("zero") and cfg.engine != TrainConfig.engine:
+            raise MicroDDPError(f"--engine {cfg.engine} chooses a data-parallel engine, which "
+                                f"--strategy {cfg.strategy} replaces with ZeRO's own; drop --engine")
+        if cfg.strategy.startswith("zero") and cfg.amp == "fp16":
+            raise MicroDDPError("--amp fp16 needs a gradient scaler over the whole gradient, "
+                                f"which --strategy {cfg.strategy} shards; use --amp bf16")
+        return
+    for flag, value in (("--pp", cfg.pp), ("--microbatches", cfg.microbatches)):
+        if value is not None and value < 1:
+            raise MicroDDPError(f"{flag} must be at least 1, got {value}")
+    p = stages(cfg, n)
+    if n % p:
+        raise MicroDDPError(f"--pp {p} stages do not divide --nproc {n} ranks into whole "
+                            f"replicas; use a --pp that divides {n}")
+    if cfg.strategy == "pp" and p != n:
+        raise MicroDDPError(f"--strategy pp puts one stage on every rank, so --pp is {n} "
+                            f"(--nproc), not {p}; use --strategy dp-pp for replicated stages")
+    virtual = 2 if cfg.schedule == "interleaved" else 1
+    if p * virtual > cfg.depth:
+        raise MicroDDPError(f"--pp {p}" + (" with the interleaved schedule (2 stages per "
+                            "rank)" if virtual > 1 else "") + f" needs {p * virtual} stages, "
+                            f"more than the model's {cfg.depth} layers (--depth); use "
+                            f"--depth {p * virtual} or more, or fewer stages")
+    if cfg.engine != TrainConfig.engine:
+        raise MicroDDPError(f"--engine {cfg.engine}: the pipeline strategies replicate each "
+                            "stage with microddp's DDP; drop --engine")
+    if cfg.amp is not None:
+        raise MicroDDPError(f"--amp {cfg.amp} is not supported with --strategy {cfg.strategy} "
+                            "(stages exchange float32 activations); drop --amp")
+    per_replica = cfg.batch_size // max(1, n // p)
+    m = microbatches(cfg, n)
+    if per_replica and m > per_replica:
+        raise MicroDDPError(f"--microbatches {m} is more than the {per_replica} samples each "
+                            f"pipeline gets per step (--batch-size {cfg.batch_size} over "
+                            f"{n // p} replicas); use at most {per_replica}")
 
 
 def check_folder(path: str | Path, flag: str) -> None:

@@ -1,36 +1,40 @@
 """The training procedure every rank runs: one readable loop from data to checkpoint.
 
 Each optimizer step covers one window of `accumulate` global batches. The loss of a rank's
-slice is its *sum* times world_size / (samples in the window), so once the engine averages
-gradients over ranks the step is exactly the mean over the window's samples — however the
-samples were split over ranks and micro-batches, and also for an uneven last batch.
+slice is its *sum* times replicas / (samples in the window), so once the strategy averages
+gradients over its replicas the step is exactly the mean over the window's samples — however
+the samples were split over ranks and micro-batches, and also for an uneven last batch.
+
+How the model is spread over the ranks is the strategy's business (train/strategies/): the
+loop asks it for one micro-step, the optimizer step, evaluation, checkpoints and model.pt.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
 from .. import checkpoint, monitor, outputs
 from .. import spans as trace
 from ..comms.world import World, distributed
-from ..data import ShardedBatchSampler, evaluate, load_dataset
+from ..data import ShardedBatchSampler, load_dataset
 from ..trace import report as trace_report
-from . import resume
-from .build import Hook, Precision, bare, build_model, build_optimizer, wrap
+from . import resume, sharded, strategies
+from .build import Hook, Precision, build_model
 from .config import TrainConfig, validate
 from .report import LossMeter, Reporter, plot_curves
+from .strategies import Strategy
 
 
 @dataclass
 class Result:
-    """What a finished run returns on every rank (tests compare `params` across runs)."""
+    """What a finished run returns on every rank (tests compare `params` across runs):
+    `params` is the whole model on rank 0, a rank's own replica elsewhere (dp), else empty."""
 
     step: int
     test_accuracy: float
@@ -46,22 +50,6 @@ def _window_plan(n_batches: int, first: int, accumulate: int) -> list[range]:
     return [range(i, min(i + accumulate, n_batches)) for i in range(first, n_batches, accumulate)]
 
 
-def _micro_step(model, precision: Precision, x: torch.Tensor, y: torch.Tensor, scale: float,
-                sync: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns its summed loss.
-
-    Both run inside no_sync() when `sync` is False: DDP decides at forward time whether the
-    coming backward averages gradients.
-    """
-    with contextlib.nullcontext() if sync else model.no_sync():
-        with trace.span("forward"), precision.autocast():
-            logits = model(x)
-        loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
-        with trace.span("backward"):
-            precision.backward(loss_sum * scale)
-    return loss_sum
-
-
 def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result:
     """Run (or continue) the training job described by `cfg` on this rank."""
     validate(cfg, world.world_size)
@@ -70,12 +58,11 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     data = load_dataset(cfg.dataset)
     train_set, test_set = data.train.to(device), data.test.to(device)
     module = build_model(cfg, data.in_features, data.n_classes, device)
-    model = wrap(module, cfg.engine, world)
-    optimizer = build_optimizer(cfg, model.parameters())
     precision = Precision(cfg.amp, device)
+    strategy = strategies.make(cfg, world, module, precision)
     # Empty shards are allowed: a loss scaled by the step's sample count handles them exactly.
-    sampler = ShardedBatchSampler(len(train_set), cfg.batch_size, world.rank, world.world_size,
-                                  seed=cfg.seed, allow_empty=True)
+    sampler = ShardedBatchSampler(len(train_set), cfg.batch_size, strategy.data_rank,
+                                  strategy.data_size, seed=cfg.seed, allow_empty=True)
     if cfg.trace:
         trace.start()
     # On by default because it is cheap: a stalled collective names every rank's line.
@@ -83,18 +70,24 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
         monitor.enable(timeout=cfg.monitor_timeout)
     elif not cfg.monitor_timeout:  # off means off: also the one init() may have started
         monitor.disable()
-    drift = monitor.DriftCheck(bare(model), every=cfg.drift_every) if cfg.drift_every else None
+    drifting = strategy.drift_module() if cfg.drift_every else None
+    drift = monitor.DriftCheck(drifting, every=cfg.drift_every) if drifting else None
 
     state = resume.find(cfg, world)
-    step = resume.restore(state, world, module, optimizer, precision, sampler) if state else 0
+    step = resume.restore(state, world, strategy, precision, sampler) if state else 0
+    # Sharded checkpoints carry the run's name, so shards of another run are never mixed in.
+    run_id = (state["run"] if state and "run" in state else sharded.new_run_id(world)
+              if strategy.sharded_checkpoints else None)
     rep = Reporter(out, world.rank == 0, step if state else None)
-    per_rank = cfg.batch_size // world.world_size
+    replicas = strategy.data_size
+    per_rank = cfg.batch_size // replicas
     steps_per_epoch = math.ceil(len(sampler) / cfg.accumulate)
     rep.say(f"microddp train: {world.world_size} rank(s) ({world.backend or 'single process'}, "
-            f"{device}), engine {cfg.engine if distributed() else 'none'}, "
+            f"{device}), strategy {strategy.describe()}, "
             f"{cfg.dataset}: {len(train_set)} train / "
             f"{len(test_set)} test samples")
-    rep.say(f"batch {cfg.batch_size} global = {per_rank} per rank x {world.world_size}"
+    who = "rank" if replicas == world.world_size else "replica"
+    rep.say(f"batch {cfg.batch_size} global = {per_rank} per {who} x {replicas}"
             + (f", accumulate {cfg.accumulate} -> {cfg.batch_size * cfg.accumulate} samples "
                "per step" if cfg.accumulate > 1 else "")
             + f"; {cfg.optimizer} lr {cfg.learning_rate:g}; {steps_per_epoch} steps x "
@@ -104,9 +97,9 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
 
     meter = LossMeter(device)
 
-    def make_state() -> dict:
-        return {"format": checkpoint.FORMAT, "model": bare(model).state_dict(),
-                "optimizer": optimizer.state_dict(), "scaler": precision.state_dict(),
+    def common_state() -> dict:
+        """What every strategy's checkpoint holds besides the model and optimizer state."""
+        return {"format": checkpoint.FORMAT, "scaler": precision.state_dict(),
                 "step": step, "epoch": sampler.epoch, "position": sampler.position,
                 "sampler": sampler.state_dict(), "world_size": world.world_size,
                 "config": cfg.resume_settings(), **meter.state()}
@@ -115,15 +108,22 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
 
     def save() -> None:
         nonlocal saved_at
-        if saved_at != step:
-            meter.sync()  # the loss sums so far travel with the checkpoint
-            checkpoint.save_from_rank0(make_state, cfg.ckpt_dir, step, world, cfg.keep)
-            saved_at = step
+        if saved_at == step:
+            return
+        meter.sync()  # the loss sums so far travel with the checkpoint
+        if strategy.sharded_checkpoints:  # every rank writes its own part
+            folder = checkpoint.path_for(cfg.ckpt_dir, step).with_suffix("")
+            strategy.save_shards(folder, run_id, common_state, cfg.keep)
+        else:
+            checkpoint.save_from_rank0(lambda: {**common_state(), **strategy.state_dict()},
+                                       cfg.ckpt_dir, step, world, cfg.keep)
+        saved_at = step
 
     log_every = cfg.log_every or max(1, steps_per_epoch // 5)
     first_epoch = sampler.epoch + (1 if sampler.position >= len(sampler) else 0)
     evaluated: dict = {}
     stopped = False
+    trained, run_t0 = 0, time.perf_counter()  # samples this run trained, for its samples/s
     for epoch in range(first_epoch, cfg.epochs):
         if cfg.max_steps and step >= cfg.max_steps:
             break
@@ -140,13 +140,13 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                     idx = torch.as_tensor(next(batches), dtype=torch.long, device=device)
                     x, y = train_set.x[idx], train_set.y[idx]
                 # Only the window's last micro-batch synchronises: the others just accumulate.
-                loss_sum = _micro_step(model, precision, x, y, world.world_size / total,
-                                       sync=k == len(window) - 1)
-                meter.add(loss_sum, len(y))
-            with trace.span("optimizer", track="optim"):
-                precision.step(optimizer)
-                optimizer.zero_grad(set_to_none=True)
+                loss_sum = strategy.micro_step(x, y, replicas / total,
+                                               sync=k == len(window) - 1)
+                if loss_sum is not None:  # a pipeline counts each replica's loss once
+                    meter.add(loss_sum, len(y))
+            strategy.step()
             step += 1
+            trained += total
             trace.next_step()
             if drift is not None:
                 drift.check(step)
@@ -159,7 +159,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                 rate = n / max(now - last_log, 1e-9)
                 rep.progress(epoch, cfg.epochs, done, steps_per_epoch, step, loss, rate)
                 rep.log({"kind": "step", "step": step, "epoch": epoch + 1, "loss": loss,
-                         "samples_per_s": rate, "lr": optimizer.param_groups[0]["lr"]})
+                         "samples_per_s": rate, "lr": strategy.lr})
                 last_log = now
             if on_step is not None:
                 on_step(step)
@@ -171,7 +171,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
         epoch_time = time.perf_counter() - epoch_t0
         if stopped:
             break
-        evaluated = evaluate(bare(model), test_set, world)
+        evaluated = strategy.evaluate(test_set)
         rate = meter.fresh / max(epoch_time, 1e-9)
         rep.epoch_summary(epoch, cfg.epochs, meter.epoch_mean(), evaluated["accuracy"], rate,
                           epoch_time)
@@ -181,23 +181,38 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
         if not cfg.checkpoint_every:
             save()
     save()
+    samples_per_s = trained / max(time.perf_counter() - run_t0, 1e-9)  # checkpoints, evaluation
     if not evaluated or stopped:
-        evaluated = evaluate(bare(model), test_set, world)
+        evaluated = strategy.evaluate(test_set)
         rep.say(f"stopped after step {step}: test accuracy {100 * evaluated['accuracy']:.2f}%")
-    return _finish(world, cfg, model, out, rep, step, evaluated, state)
+    return _finish(world, cfg, strategy, out, rep, step, evaluated, state, samples_per_s)
 
 
-def _finish(world: World, cfg: TrainConfig, model, out: Path, rep: Reporter, step: int,
-            evaluated: dict, state: dict | None) -> Result:
+def _memory_per_rank(strategy: Strategy, world: World) -> list[dict]:
+    """Every rank's measured bytes at its last optimizer step, on rank 0 (others: [])."""
+    mine = {"rank": world.rank, **strategy.memory()}
+    if not distributed():
+        return [mine]
+    out: list = [None] * world.world_size
+    dist.all_gather_object(out, mine)
+    return out if world.rank == 0 else []
+
+
+def _finish(world: World, cfg: TrainConfig, strategy: Strategy, out: Path, rep: Reporter,
+            step: int, evaluated: dict, state: dict | None, samples_per_s: float) -> Result:
     """model.pt, the curves, the trace summary; then the result every rank returns."""
+    full = strategy.full_state_dict()  # every rank takes part; rank 0 gets the whole model
+    memory = _memory_per_rank(strategy, world)
     monitor.disable()
     stats = trace_report.finish(out, world) if cfg.trace else None
     if world.rank == 0:
         tmp = out / ".model.pt.tmp"
-        torch.save(bare(model).state_dict(), tmp)
+        torch.save(full, tmp)
         tmp.replace(out / "model.pt")
         rep.log({"kind": "final", "step": step, "test_accuracy": evaluated["accuracy"],
-                 "test_loss": evaluated["loss"], **({"trace": stats} if stats else {})})
+                 "test_loss": evaluated["loss"], "samples_per_s": samples_per_s,
+                 "strategy": cfg.strategy, "memory": memory,
+                 **({"trace": stats} if stats else {})})
         png = plot_curves(rep.metrics_path, out / "curves.png") if cfg.plot else None
         if cfg.plot and png is None:
             rep.say("no curves.png: matplotlib is not installed (pip install 'microddp[train]')")
@@ -209,6 +224,7 @@ def _finish(world: World, cfg: TrainConfig, model, out: Path, rep: Reporter, ste
                 + outputs.wrote(files))
         if stats:
             rep.say(trace_report.format_summary(stats))
-    params = {k: v.detach().cpu().clone() for k, v in bare(model).state_dict().items()}
+    held = full if full is not None else strategy.replica_state() or {}
+    params = {k: v.detach().cpu().clone() for k, v in held.items()}
     return Result(step, evaluated["accuracy"],
                   evaluated["loss"], out, params, state["path"] if state else None, stats)

@@ -13,6 +13,7 @@ from pathlib import Path
 from .. import checkpoint
 from ..comms.world import World
 from ..errors import MicroDDPError
+from . import sharded
 from .config import TrainConfig
 
 
@@ -46,7 +47,7 @@ def decide(cfg: TrainConfig, restarted: bool = False,
             return None, (f"--resume: no checkpoint in {folder}; check the folder, or drop "
                           "--resume to start a new run")
         return None, None  # restarted before the first checkpoint: start again from scratch
-    found, skipped = checkpoint.newest_readable(existing)
+    found, skipped = checkpoint.newest_readable(existing, loader=load_any)
     if found is None:
         if cfg.resume or not restarted:
             newest = str(skipped[0]).replace(f"checkpoint {existing[-1]} ", "")
@@ -73,6 +74,13 @@ def decide(cfg: TrainConfig, restarted: bool = False,
     return str(path), None
 
 
+def load_any(path: Path, map_location="cpu") -> dict:
+    """A checkpoint's state: a file (dp), or a folder of shards' common state (sharded.py)."""
+    if Path(path).is_dir():
+        return sharded.read(path, map_location)
+    return checkpoint.load(path, map_location)
+
+
 def find(cfg: TrainConfig, world: World) -> dict | None:
     """The checkpoint this run continues from (loaded onto this rank's device), or None."""
     decision = decide(cfg, restart_count() > 0, _warn) if world.rank == 0 else (None, None)
@@ -82,7 +90,7 @@ def find(cfg: TrainConfig, world: World) -> dict | None:
     if path is None:
         return None
     try:
-        state = checkpoint.load(path, map_location=world.device)
+        state = load_any(path, map_location=world.device)
     except MicroDDPError as e:
         raise MicroDDPError(f"rank {world.rank}: {e}; every rank must see the checkpoint "
                             "folder (a shared file system)") from None
@@ -90,10 +98,18 @@ def find(cfg: TrainConfig, world: World) -> dict | None:
     return state
 
 
-def restore(state: dict, world: World, module, optimizer, precision, sampler) -> int:
+def restore(state: dict, world: World, strategy, precision, sampler) -> int:
     """Put every piece back as it was when `state` was saved; return its optimizer step."""
-    module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    shards = "manifest" in state
+    if shards != strategy.sharded_checkpoints:
+        kinds = {True: "a folder of shards", False: "one file"}
+        raise MicroDDPError(f"checkpoint {Path(state['path']).name} is {kinds[shards]}, but "
+                            f"--strategy {strategy.name} keeps {kinds[not shards]}; resume "
+                            "with the strategy that saved it")
+    if shards:
+        strategy.load_shards(Path(state["path"]), state["manifest"])
+    else:
+        strategy.load_state_dict(state)
     precision.load_state_dict(state.get("scaler"))
     sampler.load_state_dict(state["sampler"])
     rngs = state["rng"]
@@ -107,7 +123,8 @@ def describe(state: dict, world: World) -> str:
     text = (f"resuming from {Path(state['path']).name}: step {state['step']}, "
             f"epoch {state['sampler']['epoch'] + 1}, batch {state['sampler']['position']}")
     if state["world_size"] != world.world_size:
-        text += (f" (saved by {state['world_size']} ranks, now {world.world_size}: the same "
+        text += (f" (saved by {state['world_size']} ranks, now {world.world_size}"
+                 + (", re-sharded" if "manifest" in state else "") + ": the same "
                  "samples in every step, summed in another order, so results agree to "
                  "rounding rather than bit for bit)")
     return text

@@ -25,7 +25,7 @@ from .comm import Sent, all_gather
 from .flat import from_slots, padded
 from .grads import GradReducer
 from .memory import measure
-from .params import ParamSharder
+from .params import FREE, ParamSharder
 from .plan import build, by_size
 from .shards import Shards, trainable_groups
 
@@ -164,9 +164,14 @@ class Zero(nn.Module):
             yield self.module
             return
         self.sharder.gather_all()
+        # Stay gathered through every forward in the block: a forward that freed its layer
+        # would gather it again, a collective the other ranks may not be making (ranks that
+        # evaluate different batches).
+        keep, self.sharder.keep = self.sharder.keep, True
         try:
             yield self.module
         finally:
+            self.sharder.keep = keep
             self.sharder.free_all()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -174,6 +179,40 @@ class Zero(nn.Module):
         freeing)."""
         with self.gathered() as module:
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def consolidated_state_dict(self, to_rank: int = 0) -> dict[str, torch.Tensor] | None:
+        """The whole module's state_dict on rank `to_rank`, None on the others.
+
+        Stages 1 and 2 hold every parameter already: no communication. Stage 3 gathers one
+        unit at a time with tensor all-gathers and frees it again, so no rank but `to_rank`
+        ever holds the whole model, and nothing travels through pickle (torch's
+        ZeroRedundancyOptimizer.consolidate_state_dict sends every rank's state as objects
+        to one rank: the out-of-memory path users hit).
+        """
+        mine = self.rank == to_rank
+        full: dict[int, torch.Tensor] = {}
+        if self.sharder is not None:
+            for unit in self.sharder.units:
+                was_full = unit.state != FREE
+                self.sharder.ensure_full(unit)
+                if mine:
+                    for b in unit.buckets:
+                        for i in b.params:
+                            full[id(self.sharded[i])] = self.sharded[i].detach().clone()
+                if not was_full:
+                    self.sharder._free(unit)
+        if not mine:
+            return None
+        ids = {n: id(p) for n, p in self.module.named_parameters()}
+        return {k: full[ids[k]] if ids.get(k) in full else v.detach().clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
+
+    def refresh_from_shards(self) -> None:
+        """The shards were overwritten (a checkpoint loaded): stages 1 and 2 all-gather them
+        into every rank's full parameters (stage 3 gathers from the shards at each use)."""
+        if self.stage < 3:
+            self._all_gather_params()
+        self.sent.end_step()  # not a training step's traffic
 
     def measure_now(self) -> dict[str, int]:
         """Bytes of the live tensors of this rank now (see memory.measure)."""

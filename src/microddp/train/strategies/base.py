@@ -1,0 +1,100 @@
+"""What the training loop asks of a strategy: the one interface every `--strategy` implements.
+
+The loop (train/loop.py) owns the data, the order of micro-steps, the loss bookkeeping, the
+checkpoint schedule and the report; a strategy owns how the model is spread over the ranks:
+which slice of each global batch this rank trains on, one micro-step's forward and backward,
+the optimizer step, evaluation, the whole model's state_dict, checkpoints, and the memory it
+measured. Every strategy trains to one process's parameters for the same seed and global
+batch, because the loop hands it the same scale: the loss of a slice is its *sum* times
+`data_size / samples in the step`, and the strategy averages gradients over `data_size`
+replicas once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...comms.world import World
+from ...data import Split
+from ..build import Precision
+from ..config import TrainConfig
+
+
+class Strategy:
+    """One rank's part of a strategy. Subclasses set the attributes below in __init__."""
+
+    name: str = ""
+    data_rank: int = 0  # which slice of each global batch this rank trains on
+    data_size: int = 1  # into how many slices a global batch is cut (the replicas)
+    sharded_checkpoints: bool = False  # True: every rank writes its own part (train/sharded.py)
+
+    def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
+                 precision: Precision) -> None:
+        self.cfg, self.world, self.module, self.precision = cfg, world, module, precision
+
+    def describe(self) -> str:
+        """The first line's words about how the model is spread over the ranks."""
+        return self.name
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
+                   sync: bool) -> torch.Tensor | None:
+        """Forward and backward of this rank's slice, the loss sum times `scale`; gradients
+        are averaged over the replicas when `sync` (the window's last micro-step). Returns the
+        slice's summed loss, or None on a rank that computes no loss (a pipeline's inner
+        stages), so the loss is counted once per replica."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """The optimizer step on the averaged gradients, then drop them."""
+        raise NotImplementedError
+
+    @property
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    def evaluate(self, split: Split) -> dict:
+        """Loss and accuracy of the whole model on `split` (data.evaluate's record)."""
+        raise NotImplementedError
+
+    def drift_module(self) -> nn.Module | None:
+        """The module whose replicas must stay equal (for --drift-every), or None."""
+        return None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict on rank 0 (None elsewhere): what model.pt holds.
+        Every rank must call it: the parts may have to travel to rank 0."""
+        raise NotImplementedError
+
+    def replica_state(self) -> dict[str, torch.Tensor] | None:
+        """This rank's whole copy of the model's state_dict, if it holds one without any
+        communication (a data-parallel replica); None otherwise."""
+        return None
+
+    def memory(self) -> dict[str, int]:
+        """This rank's bytes of params, grads and optimizer state at the last optimizer step,
+        measured from the live tensors, and the bytes it sent in that step."""
+        raise NotImplementedError
+
+    # checkpoints: one file from rank 0 (the default), or a folder of shards
+
+    def state_dict(self) -> dict:
+        """Model and optimizer state for a one-file checkpoint (sharded_checkpoints False)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def save_shards(self, folder: Path, run: str, common: Callable[[], dict],
+                    keep: int) -> None:
+        """Write this rank's shard of a sharded checkpoint (sharded_checkpoints True); rank 0
+        adds `common()` and the manifest (train/sharded.py). Every rank must call it."""
+        raise NotImplementedError
+
+    def load_shards(self, folder: Path, manifest: dict) -> None:
+        """Fill this rank's part of the model and optimizer state from a sharded checkpoint
+        saved with any layout."""
+        raise NotImplementedError

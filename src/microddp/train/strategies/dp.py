@@ -1,0 +1,84 @@
+"""`--strategy dp`: a whole replica of the model on every rank, gradients averaged by the
+chosen data-parallel engine (microddp's DDP by default), one checkpoint file from rank 0."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import spans as trace
+from ...comms.world import World, distributed
+from ...data import Split, evaluate
+from ...zero.memory import measure
+from ..build import Precision, build_optimizer, wrap
+from ..config import TrainConfig
+from .base import Strategy
+from .traffic import ring_all_reduce_bytes
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
+                 precision: Precision) -> None:
+        super().__init__(cfg, world, module, precision)
+        self.model = wrap(module, cfg.engine, world)
+        self.optimizer = build_optimizer(cfg, self.model.parameters())
+        self.data_rank, self.data_size = world.rank, world.world_size
+        self._memory: dict[str, int] = {}
+        self._sent = 0
+
+    def describe(self) -> str:
+        return f"dp, engine {self.cfg.engine if distributed() else 'none'}"
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
+                   sync: bool) -> torch.Tensor:
+        # Both run inside no_sync() when `sync` is False: DDP decides at forward time whether
+        # the coming backward averages gradients.
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            with trace.span("forward"), self.precision.autocast():
+                logits = self.model(x)
+            loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
+            with trace.span("backward"):
+                self.precision.backward(loss_sum * scale)
+        if sync:
+            self._sent += ring_all_reduce_bytes(self.module, self.world.world_size)
+        return loss_sum
+
+    def step(self) -> None:
+        # Measured with the averaged gradients in place and the optimizer state of the last
+        # step: the most this rank holds at once.
+        self._memory = {**measure(self.module, self.optimizer), "sent_per_step": self._sent}
+        self._sent = 0
+        with trace.span("optimizer", track="optim"):
+            self.precision.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def evaluate(self, split: Split) -> dict:
+        return evaluate(self.module, split, self.world)
+
+    def drift_module(self) -> nn.Module:
+        return self.module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.module.state_dict() if self.world.rank == 0 else None
+
+    def replica_state(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+    def memory(self) -> dict[str, int]:
+        return dict(self._memory)
+
+    def state_dict(self) -> dict:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

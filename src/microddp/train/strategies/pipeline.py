@@ -1,0 +1,182 @@
+"""`--strategy pp` and `--strategy dp-pp`: the model cut into --pp stages run by a pipeline
+schedule, each stage replicated over its data-parallel group with microddp's DDP (dp-pp).
+
+The ranks form a mesh (comms/mesh.py): replica d's pipeline is ranks d*pp .. d*pp+pp-1, and
+stage s's replicas are every pp-th rank. Every rank of a pipeline reads its replica's slice of
+the global batch (the first stage its inputs, the last its labels). Each micro-step runs the
+whole schedule with DDP's synchronisation off, so the micro-batches' gradients only add up;
+the window's last micro-step then averages them over the replicas, once per optimizer step.
+
+A rank keeps only its stages' parameters: the other layers are emptied after the model is
+built (every rank builds the same initial model from the seed, as with dp) and refilled only
+for evaluation and for model.pt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import comms, pipeline
+from ... import spans as trace
+from ...comms.mesh import Mesh
+from ...comms.world import World
+from ...data import Split, evaluate
+from ...zero.memory import measure
+from .. import sharded
+from ..build import Precision, build_optimizer
+from ..config import TrainConfig, microbatches, stages
+from .base import Strategy
+from .traffic import ring_all_reduce_bytes
+
+VIRTUAL = {"interleaved": 2}  # stages per rank; 1 for the other schedules
+
+
+class Pipeline(Strategy):
+    sharded_checkpoints = True
+
+    def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
+                 precision: Precision) -> None:
+        super().__init__(cfg, world, module, precision)
+        self.name = cfg.strategy
+        p = stages(cfg, world.world_size)
+        self.mesh = Mesh(dp=world.world_size // p, pp=p)
+        self.groups = self.mesh.groups(world.rank)
+        self.data_rank, self.data_size = self.groups.replica, self.mesh.dp
+        self.virtual = VIRTUAL.get(cfg.schedule, 1)
+        self.m = microbatches(cfg, world.world_size)
+        self.schedule = self._build(self.m)
+        cut = pipeline.split_model(module, p * self.virtual)
+        self.mine = {s: cut[s] for s in self.schedule.stages_of(self.groups.stage)}
+        # Each stage's replicas average its gradients with microddp's DDP over their group.
+        self.replicated = pipeline.Replicated(self.mine, self.groups.dp_group, self.mesh.dp)
+        self.params = [q for m in self.mine.values() for q in m.parameters()]
+        owned = {id(q) for q in self.params}
+        self.names = {id(q): n for n, q in module.named_parameters()}
+        self.shapes = {n: q.shape for n, q in module.named_parameters()}
+        self.foreign = [q for q in module.parameters() if id(q) not in owned]
+        self._release()
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.last_stage = self.schedule.stages - 1 in self.mine
+        self._memory: dict[str, int] = {}
+        self._sent: list[int] = []
+
+    def _build(self, m: int) -> pipeline.Schedule:
+        schedule = pipeline.build(self.cfg.schedule, self.mesh.pp, m, self.virtual)
+        pipeline.validate(schedule)
+        return schedule
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.mesh.pp} stage(s) x {self.mesh.dp} replica(s), schedule "
+                f"{self.cfg.schedule}, {self.m} micro-batches; this rank: replica "
+                f"{self.groups.replica}, stage(s) {sorted(self.mine)}")
+
+    def _release(self) -> None:
+        """Let go of the layers this rank does not run (their storage, not their objects)."""
+        for q in self.foreign:
+            q.data = torch.empty(0, dtype=q.dtype, device=q.device)
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
+                   sync: bool) -> torch.Tensor | None:
+        k = len(x)
+        loss = None
+        if k:  # a replica with no sample in this step runs no schedule, but still syncs
+            schedule = self.schedule if k >= self.m else self._build(k)
+
+            # run_schedule weighs micro-batch i's mean loss by n_i / k: times k * scale, it
+            # contributes its loss sum times scale, as in every other strategy.
+            def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                return F.cross_entropy(out.float(), target) * (k * scale)
+
+            record = [] if trace.enabled() else None
+            with self.replicated.no_sync():
+                loss = pipeline.run_schedule(schedule, self.replicated.modules, x, y, loss_fn,
+                                             group=self.groups.pp_group, record=record,
+                                             sent=self._sent)
+            for a, start, end in record or ():  # the schedule's compute, on the timeline
+                trace.add_span("forward" if a.kind == "F" else "backward", start, end,
+                               action=str(a))
+        if sync and self.mesh.dp > 1:  # once per optimizer step, not per micro-batch
+            with trace.span("backward"):
+                self.replicated.average()
+            self._sent += [ring_all_reduce_bytes(m, self.mesh.dp) for m in self.mine.values()]
+        if not self.last_stage:
+            return None
+        return torch.tensor(0.0 if loss is None else loss / scale, dtype=torch.float64)
+
+    def step(self) -> None:
+        self._memory = {**measure(self.params, self.optimizer), "sent_per_step": sum(self._sent)}
+        self._sent = []
+        with trace.span("optimizer", track="optim"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @contextlib.contextmanager
+    def _whole(self, to: int | None) -> Iterator[nn.Module]:
+        """The whole model on rank `to` (every rank if None), each layer from replica 0's rank
+        that holds it; afterwards the borrowed layers are let go again."""
+        owners = {}
+        for s in range(self.schedule.stages):
+            owner = self.mesh.rank(0, self.schedule.rank_of(s))
+            for q in pipeline.split_model(self.module, self.schedule.stages)[s].parameters():
+                owners[id(q)] = owner
+        rank = self.world.rank
+        try:
+            for q in self.module.parameters():
+                owner, name = owners[id(q)], self.names[id(q)]
+                holds = q.numel() > 0 or self.shapes[name].numel() == 0
+                if to is None:
+                    buf = q.data if rank == owner else torch.empty(self.shapes[name],
+                                                                   dtype=q.dtype)
+                    comms.broadcast(buf, src=owner)
+                elif owner != to:
+                    if rank == owner:
+                        comms.send(q.data.contiguous(), dst=to)
+                        continue
+                    if rank != to:
+                        continue
+                    buf = torch.empty(self.shapes[name], dtype=q.dtype)
+                    comms.recv(buf, src=owner)
+                else:
+                    continue
+                if not holds:
+                    q.data = buf
+            yield self.module
+        finally:
+            self._release()
+
+    def evaluate(self, split: Split) -> dict:
+        with self._whole(None) as full:
+            return evaluate(full, split, self.world)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        with self._whole(0) as full:
+            if self.world.rank == 0:
+                return {k: v.detach().clone() for k, v in full.state_dict().items()}
+        return None
+
+    def memory(self) -> dict[str, int]:
+        return dict(self._memory)
+
+    def pieces(self) -> list[sharded.Piece]:
+        """Replica 0 saves its stages' parameters whole; the other replicas hold copies."""
+        if self.groups.replica != 0:
+            return []
+        return [sharded.Piece(self.names[id(q)], 0, q.data.view(-1), q) for q in self.params]
+
+    def save_shards(self, folder: Path, run: str, common, keep: int) -> None:
+        sharded.save(folder, self.world, run, self.pieces(), self.optimizer, common, keep,
+                     self.name)
+
+    def load_shards(self, folder: Path, manifest: dict) -> None:
+        pieces = [sharded.Piece(self.names[id(q)], 0, q.data.view(-1), q) for q in self.params]
+        sharded.load(folder, manifest, pieces, self.optimizer)

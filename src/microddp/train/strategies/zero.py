@@ -1,0 +1,95 @@
+"""`--strategy zero1|zero2|zero3`: data parallelism with the model state sharded by
+microddp.zero.Zero (optimizer state; and gradients; and parameters). Every rank writes its own
+shard of a checkpoint, which resumes on any world size (train/sharded.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import spans as trace
+from ...comms.world import World
+from ...data import Split, evaluate
+from ...zero import Zero
+from .. import sharded
+from ..build import Precision
+from ..config import TrainConfig
+from .base import Strategy
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"momentum": 0.9}), "adam": (torch.optim.Adam, {})}
+
+
+class Sharded(Strategy):
+    sharded_checkpoints = True
+
+    def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
+                 precision: Precision) -> None:
+        super().__init__(cfg, world, module, precision)
+        self.stage = int(cfg.strategy.removeprefix("zero"))
+        self.name = cfg.strategy
+        cls, options = OPTIMIZERS[cfg.optimizer]
+        self.model = Zero(module, cls, stage=self.stage, lr=cfg.learning_rate, **options)
+        self.optimizer = self.model.optimizer
+        self.data_rank, self.data_size = world.rank, world.world_size
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
+                   sync: bool) -> torch.Tensor:
+        # As DDP: a micro-step outside no_sync() reduces the gradients accumulated so far.
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            with trace.span("forward"), self.precision.autocast():
+                logits = self.model(x)
+            loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
+            with trace.span("backward"):
+                (loss_sum * scale).backward()
+        return loss_sum
+
+    def step(self) -> None:
+        with trace.span("optimizer", track="optim"):
+            self.model.step()
+            self.model.zero_grad()
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def evaluate(self, split: Split) -> dict:
+        # Ranks score different test batches, so ZeRO-3 must not gather per forward: the whole
+        # module is gathered once for the evaluation (stages 1 and 2 hold it anyway).
+        with self.model.gathered() as full:
+            return evaluate(full, split, self.world)
+
+    def drift_module(self) -> nn.Module | None:
+        return self.module if self.stage < 3 else None  # stage 3 holds no whole replica
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.model.consolidated_state_dict(to_rank=0)
+
+    def memory(self) -> dict[str, int]:
+        return self.model.memory()
+
+    def pieces(self) -> list[sharded.Piece]:
+        """This rank's elements of every parameter it steps, as views of its shards."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        plan, shards, rank = self.model.plan, self.model.shards, self.world.rank
+        out = []
+        for b in plan.buckets:
+            for pc in b.pieces:
+                if pc.rank != rank:
+                    continue
+                at = b.shard_offset[rank] + pc.offset
+                shard = shards.params[b.group]
+                out.append(sharded.Piece(names[id(self.model.sharded[pc.param])], pc.start,
+                                         shard.data.narrow(0, at, pc.length), shard, at))
+        return out
+
+    def save_shards(self, folder: Path, run: str, common, keep: int) -> None:
+        sharded.save(folder, self.world, run, self.pieces(), self.optimizer, common, keep,
+                     self.name)
+
+    def load_shards(self, folder: Path, manifest: dict) -> None:
+        sharded.load(folder, manifest, self.pieces(), self.optimizer)
+        self.model.refresh_from_shards()
