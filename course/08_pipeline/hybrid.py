@@ -4,7 +4,7 @@ its gradients with its replicas (microddp's DDP over the stage's data-parallel g
 step, however many micro-batches ran. Then the largest difference from one process.
 
     python course/08_pipeline/hybrid.py                 # 2 replicas x 2 stages = 4 ranks
-    python course/08_pipeline/hybrid.py --dp 3 --pp 2 -m 3
+    python course/08_pipeline/hybrid.py --dp 3 --pp 2 --microbatches 3
 """
 
 import argparse

@@ -25,9 +25,9 @@ examples:
 
 strategies (--batch-size stays the global batch; the same seed trains to the same weights):
   microddp train --strategy zero2 --optimizer adam --epochs 2    # sharded grads + Adam state
-  microddp train --strategy zero3 --nproc 4 --accumulate 2 --amp bf16 --epochs 1
+  microddp train --strategy zero3 --nproc 4 --accumulate 2 --amp bf16 --epochs 3
   microddp train --strategy pp --nproc 2 --schedule gpipe --microbatches 4 --epochs 1
-  microddp train --strategy dp-pp --nproc 4 --pp 2 --schedule zero-bubble --depth 4 --epochs 1
+  microddp train --strategy dp-pp --nproc 4 --pp 2 --schedule zero-bubble --depth 4 --optimizer adam --epochs 1
 
 one host, under torchrun instead of the built-in launcher:
   torchrun --nproc-per-node 4 --max-restarts 2 -m microddp.train --out runs/b
