@@ -120,19 +120,23 @@ def test_zero_bf16_equals_dp_bf16(tmp_path):
     _assert_close(z["params"], dp["params"], SGD_TOL)
 
 
-@pytest.mark.parametrize("strategy, optimizer", [("zero2", "adam"), ("zero3", "sgd")])
-def test_zero_checkpoint_resumes_on_another_world_size(tmp_path, reference, strategy, optimizer):
-    """Saved by 2 ranks at step 3, resumed by 3 (re-sharded): the same weights after 6 steps
-    as one process that never stopped."""
+@pytest.mark.parametrize("strategy, optimizer, then, extra", [
+    ("zero2", "adam", 3, {}), ("zero3", "sgd", 3, {}),
+    ("dp-pp", "adam", 4, {"pp": 2}),  # one pipeline of 2 stages, then 2 replicas of it
+])
+def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path, reference, strategy,
+                                                          optimizer, then, extra):
+    """Saved by 2 ranks at step 3, resumed by more (re-sharded): the same weights after 6
+    steps as one process that never stopped."""
     out = tmp_path / "run"
     first = _spawn(2, out, strategy=strategy, optimizer=optimizer, max_steps=3,
-                   checkpoint_every=3)
+                   checkpoint_every=3, **extra)
     assert first[0]["step"] == 3
     ckpt = out / "checkpoints" / "ckpt-00000003"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["world_size"] == 2
     assert sorted(manifest["files"]) == ["common.pt", "shard-00000.pt", "shard-00001.pt"]
-    again = _spawn(3, out, strategy=strategy, optimizer=optimizer, resume=True)
+    again = _spawn(then, out, strategy=strategy, optimizer=optimizer, resume=True, **extra)
     assert again[0]["resumed_from"] == str(ckpt) and again[0]["step"] == 6
     _assert_close(again[0]["params"], reference[optimizer]["params"],
                   ADAM_TOL if optimizer == "adam" else SGD_TOL)
