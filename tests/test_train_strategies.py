@@ -302,3 +302,20 @@ def test_a_sharded_job_survives_a_killed_rank(tmp_path, strategy):
     a = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
     b = torch.load(out / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _consolidate(world):
+    torch.manual_seed(0)
+    z = microddp.zero.Zero(microddp.FullMLP(8, 3), torch.optim.SGD, stage=3, lr=0.1)
+    whole = z.full_state_dict()  # every rank gathers everything: the reference
+    mine = z.consolidated_state_dict(to_rank=0)
+    held = z.measure_now()["params"]  # after: only this rank's shard is alive
+    return whole, mine, held, sum(s.numel() * 4 for s in z.shards.params)
+
+
+def test_zero3_model_pt_goes_to_rank_0_only_and_leaves_only_shards_behind():
+    ranks = microddp.launch.spawn(_consolidate, 2, timeout=120)
+    (whole, on_0, held_0, shard_0), (_, on_1, held_1, shard_1) = ranks
+    assert on_1 is None and on_0.keys() == whole.keys()
+    assert all(torch.equal(on_0[k], whole[k]) for k in whole)
+    assert (held_0, held_1) == (shard_0, shard_1)  # no layer left gathered on any rank
