@@ -1,6 +1,7 @@
 """The training job: FullMLP on scikit-learn's handwritten digits (or synthetic data) with a
-data-parallel engine, leaving a run folder with metrics.jsonl, model.pt (the bare module's
-state_dict), curves.png and checkpoints to resume from.
+strategy (data parallel by default; pipeline, hybrid, ZeRO: strategies/), leaving a run folder
+with metrics.jsonl, model.pt (the whole model's state_dict), curves.png and checkpoints to
+resume from.
 
 `start(cfg)` launches cfg.nproc local ranks; `worker(cfg)` is one rank (what `python -m
 microddp.train` runs under a launcher); `train(world, cfg)` is the loop on a rank. The command
