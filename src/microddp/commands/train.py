@@ -1,10 +1,10 @@
-"""Train an MLP on real data with data parallelism: the job to run first.
+"""Train an MLP on real data: the job to run first.
 
 Starts --nproc local ranks (or runs as one worker under torchrun / `microddp run`), trains
 FullMLP on scikit-learn's handwritten digits with the chosen strategy (data parallel by
-default; pipeline, hybrid or ZeRO with --strategy), prints
-progress and per-epoch test accuracy on rank 0, and leaves a run folder with metrics.jsonl,
-model.pt (the bare module's state_dict), curves.png and checkpoints to resume from.
+default; pipeline, hybrid or ZeRO with --strategy), prints progress and per-epoch test
+accuracy on rank 0, and leaves a run folder with metrics.jsonl, model.pt (the whole model's
+state_dict), curves.png and checkpoints to resume from.
 """
 
 from __future__ import annotations
