@@ -319,3 +319,18 @@ def test_zero3_model_pt_goes_to_rank_0_only_and_leaves_only_shards_behind():
     assert on_1 is None and on_0.keys() == whole.keys()
     assert all(torch.equal(on_0[k], whole[k]) for k in whole)
     assert (held_0, held_1) == (shard_0, shard_1)  # no layer left gathered on any rank
+
+
+def test_an_interrupted_sharded_save_is_skipped_for_the_one_before(tmp_path):
+    """A ckpt-N folder without its manifest (the save was cut short) is not resumed from."""
+    from microddp.train import resume
+
+    out = _zero_checkpoint(tmp_path, "run")
+    folder = out / "checkpoints"
+    shutil.copytree(folder / "ckpt-00000002", folder / "ckpt-00000004")
+    (folder / "ckpt-00000004" / "manifest.json").unlink()
+    said: list[str] = []
+    cfg = _cfg(out, strategy="zero1", resume=True)
+    path, error = resume.decide(cfg, warn=said.append)
+    assert error is None and path == str(folder / "ckpt-00000002")
+    assert len(said) == 1 and "ckpt-00000004 is incomplete (no manifest.json" in said[0]
