@@ -35,7 +35,7 @@ from microddp.comms.mesh import Mesh
 from microddp.errors import MicroDDPError
 from microddp.monitor.log import main_thread_where, note
 from microddp.pipeline import Action
-from microddp.train import loop
+from microddp.train import loop, resume
 from microddp.train.config import TrainConfig
 
 # Depth 4: two stages of two blocks, or 2 ranks x 2 virtual stages (interleaved).
@@ -323,8 +323,6 @@ def test_zero3_model_pt_goes_to_rank_0_only_and_leaves_only_shards_behind():
 
 def test_an_interrupted_sharded_save_is_skipped_for_the_one_before(tmp_path):
     """A ckpt-N folder without its manifest (the save was cut short) is not resumed from."""
-    from microddp.train import resume
-
     out = _zero_checkpoint(tmp_path, "run")
     folder = out / "checkpoints"
     shutil.copytree(folder / "ckpt-00000002", folder / "ckpt-00000004")
