@@ -10,7 +10,7 @@ from cli_examples import check_parses, command_lines, out_folders, run_command
 from microddp import commands as cli
 
 COMMANDS = [["doctor"], ["hello"], ["run"], ["train"], ["bench", "allreduce"], ["bench", "ddp"],
-            ["bench", "scaling"], ["trace"], ["predict"]]
+            ["bench", "scaling"], ["bench", "pipeline"], ["bench", "zero"], ["trace"], ["predict"]]
 
 
 def _parser(path: list[str]) -> argparse.ArgumentParser:
@@ -80,6 +80,10 @@ QUICK = {
     ("run",): ["microddp run -n 2 -m microddp.commands.hello"],
     ("predict",): "all but --calibrate",
     ("trace",): "all but --overhead",
+    ("bench", "pipeline"): ["microddp bench pipeline --stages 2 --microbatches 4 --compute sleep "
+                            "--repeats 2 --out runs/pp"],
+    ("bench", "zero"): ["microddp bench zero --ranks 2 --dim 64 --depth 2 --repeats 3 --out "
+                        "runs/zero"],
 }
 
 

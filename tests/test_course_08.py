@@ -57,3 +57,14 @@ def test_too_many_ranks_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, str(CHAPTER / "naive_model_parallel.py"), "-n", "9"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_bubble_over_m_prints_theory_beside_the_measured_bubbles_and_draws_them(tmp_path):
+    png = tmp_path / "bubble.png"
+    out = run("bubble_over_m.py", "-n", "2", "-m", "1", "2", "4", "--png", str(png))
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$", out, re.M)
+    assert [int(m) for m, *_ in rows] == [1, 2, 4]
+    for m, theory, gpipe, ofob in rows:
+        assert theory == f"{1 / (int(m) + 1):.3f}"
+        assert all(0 <= float(b) < 1 for b in (gpipe, ofob))  # timings: printed, not compared
+    assert png.stat().st_size > 0 and f"wrote {png}" in out
