@@ -52,7 +52,9 @@ class ActivationMeter:
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
         self._refs[key] += 1
-        return _Held(t, key, self)
+        # detached: holding a saved output with its grad_fn would make a reference cycle
+        # (the node holds the tensor, the tensor its node), freed only by the garbage collector
+        return _Held(t.detach(), key, self)
 
     @staticmethod
     def _unpack(held):
