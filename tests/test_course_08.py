@@ -71,3 +71,12 @@ def test_hybrid_averages_once_per_step_and_ends_with_one_process_parameters(args
     # micro-batch
     assert all(int(r[3]) == 3 and float(r[4]) <= 1e-6 for r in rows)
     assert "every layer trained: True; within 1e-6 of one process: True" in out
+def test_bubble_over_m_prints_theory_beside_the_measured_bubbles_and_draws_them(tmp_path):
+    png = tmp_path / "bubble.png"
+    out = run("bubble_over_m.py", "-n", "2", "-m", "1", "2", "4", "--png", str(png))
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$", out, re.M)
+    assert [int(m) for m, *_ in rows] == [1, 2, 4]
+    for m, theory, gpipe, ofob in rows:
+        assert theory == f"{1 / (int(m) + 1):.3f}"
+        assert all(0 <= float(b) < 1 for b in (gpipe, ofob))  # timings: printed, not compared
+    assert png.stat().st_size > 0 and f"wrote {png}" in out

@@ -9,6 +9,8 @@ examples:
   microddp bench allreduce           # ring / tree / naive vs gloo, 1 KiB .. 64 MiB
   microddp bench ddp                 # microddp DDP vs PyTorch DDP vs naive, dims 128..1024
   microddp bench scaling             # strong and weak scaling, 1..N ranks
+  microddp bench pipeline --compute sleep   # GPipe, 1F1B, interleaved, zero-bubble
+  microddp bench zero                # DP, ZeRO-1/2/3, torch's ZeRO and FSDP2 on 2 and 4 ranks
 each benchmark has its own --help.
 """
 
@@ -18,6 +20,9 @@ BENCHMARKS = {
                   "ring / tree / naive all-reduce vs gloo, with a fitted cost model"),
     "ddp": ("microddp.bench.ddp", "microddp DDP vs PyTorch DDP vs the naive stage"),
     "scaling": ("microddp.bench.scaling", "strong and weak scaling over world sizes"),
+    "pipeline": ("microddp.bench.pipeline",
+                 "pipeline schedules: bubble, activation memory, step time vs torch's"),
+    "zero": ("microddp.bench.zero", "memory per rank and step time: DP, ZeRO-1/2/3 vs torch's"),
 }
 # add_arguments needs the words after `bench` to pick the benchmark, whose own run() is called
 NESTED = True

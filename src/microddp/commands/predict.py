@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import MicroDDPError
+from ..pipeline import BUILDERS as PIPELINE_SCHEDULES
 from ..predict import step as _model_module
 from ..predict.step import (
     ALGORITHMS,
@@ -34,6 +35,9 @@ examples:
   microddp predict --model resnet50 --hardware 10gbe --algorithm tree --no-overlap
   microddp predict --calibrate                 # measure this host, then predict FullMLP on it
   microddp predict --calibrate --verify 2 4    # ... and compare with measured step times
+  microddp predict --stages 4 --microbatches 8 --dim 128 --depth 16 --batch 64 --hardware cpu-loopback
+  microddp predict --compare docs/measured/pipeline-sleep.json   # a `bench pipeline` run
+  microddp predict --zero --params 7.5e9 --world 64  # ZeRO paper, Fig. 1: GB per rank
 a sample is one input of --batch: a preset's tokens per sample are in its note (--list); with
 --params, one token unless --tokens or --flops-per-sample says otherwise.
 presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
@@ -85,6 +89,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="FILE", help="where --calibrate saves its figures and --hardware "
                    "calibrated reads them (default ~/.cache/microddp/calibration.json)")
     p.add_argument("--list", action="store_true", help="list the presets and exit")
+    pp = p.add_argument_group("pipelines (instead of data parallelism)")
+    pp.add_argument("--stages", type=int, help="predict a pipeline of this many ranks "
+                    "(default: none, predict data parallelism); --batch is then one step's")
+    pp.add_argument("--microbatches", type=int, default=8, help="micro-batches per step "
+                    "(default 8)")
+    pp.add_argument("--schedules", nargs="+", default=list(PIPELINE_SCHEDULES),
+                    help=f"schedules (default {' '.join(PIPELINE_SCHEDULES)})")
+    pp.add_argument("--virtual", type=int, default=2, help="stages per rank when interleaved "
+                    "(default 2)")
+    pp.add_argument("--sleep-ms", type=float, help="add this sleep per block forward (2x "
+                    "backward), as `bench pipeline --compute sleep` (default: none)")
+    pp.add_argument("--compare", metavar="FILE", help="a pipeline.json of `microddp bench "
+                    "pipeline`: predict its job and print its measurements beside (default: "
+                    "none; hardware: calibrated if saved, else cpu-loopback)")
+    zm = p.add_argument_group("memory")
+    zm.add_argument("--zero", action="store_true", help="print the model state per rank of "
+                    "plain DP and ZeRO-1/2/3 for --params (or the model) on each --world "
+                    "(default world 64)")
+    zm.add_argument("--zero-bytes", choices=("mixed", "fp32"), default="mixed",
+                    help="bytes per parameter: mixed = 2 + 2 + 12 (the ZeRO paper's mixed "
+                    "precision Adam), fp32 = 4 + 4 + 8 (default mixed)")
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
@@ -136,7 +161,57 @@ def _model(args: argparse.Namespace) -> Model:
     return fullmlp(args.dim, args.depth)
 
 
+def _pipeline(args: argparse.Namespace) -> int:
+    from ..predict import pipeline as pp
+
+    measured = None
+    if args.compare is not None:
+        try:
+            measured = json.loads(Path(args.compare).read_text())
+        except (OSError, ValueError) as e:
+            raise MicroDDPError(f"cannot read {args.compare} ({e}); pass the pipeline.json "
+                                "that `microddp bench pipeline` wrote") from None
+        job = pp.from_bench(measured)
+        names = [n for n in PIPELINE_SCHEDULES if n in measured]
+        if args.hardware is None:
+            saved = Path(args.calibration).is_file()
+            args.hardware = "calibrated" if saved else "cpu-loopback"
+    else:
+        for name in ("stages", "microbatches", "virtual", "dim", "depth"):
+            if getattr(args, name) < 1:
+                raise MicroDDPError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        if args.sleep_ms is not None and not args.sleep_ms > 0:
+            raise MicroDDPError(f"--sleep-ms must be positive, got {args.sleep_ms}")
+        job = pp.PipelineJob(args.stages, args.microbatches, args.dim, args.depth,
+                             int(args.batch), args.virtual, args.sleep_ms)
+        names = args.schedules
+    args.hardware = args.hardware or "a100-ib"
+    hw = _hardware(args)
+    rows = [pp.predict(job, name, hw) for name in names]
+    print(pp.describe(job, hw))
+    print(pp.table(job, rows, measured))
+    if measured is not None:
+        la = measured["config"].get("load_average")
+        print(f"measured: {args.compare} (compute {measured['config']['compute']}, load average "
+              f"{la}); error = (predicted - measured) / measured step time")
+    return 0
+
+
+def _zero(args: argparse.Namespace) -> int:
+    from ..predict import memory
+
+    params = _model(args).params
+    b = memory.MIXED_ADAM if args.zero_bytes == "mixed" else memory.FP32_ADAM
+    for world in args.world or [64]:
+        print(memory.table(params, world, b))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.zero:
+        return _zero(args)
+    if args.stages is not None or args.compare is not None:
+        return _pipeline(args)
     if args.list:
         for name, hw in HARDWARE.items():
             print(f"{name:13} {hw.flops:9.3g} FLOP/s {hw.bandwidth:9.3g} B/s "

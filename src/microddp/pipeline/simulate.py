@@ -8,6 +8,7 @@ on paper, and, if the ranks end up all waiting on each other, the deadlock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import MicroDDPError
@@ -31,10 +32,16 @@ class Timeline:
         return 1 - busy / total if total else 0.0
 
 
-def simulate(schedule: Schedule, costs: dict[str, float] | None = None) -> Timeline:
+def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], float] | None = None,
+             transfer: float = 0.0) -> Timeline:
     """Run every rank's program in order; raise MicroDDPError naming the stuck ranks if the
-    programs deadlock (each rank waits for a receive whose send never comes first)."""
+    programs deadlock (each rank waits for a receive whose send never comes first).
+
+    `costs`: per kind (F, B, I, W), or a function of the action (stages of unequal size);
+    `transfer`: the time a message takes from its send to its receive (0: none, on paper).
+    """
     costs = COSTS if costs is None else costs
+    cost = costs if callable(costs) else (lambda a: costs[a.kind])
     p = schedule.ranks
     pos, clock = [0] * p, [0.0] * p
     posted: dict[tuple, float] = {}  # message key -> when its send was posted
@@ -50,12 +57,12 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None) -> Timel
                     key = message_key(a)
                     if key not in posted:
                         break  # blocked until the sender gets there
-                    clock[r] = max(clock[r], posted[key])
+                    clock[r] = max(clock[r], posted[key] + transfer)
                 elif a.kind in SENDS:
                     posted[message_key(a)] = clock[r]
                 else:
-                    spans[r].append((clock[r], clock[r] + costs[a.kind], a))
-                    clock[r] += costs[a.kind]
+                    spans[r].append((clock[r], clock[r] + cost(a), a))
+                    clock[r] += cost(a)
                 pos[r] += 1
                 moved = True
     stuck = [r for r in range(p) if pos[r] < len(schedule.actions[r])]

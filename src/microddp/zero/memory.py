@@ -3,7 +3,8 @@ bytes it sends per step.
 
 Tensors are counted by storage, once each: a parameter that is a view of a flat buffer counts
 the buffer, and a buffer emptied between uses (ZeRO-3) counts zero. So the numbers are what
-this rank's allocator really holds for parameters, gradients and optimizer state.
+this rank's allocator really holds for parameters, gradients and optimizer state. A DTensor
+(FSDP2's parameters, gradients and state) counts its local shard: what this rank holds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set) -> int:
     for t in tensors:
         if t is None:
             continue
+        if hasattr(t, "to_local"):  # a DTensor: this rank's part of it
+            t = t.to_local()
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes(), t.device)
         if key in seen or storage.nbytes() == 0:

@@ -1,0 +1,199 @@
+"""Pipeline schedules measured: bubble, activation memory and step time, and torch's schedules.
+
+Every schedule trains its own copy of the same FullMLP, cut into the same stages, on the same
+ranks; their steps are interleaved (a fresh random order each round, a barrier before each
+step) with those of torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, so load on
+the machine hits all alike. For microddp's schedules each rank records when each of its
+forwards and backwards ran (the bubble is the idle share of the ranks' time between the
+step's first compute and its last) and how many bytes of activations autograd held at most
+(saved-tensor hooks: measured, not computed).
+
+`--compute sleep` makes every block of the model (Linear+ReLU) cost a fixed sleep forward and
+twice that backward, on top of its real (tiny) compute: ranks that sleep do not fight for the
+cores, so the timeline shows the schedule's shape rather than the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import flags, outputs, pipeline
+from ..comms.world import World
+from ..errors import MicroDDPError
+from ..model import FullMLP
+from ..pipeline.activations import ActivationMeter
+from ..pipeline.sleep import Sleeping
+from ..timing import interleaved
+from . import pipeline_report as report
+
+EPILOG = """\
+examples:
+  microddp bench pipeline --stages 2 --microbatches 4 --compute sleep --repeats 2 --out runs/pp
+  microddp bench pipeline --stages 4 --microbatches 8 --compute sleep
+  microddp bench pipeline --stages 4 --microbatches 8 --schedules gpipe 1f1b --repeats 20
+writes pipeline.json, timeline-SCHEDULE.png per schedule and trace.json (open it in
+https://ui.perfetto.dev) into a new runs/bench-pipeline-DATE-TIME (or --out).
+"""
+
+TORCH = ("gpipe", "1f1b")  # the schedules torch.distributed.pipelining has as well
+loss_fn = nn.functional.cross_entropy
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks p (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step "
+                   "(default 8)")
+    p.add_argument("--schedules", nargs="+", default=list(pipeline.BUILDERS),
+                   help=f"schedules to run (default {' '.join(pipeline.BUILDERS)})")
+    p.add_argument("--compute", choices=("real", "sleep"), default="real",
+                   help="real: the model's own compute; sleep: each block also sleeps "
+                   "--sleep-ms forward, twice that backward (default real)")
+    p.add_argument("--sleep-ms", type=float, default=2.0, help="with --compute sleep: ms a "
+                   "block sleeps forward (default 2.0)")
+    p.add_argument("--virtual", type=int, default=2, help="stages per rank of the interleaved "
+                   "schedule (default 2)")
+    p.add_argument("--dim", type=int, default=128, help="FullMLP width (default 128)")
+    p.add_argument("--depth", type=int, default=16, help="FullMLP blocks; at least stages x "
+                   "virtual for interleaved (default 16)")
+    p.add_argument("--batch", type=int, default=64, help="samples per step, cut into the "
+                   "micro-batches (default 64)")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps per contender "
+                   "(default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--no-torch", action="store_true", help="leave out torch's ScheduleGPipe "
+                   "and Schedule1F1B")
+    p.add_argument("--out", default=None, help="folder for pipeline.json, the PNGs and "
+                   "trace.json (default: a new runs/bench-pipeline-DATE-TIME)")
+
+
+def wrap(stage: nn.Module, compute: str, sleep_ms: float) -> nn.Module:
+    return Sleeping(stage, sleep_ms / 1e3) if compute == "sleep" else stage
+
+
+def _batch(dim: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)  # every rank: the same global batch
+    return torch.randn(batch, dim, generator=g), torch.randint(0, 2, (batch,), generator=g)
+
+
+def _ours(world: World, name: str, cfg: dict, log: dict):
+    """A training step of schedule `name` on this rank; each call appends its compute spans
+    (kind, stage, mb, start, end) and its peak activation bytes to log[name]."""
+    schedule = pipeline.build(name, world.world_size, cfg["microbatches"], cfg["virtual"])
+    torch.manual_seed(0)
+    stages = pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), schedule.stages)
+    mine = {s: wrap(stages[s], cfg["compute"], cfg["sleep_ms"])
+            for s in schedule.stages_of(world.rank)}
+    params = [q for s in mine.values() for q in s.parameters()]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    x, y = _batch(cfg["dim"], cfg["batch"])
+    # The batch is data, held whatever the schedule: micro-batches are views of it, and
+    # without this the first one saved would count the whole batch's storage.
+    meter = ActivationMeter(exclude=[*params, x, y])
+    log[name] = []
+
+    def step() -> None:
+        opt.zero_grad()
+        record: list = []
+        meter.reset_peak()
+        with meter:
+            pipeline.run_schedule(schedule, mine, x, y, loss_fn, record=record)
+        opt.step()
+        log[name].append(([(a.kind, a.stage, a.mb, s, e) for a, s, e in record], meter.peak))
+
+    return step
+
+
+def _torchs(world: World, name: str, cfg: dict):
+    """The same step with torch.distributed.pipelining: one PipelineStage per rank."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    p, rank = world.world_size, world.rank
+    torch.manual_seed(0)
+    module = wrap(pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), p)[rank],
+                  cfg["compute"], cfg["sleep_ms"])
+    stage = PipelineStage(module, rank, p, torch.device("cpu"))
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](
+        stage, cfg["microbatches"], loss_fn=loss_fn)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    x, y = _batch(cfg["dim"], cfg["batch"])
+
+    def step() -> None:
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == p - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        opt.step()
+
+    return step
+
+
+def _job(world: World, cfg: dict) -> dict:
+    torch.set_num_threads(1)  # one core's worth per rank for every contender alike
+    log: dict = {}
+    contenders = {name: _ours(world, name, cfg, log) for name in cfg["schedules"]}
+    for name in cfg["torch"]:
+        contenders[f"torch-{name}"] = _torchs(world, name, cfg)
+    times = interleaved(contenders, cfg["repeats"], cfg["warmup"], sync=dist.barrier)
+    # A step is as slow as its slowest rank: the maximum over ranks, step by step.
+    names = list(contenders)
+    table = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return {"times": {n: table[k].tolist() for k, n in enumerate(names)},
+            "log": {n: steps[cfg["warmup"]:] for n, steps in log.items()}}
+
+
+def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Refuse bad input before any rank starts; return the schedules and torch's contenders,
+    and print why a torch contender is left out."""
+    flags.at_least(2, stages=args.stages)
+    flags.at_least(1, microbatches=args.microbatches, repeats=args.repeats, dim=args.dim,
+                   batch=args.batch, virtual=args.virtual)
+    flags.at_least(0, warmup=args.warmup)
+    flags.positive("sleep_ms", args.sleep_ms)
+    flags.distinct("schedules", args.schedules)
+    unknown = [s for s in args.schedules if s not in pipeline.BUILDERS]
+    if unknown:
+        raise MicroDDPError(f"unknown schedule(s) {', '.join(unknown)}; choose from "
+                            f"{', '.join(pipeline.BUILDERS)}")
+    if "interleaved" in args.schedules and args.virtual < 2:
+        raise MicroDDPError("the interleaved schedule needs --virtual 2 or more")
+    virtual = args.virtual if "interleaved" in args.schedules else 1
+    pipeline.blocks_per_stage(args.depth, args.stages * virtual)  # raises, saying what to do
+    pipeline.microbatch_sizes(args.batch, args.microbatches)
+    theirs = [] if args.no_torch else [s for s in TORCH if s in args.schedules]
+    if "1f1b" in theirs and args.microbatches < args.stages:
+        theirs.remove("1f1b")
+        print(f"note: torch's Schedule1F1B refuses fewer micro-batches than stages "
+              f"({args.microbatches} < {args.stages}); left out")
+    if theirs and args.batch % args.microbatches:
+        print(f"note: torch's schedules need equal micro-batches ({args.batch} samples do not "
+              f"split into {args.microbatches}); torch left out")
+        theirs = []
+    return list(args.schedules), theirs
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..launch.spawn import spawn
+
+    schedules, theirs = check(args)
+    cfg = {"stages": args.stages, "microbatches": args.microbatches, "virtual": args.virtual,
+           "dim": args.dim, "depth": args.depth, "batch": args.batch, "compute": args.compute,
+           "sleep_ms": args.sleep_ms if args.compute == "sleep" else None,
+           "repeats": args.repeats, "warmup": args.warmup, "schedules": schedules,
+           "torch": theirs}
+    with outputs.run_folder(args.out, "bench-pipeline") as out:
+        load = os.getloadavg()
+        ranks = spawn(_job, args.stages, args=(cfg,), backend="gloo", timeout=1800)
+        result = report.summarize(cfg, ranks, load)
+        print(report.table(result))
+        files = report.write(result, ranks, out)
+        print(outputs.wrote(files))
+    return 0

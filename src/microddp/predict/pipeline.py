@@ -1,0 +1,112 @@
+"""Predict a pipeline step: the schedule played with each action's cost and each message's.
+
+A stage's forward of one micro-batch costs its blocks' FLOPs (2 per weight per sample) at the
+rank's rate, plus, with `--sleep-ms`, the sleep `microddp bench pipeline --compute sleep` adds
+per block; a backward costs twice a forward (I and W one forward each). Every activation and
+every gradient crossing a stage boundary is one message of micro-batch x width x 4 bytes,
+costing alpha + bytes x beta. The schedule's own programs are then played
+(`microddp.pipeline.simulate`) with these costs: the bubble and the step time come out of the
+same plan the interpreter runs, not out of a formula, so interleaving's extra messages and
+zero-bubble's filled slots are counted as they happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import pipeline
+from ..errors import MicroDDPError
+from ..pipeline import Action
+from .step import Hardware
+
+
+@dataclass(frozen=True)
+class PipelineJob:
+    """What `microddp bench pipeline` runs: p ranks, m micro-batches, a FullMLP, the batch."""
+
+    stages: int
+    microbatches: int
+    dim: int
+    depth: int
+    batch: int
+    virtual: int = 2
+    sleep_ms: float | None = None  # per block forward, as --compute sleep adds
+
+
+def rank_rate(hw: Hardware, ranks: int) -> float:
+    """FLOP/s one rank gets: the host's rate shared by the ranks running at once (CPU ranks
+    beyond the cores time-share them), but no more than one rank alone reaches."""
+    sharing = min(ranks, hw.cores) if hw.cores else 1
+    rate = hw.flops / sharing
+    return min(rate, hw.rank_flops) if hw.rank_flops else rate
+
+
+def predict(job: PipelineJob, name: str, hw: Hardware) -> dict:
+    """One step of schedule `name` for `job` on `hw`: bubble, step and transfer time (s)."""
+    schedule = pipeline.build(name, job.stages, job.microbatches, job.virtual)
+    blocks = pipeline.blocks_per_stage(job.depth, schedule.stages)
+    pipeline.microbatch_sizes(job.batch, job.microbatches)  # raises, saying what to do
+    mb = job.batch / job.microbatches  # the mean micro-batch: sizes differ by one at most
+    rate = rank_rate(hw, job.stages)
+    block_flops = 2 * (job.dim * job.dim + job.dim) * mb
+    head_flops = 2 * (job.dim * 2 + 2) * mb  # the last stage's Linear to 2 classes
+    sleep = (job.sleep_ms or 0.0) / 1e3
+
+    def forward(stage: int) -> float:
+        flops = blocks[stage] * block_flops + (head_flops if stage == schedule.stages - 1 else 0)
+        return flops / rate + blocks[stage] * sleep
+
+    share = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+    def cost(a: Action) -> float:
+        return share[a.kind] * forward(a.stage)
+
+    message = mb * job.dim * 4
+    transfer = hw.latency + message / hw.bandwidth
+    timeline = pipeline.simulate(schedule, cost, transfer)
+    ideal = pipeline.simulate(schedule, cost)
+    sends = sum(a.kind in ("SEND_ACT", "SEND_GRAD") for prog in schedule.actions for a in prog)
+    return {"schedule": name, "bubble": timeline.bubble, "step_s": timeline.makespan,
+            "step_without_transfer_s": ideal.makespan, "transfer_per_message_s": transfer,
+            "messages": sends, "bytes_sent": sends * message,
+            "bubble_theory": pipeline.theory_bubble(schedule)}
+
+
+def from_bench(result: dict) -> PipelineJob:
+    """The job a pipeline.json of `microddp bench pipeline` describes."""
+    try:
+        c = result["config"]
+        return PipelineJob(c["stages"], c["microbatches"], c["dim"], c["depth"], c["batch"],
+                           c["virtual"], c["sleep_ms"] if c["compute"] == "sleep" else None)
+    except (KeyError, TypeError) as e:
+        raise MicroDDPError(f"not a pipeline.json of `microddp bench pipeline` (no {e} in its "
+                            "config); run the benchmark and pass its pipeline.json") from None
+
+
+def table(job: PipelineJob, rows: list[dict], measured: dict | None = None) -> str:
+    """Predicted bubbles and step times, and beside them the benchmark's, if given."""
+    head = (f"{'schedule':12}{'bubble':>8}{'theory':>8}{'step ms':>10}{'of it transfer':>16}"
+            f"{'bytes sent':>12}")
+    if measured is not None:
+        head += f"{'measured bubble':>17}{'step ms':>10}{'error':>8}"
+    lines = [head]
+    for r in rows:
+        line = (f"{r['schedule']:12}{r['bubble']:>8.3f}{r['bubble_theory']:>8.3f}"
+                f"{1e3 * r['step_s']:>10.2f}"
+                f"{1e3 * (r['step_s'] - r['step_without_transfer_s']):>16.2f}"
+                f"{r['bytes_sent']:>12.3g}")
+        if measured is not None and r["schedule"] in measured:
+            got = measured[r["schedule"]]
+            err = (1e3 * r["step_s"] - got["step_ms"]) / got["step_ms"]
+            line += f"{got['bubble_measured']:>17.3f}{got['step_ms']:>10.2f}{100 * err:>7.0f}%"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def describe(job: PipelineJob, hw: Hardware) -> str:
+    compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "
+               "FLOP/s per rank" if job.sleep_ms else
+               f"FLOPs at {rank_rate(hw, job.stages):.3g} FLOP/s per rank")
+    return (f"pipeline: {job.stages} ranks, {job.microbatches} micro-batches, FullMLP({job.dim}, "
+            f"depth {job.depth}), batch {job.batch}; compute: {compute}; messages: "
+            f"{1e6 * hw.latency:.0f} us + bytes / {hw.bandwidth:.3g} B/s ({hw.note})")
