@@ -42,6 +42,7 @@ presets are assumptions, not measurements: override any figure with --flops, --b
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp predict`: model, hardware, world sizes, batch, overlap."""
     p.add_argument("--model", choices=sorted(MODELS),
                    help="a model preset (default: FullMLP of --dim and --depth)")
     p.add_argument("--params", type=float, help="parameter count (instead of --model); a sample "
@@ -137,6 +138,7 @@ def _model(args: argparse.Namespace) -> Model:
 
 
 def run(args: argparse.Namespace) -> int:
+    """List presets, calibrate, or print the predicted step time per world size; the exit code."""
     if args.list:
         for name, hw in HARDWARE.items():
             print(f"{name:13} {hw.flops:9.3g} FLOP/s {hw.bandwidth:9.3g} B/s "
