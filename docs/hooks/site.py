@@ -176,7 +176,7 @@ def navigation(pages: list[str], modules: list[str]) -> list:
 def _titled(page: str) -> dict[str, str]:
     for line in (ROOT / "docs" / page).read_text().splitlines():
         if line.startswith("# "):
-            return {line[2:].strip(): page}
+            return {line[2:].strip().replace("`", ""): page}  # nav titles are plain text
     return {page.removesuffix(".md"): page}
 
 
