@@ -17,14 +17,16 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 from cli_examples import ROOT, RUN_DEADLINE, check_parses, command_lines, run_command
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"(?:<!--\s*(?P<mark>[^>]*?)\s*-->\s*\n)?^```(?P<lang>\w*)[^\n]*\n"
-                   r"(?P<body>.*?)^```", re.S | re.M)
+# A fence may be indented (inside a tab or an admonition); its body is read dedented.
+FENCE = re.compile(r"(?:<!--\s*(?P<mark>[^>]*?)\s*-->\s*\n)?^(?P<indent>[ \t]*)```(?P<lang>\w*)"
+                   r"[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
 MARKS = ("fragment:", "not run by the tests:")
 
 
@@ -34,7 +36,7 @@ def _blocks():
         for m in FENCE.finditer(text):
             line = text[:m.start("lang")].count("\n") + 1
             yield (f"{page.relative_to(ROOT)}:{line}", m.group("lang"), m.group("mark"),
-                   m.group("body"))
+                   textwrap.dedent(m.group("body")))
 
 
 BLOCKS = [b for b in _blocks() if b[1] in ("python", "bash") and "--8<--" not in b[3]]

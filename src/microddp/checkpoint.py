@@ -32,6 +32,8 @@ _NAME = re.compile(r"^ckpt-(\d+)(\.pt)?$")  # a file, or a folder of shards (tra
 
 
 def path_for(folder: str | Path, step: int) -> Path:
+    """The file of the checkpoint taken at `step` in `folder` (zero-padded, so names sort by
+    step)."""
     return Path(folder) / f"ckpt-{step:08d}.pt"
 
 
@@ -214,6 +216,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore every random generator (torch, Python, NumPy, CUDA) saved by `rng_state`, so a
+    resumed run draws the same numbers."""
     torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))

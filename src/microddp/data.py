@@ -35,11 +35,13 @@ class Split:
         return len(self.y)
 
     def to(self, device: torch.device | str) -> Split:
+        """The same samples on `device`."""
         return Split(self.x.to(device), self.y.to(device))
 
 
 @dataclass
 class Dataset:
+    """A classification data set split into train and test, with the sizes a model needs."""
     name: str
     train: Split
     test: Split
@@ -178,6 +180,7 @@ class ShardedBatchSampler:
         return list(torch.split(self.order(epoch), self.batch_size))[: len(self)]
 
     def global_sizes(self, epoch: int) -> list[int]:
+        """The size of every global batch of `epoch`, in order."""
         return [len(b) for b in self.global_batches(epoch)]
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
@@ -231,6 +234,8 @@ class ShardedBatchSampler:
                 "n": self.n, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; refuses a state saved for another data set size or
+        batch size."""
         if (state["n"], state["batch_size"]) != (self.n, self.batch_size):
             raise MicroDDPError(
                 f"sampler state is for {state['n']} samples in batches of {state['batch_size']}, "

@@ -34,4 +34,5 @@ class FullMLP(nn.Module):
         self.dim, self.depth, self.n_classes, self.in_features = dim, depth, n_classes, in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits for a batch `x` of shape (batch, dim)."""
         return self.net(x)

@@ -38,6 +38,7 @@ class Recorder:
         self._lock = threading.Lock()
 
     def add(self, span: Span) -> None:
+        """Keep a finished span (thread-safe: the reducer records from autograd's thread)."""
         with self._lock:
             self.spans.append(span)
 
@@ -60,6 +61,7 @@ def stop() -> Recorder | None:
 
 
 def recorder() -> Recorder | None:
+    """The recorder spans go to now, or None when nothing records."""
     return _recorder
 
 
@@ -75,6 +77,7 @@ def use(rec: Recorder | None) -> Iterator[Recorder | None]:
 
 
 def enabled() -> bool:
+    """Whether spans are being recorded (so callers skip the clock when not)."""
     return _recorder is not None
 
 
@@ -130,6 +133,7 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def length(intervals: list[tuple[float, float]]) -> float:
+    """Total time covered by `intervals`, overlaps counted once."""
     return sum(b - a for a, b in union(intervals))
 
 

@@ -40,6 +40,7 @@ def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
 
 
 def median(xs: list[float]) -> float:
+    """The median of `xs`: what benchmarks compare, as it ignores rare outliers."""
     return statistics.median(xs)
 
 

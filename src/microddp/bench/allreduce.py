@@ -51,6 +51,7 @@ CALIBRATION_SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp bench allreduce`: ranks, sizes, algorithms, repetitions."""
     p.add_argument("-n", "--world-size", type=int, default=2, help="ranks to start (default 2)")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"tensor sizes in bytes, K/M suffixes allowed (default {DEFAULT_SIZES})")
@@ -210,6 +211,8 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the flags, time every algorithm against gloo on spawned ranks, and write the
+    report; the exit code."""
     sizes = check_sizes([parse_size(s) for s in args.sizes.split(",") if s.strip()])
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in algos if a not in ALGOS]

@@ -15,6 +15,7 @@ MODELLED = {"ring": "ring_all_reduce", "tree": "tree_all_reduce", "naive": "naiv
 
 
 def human(nbytes: float) -> str:
+    """A byte count as people read it (`4 MiB`, `512 KiB`, `12 B`)."""
     for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= size:
             return f"{nbytes / size:g} {unit}"
@@ -84,6 +85,8 @@ def table(rows: list[dict], algos: list[str], model: CostModel, p: int,
 
 
 def plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
+    """Draw each algorithm's mean time per call, measured and as modelled, beside gloo's over
+    the message sizes (log-log), into the PNG at `path`."""
     import matplotlib  # noqa: PLC0415 (only the benchmark needs it)
 
     matplotlib.use("Agg")

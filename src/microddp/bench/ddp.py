@@ -30,6 +30,7 @@ DEFAULT_ENGINES = ("microddp", "torch", "naive")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp bench ddp`: model widths, batch, ranks, repetitions, engines."""
     p.add_argument("--dims", type=int, nargs="+", default=[128, 512, 1024],
                    help="FullMLP widths to measure (default: 128 512 1024)")
     p.add_argument("--depth", type=int, default=16, help="Linear+ReLU layers (default: 16)")
@@ -88,6 +89,8 @@ def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the flags, time the DDP engines interleaved on spawned ranks, and print their
+    ratios; the exit code."""
     from ..launch.spawn import spawn
 
     flags.engines(args.engines)

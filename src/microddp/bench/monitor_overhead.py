@@ -116,6 +116,8 @@ def _measure(world, dims: list[int], repeats: int, warmup: int,
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Measure what the hang monitor costs a DDP step and a bare all-reduce (`python -m
+    microddp.bench.monitor_overhead`)."""
     p = argparse.ArgumentParser(prog="python -m microddp.bench.monitor_overhead",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--dims", type=int, nargs="+", default=[128, 1024],

@@ -188,6 +188,7 @@ def verdicts(rows: list[dict], grad_mb: float, cores: int) -> list[str]:
 
 
 def table(rows: list[dict]) -> str:
+    """The scaling results as a fixed-width text table, one line per mode, world size and engine."""
     head = (f"{'mode':6} {'ranks':>5} {'engine':10} {'batch':>5} {'step ms':>8} {'samples/s':>10} "
             f"{'speedup':>7} {'eff':>5} {'compute':>8} {'exp.comm':>8} {'other':>7}")
     lines = [head]
@@ -200,6 +201,8 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Draw the speedup of strong and weak scaling against the ideal, and where a weak-scaling
+    step's time goes, into the PNG at `path`."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -233,6 +236,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp bench scaling`: world sizes, engines, model, batch, modes,
+    repetitions."""
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4],
                    help="world sizes (default 1 2 4)")
     p.add_argument("--engines", nargs="+", default=["overlap", "torch"],
@@ -257,6 +262,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the flags, measure every world size and engine, and write the table, CSV and PNG;
+    the exit code."""
     flags.at_least(1, ranks=args.ranks, repeats=args.repeats, rounds=args.rounds,
                     threads=args.threads, dim=args.dim, batch=args.batch)
     flags.at_least(0, depth=args.depth, warmup=args.warmup)

@@ -95,6 +95,7 @@ def _overlapping(tensor: torch.Tensor) -> bool:
 
 
 def check_tensor(tensor, where: str, name: str = "tensor") -> torch.Tensor:
+    """`tensor` itself if it is a tensor; otherwise a MicroDDPError naming the call and argument."""
     if not isinstance(tensor, torch.Tensor):
         raise MicroDDPError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     return tensor

@@ -79,9 +79,13 @@ class CostModel:
         return 2 * (p - 1) * self._msg(n) + (p - 1) * n * self.gamma
 
     def tree_broadcast(self, n: float, p: int) -> float:
+        """Seconds to broadcast `n` bytes down a binary tree of `p` ranks: ceil(log2 p) full
+        messages."""
         return _ceil_log2(p) * self._msg(n)
 
     def tree_reduce(self, n: float, p: int) -> float:
+        """Seconds to reduce `n` bytes up a binary tree of `p` ranks: ceil(log2 p) messages,
+        each also summed."""
         return _ceil_log2(p) * (self._msg(n) + n * self.gamma)
 
     def scatter(self, n: float, p: int) -> float:
@@ -89,6 +93,7 @@ class CostModel:
         return (p - 1) * self._msg(n / p)
 
     def gather(self, n: float, p: int) -> float:
+        """The root receives p-1 parts of n/p bytes (n = bytes of all parts together)."""
         return (p - 1) * self._msg(n / p)
 
     def predict(self, algorithm: str, nbytes: float, p: int, **options) -> float:

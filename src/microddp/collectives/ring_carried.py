@@ -64,6 +64,8 @@ class Header:
         self.theirs_t = torch.frombuffer(self.theirs, dtype=torch.int64)
 
     def stamp(self, base: int) -> None:
+        """Write this call's tag base into the header: as a field, and negated in the second half
+        (the layout `encode` gives every field)."""
         self.mine[TAG_SLOT], self.mine[SLOTS + TAG_SLOT] = base, -base
 
     def matches(self) -> bool:

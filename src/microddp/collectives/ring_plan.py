@@ -71,12 +71,16 @@ class PerTensor:
         self._entries: dict[int, tuple[weakref.ref, tuple, Any]] = {}
 
     def get(self, tensor: torch.Tensor, key: tuple) -> Any:
+        """The value kept for this very tensor under `key`, or None if none (or kept for
+        another)."""
         entry = self._entries.get(id(tensor))
         if entry is not None and entry[0]() is tensor and entry[1] == key:
             return entry[2]
         return None
 
     def put(self, tensor: torch.Tensor, key: tuple, value: Any) -> None:
+        """Keep `value` for `tensor` under `key`, evicting the oldest entry when full; forgotten
+        when the tensor dies."""
         ident = id(tensor)
         if ident not in self._entries and len(self._entries) >= self.limit:
             self._entries.pop(next(iter(self._entries)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 
 from ..errors import MicroDDPError
 from .dispatch import add_commands
@@ -26,6 +27,7 @@ COMMANDS = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The `microddp` parser; only the command named in `argv` is imported and fully configured."""
     parser = argparse.ArgumentParser(
         prog="microddp",
         description="Data parallelism from scratch: launcher, training job, benchmarks, tools.",
@@ -36,7 +38,29 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def all_parsers(path: list[str] | None = None) -> Iterator[tuple[list[str], argparse.ArgumentParser]]:
+    """Every command's fully built parser with the words that name it (`[]` for `microddp`
+    itself, then `["bench", "ddp"]`...), parents first: the docs' CLI reference is made from
+    these, so it shows exactly what --help shows."""
+    path = path or []
+    parser = build_parser(path)
+    for name in path:
+        parser = _subcommands(parser)[name]
+    yield path, parser
+    for name in _subcommands(parser):
+        yield from all_parsers([*path, name])
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The sub-parsers of `parser` by name (argparse keeps them in a private action)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the `microddp` command line; a user's mistake prints one line and returns 2."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     # argparse reports an unknown flag from the top-level parser, with its usage; the user

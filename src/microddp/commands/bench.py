@@ -29,6 +29,7 @@ NESTED = True
 
 
 def add_arguments(p: argparse.ArgumentParser, argv: list[str]) -> None:
+    """One sub-command per benchmark; only the one named in `argv` is imported."""
     from .dispatch import add_commands
 
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)

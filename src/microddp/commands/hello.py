@@ -14,10 +14,12 @@ handle, and the sum of all ranks computed with one all_reduce.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp hello`."""
     p.add_argument("-n", "--nproc", type=int, default=2, help="number of processes (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Launch `--nproc` ranks that introduce themselves and all-reduce their ranks."""
     from ..launch.run import launch
 
     return launch("microddp.commands.hello", [], nproc=args.nproc, module=True)

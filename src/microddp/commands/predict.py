@@ -46,6 +46,7 @@ presets are assumptions, not measurements: override any figure with --flops, --b
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp predict`: model, hardware, world sizes, batch, overlap."""
     p.add_argument("--model", choices=sorted(MODELS),
                    help="a model preset (default: FullMLP of --dim and --depth)")
     p.add_argument("--params", type=float, help="parameter count (instead of --model); a sample "
@@ -208,6 +209,7 @@ def _zero(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """List presets, calibrate, or print the predicted step time per world size; the exit code."""
     if args.zero:
         return _zero(args)
     if args.stages is not None or args.compare is not None:

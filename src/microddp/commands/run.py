@@ -29,6 +29,7 @@ many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hos
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp run`: workers, restarts, port, and the script with its arguments."""
     p.add_argument("-n", "--nproc", type=int, default=2, help="number of workers (default 2)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart all workers up to K times after a failure, except exit code 2 "

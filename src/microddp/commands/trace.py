@@ -29,6 +29,7 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp trace`: a trace to summarise, or the run to record."""
     p.add_argument("path", nargs="?", help="an existing trace.json to summarise (no run)")
     p.add_argument("-n", "--nproc", type=int, default=2, help="ranks to run (default 2)")
     p.add_argument("--engine", choices=ENGINES, default="overlap",
@@ -88,6 +89,7 @@ def _overhead(args: argparse.Namespace, kwargs: dict) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Record a few traced DDP steps (or summarise a saved trace) and print where the time went."""
     if args.path:
         return _summarise(args.path)
     flags.at_least(1, nproc=args.nproc, dim=args.dim, depth=args.depth, batch=args.batch,

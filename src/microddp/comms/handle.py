@@ -60,6 +60,7 @@ class Handle:
         return self._work.exception() if self._work is not None else None
 
     def is_completed(self) -> bool:
+        """Whether the operation has finished (then its results are in place), without waiting."""
         if self._work is not None and not self._work.is_completed():
             return False
         self._complete()

@@ -18,6 +18,7 @@ from ..errors import MicroDDPError
 
 
 def env_int(name: str, default: int | None) -> int | None:
+    """The whole number in environment variable `name`, `default` if unset or empty."""
     raw = os.environ.get(name)
     if raw in (None, ""):
         return default

@@ -38,10 +38,12 @@ class World:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0, the one that prints and saves."""
         return self.rank == 0
 
     @property
     def distributed(self) -> bool:
+        """Whether a process group was formed (False for a world of one process)."""
         return self.backend is not None
 
 
@@ -53,9 +55,14 @@ class Watcher(Protocol):
     goes: the hang monitor. It lives above this layer (it watches collectives too), so it is
     handed in (`watch_with`) rather than imported from here."""
 
-    def wanted(self, requested: bool | None) -> bool: ...
-    def start(self, timeout_s: float) -> None: ...
-    def stop(self) -> None: ...
+    def wanted(self, requested: bool | None) -> bool:
+        """Whether to watch, given what the caller of `init` asked for (None: the default)."""
+
+    def start(self, timeout_s: float) -> None:
+        """Start watching collectives; one still open after `timeout_s` is reported."""
+
+    def stop(self) -> None:
+        """Stop watching, before the process group is destroyed."""
 
 
 _watcher: Watcher | None = None
@@ -267,6 +274,7 @@ def _adopt(backend: str | None) -> World:
 
 
 def is_initialized() -> bool:
+    """Whether `init` was called and `shutdown` not yet."""
     return _world is not None
 
 

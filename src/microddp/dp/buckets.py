@@ -109,6 +109,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the bucket's flat gradient buffer."""
         return self.flat.numel() * self.flat.element_size()
 
     def add(self, p: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ class GradBucket:
         self._buffer = bucket.flat
 
     def index(self) -> int:
+        """The bucket's position in reduction order: bucket 0 is reduced first."""
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
@@ -47,6 +48,7 @@ class GradBucket:
         return self._bucket.index == self._count - 1
 
     def parameters(self) -> list[torch.Tensor]:
+        """The parameters whose gradients this bucket holds, in buffer order."""
         return list(self._bucket.params)
 
     def gradients(self) -> list[torch.Tensor]:
@@ -55,9 +57,11 @@ class GradBucket:
                 for p, o in zip(self._bucket.params, self._bucket.offsets, strict=True)]
 
     def offsets(self) -> list[int]:
+        """Where each parameter's gradient starts in buffer(), in elements."""
         return list(self._bucket.offsets)
 
     def lengths(self) -> list[int]:
+        """How many elements each parameter's gradient takes in buffer()."""
         return list(self._bucket.lengths)
 
 
@@ -98,11 +102,13 @@ class Summing:
             self.work = dist.all_reduce(tensor, group=group, async_op=True)
 
     def wait(self) -> torch.Tensor:
+        """Wait for the sum to arrive and return the summed tensor."""
         if self.work is not None:
             self.work.wait()
         return self.tensor
 
     def add_done_callback(self, fn: Callable) -> None:
+        """Call `fn` with a finished future once the sum has arrived (at once if it already has)."""
         if self.work is None:
             fn(done(self.tensor))
         else:

@@ -125,16 +125,21 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
+        """Set whether forward broadcasts buffers from rank 0 (torch's attribute name)."""
         self.forward_sync_buffers = value
 
     def src_rank(self, group_rank: int = 0) -> int:
+        """The global rank of group rank `group_rank`: where parameters and buffers come from."""
         return global_rank(self.process_group, group_rank)
 
     @property
     def device(self) -> torch.device:
+        """The device of the module's parameters."""
         return next(self.module.parameters()).device
 
     def forward(self, *inputs, **kwargs):
+        """Run the module, first syncing buffers and preparing the reducer for this iteration's
+        backward."""
         self.reducer.release_retired()
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._frozen and torch.is_grad_enabled():
@@ -165,6 +170,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         return output
 
     def will_sync_buffers(self) -> bool:
+        """Whether this forward broadcasts the module's buffers from the source rank."""
         return (self.require_forward_param_sync and self.forward_sync_buffers
                 and self._has_buffers)
 
@@ -196,10 +202,12 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
 
     @property
     def join_device(self) -> torch.device:
+        """The device a join's bookkeeping tensors live on (torch's Joinable API)."""
         return self.device
 
     @property
     def join_process_group(self):
+        """The group a join talks over (torch's Joinable API)."""
         return dist.group.WORLD if self.process_group is None else self.process_group
 
     def register_comm_hook(self, state: object, hook: CommHook | str) -> None:

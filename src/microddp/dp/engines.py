@@ -40,6 +40,7 @@ class AverageAfterBackward:
         self.queued = False
 
     def remove(self) -> None:
+        """Take the hook off the module, leaving it as it was."""
         for h in self.handles:
             h.remove()
 
@@ -64,6 +65,7 @@ class StageDDP(nn.Module):
         self.buffers = list(module.buffers()) if broadcast_buffers else []
 
     def forward(self, *args, **kwargs):
+        """Run the module, broadcasting its buffers from rank 0 first, as torch's DDP does."""
         if self.buffers:
             broadcast_coalesced(self.buffers, keep_versions=True)
         return self.module(*args, **kwargs)

@@ -167,6 +167,7 @@ class Lender:
         self.new_backward()
 
     def new_backward(self) -> None:
+        """Start a backward: no bucket claimed yet, no replaced gradient kept."""
         self.claimed = bytearray(len(self.lent))
         self.retired: list = []  # gradients replaced by lent views, freed at the next forward
 

@@ -34,11 +34,18 @@ class ShadowedReducer(Protocol):
     comm_state: object
     world_size: int
 
-    def rebuild_buckets(self) -> None: ...
-    def claim(self, bucket, exclusive: bool = False) -> None: ...
-    def all_reduces_used(self) -> bool: ...
-    def set_divisor(self, n: int) -> None: ...
-    def skip_iteration(self) -> None: ...
+    def rebuild_buckets(self) -> None:
+        """Regroup buckets in the order gradients arrived (after the first iteration)."""
+
+    def claim(self, bucket, exclusive: bool = False) -> None:
+        """Make `bucket` safe to write before this backward's first write into it."""
+    def all_reduces_used(self) -> bool:
+        """Whether this iteration all-reduces the used-parameter mask (find_unused_parameters)."""
+
+    def set_divisor(self, n: int) -> None:
+        """Divide summed gradients by `n` instead of the world size."""
+    def skip_iteration(self) -> None:
+        """Forget this iteration's state without reducing anything."""
 
 
 class Joinable(Protocol):
@@ -54,8 +61,11 @@ class Joinable(Protocol):
     require_forward_param_sync: bool
     _join: object  # the join in force, which each forward reports to
 
-    def src_rank(self, group_rank: int = 0) -> int: ...
-    def will_sync_buffers(self) -> bool: ...
+    def src_rank(self, group_rank: int = 0) -> int:
+        """The global rank of group rank `group_rank`."""
+
+    def will_sync_buffers(self) -> bool:
+        """Whether this forward broadcasts buffers."""
 
 
 class Join:
@@ -144,10 +154,14 @@ class TorchJoinHook(JoinHook):
         self.join = join
 
     def main_hook(self) -> None:
+        """Shadow one iteration of the ranks still training (torch's Join calls this while one
+        is)."""
         _, n_sync, top = self.join._exchange(False, False)  # someone is active: torch's Join
         self.join.shadow(n_sync, top)                       # calls this only then
 
     def post_hook(self, is_last_joiner: bool) -> None:
+        """Finish the join once every rank is out of data: resync parameters from the last
+        joiner."""
         self.join.finish(last=is_last_joiner)
 
 

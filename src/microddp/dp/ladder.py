@@ -116,6 +116,7 @@ class GradHooks:
             comms.all_reduce_mean(p.grad)
 
     def remove(self) -> None:
+        """Take the hooks off the parameters."""
         for h in self.handles:
             h.remove()
 # --8<-- [end:hooks]
@@ -147,6 +148,7 @@ class BucketHooks:
             bucket.copy_out()
 
     def remove(self) -> None:
+        """Take the hooks off the parameters."""
         for h in self.handles:
             h.remove()
 # --8<-- [end:buckets]
@@ -194,6 +196,7 @@ class OverlapHooks:
         self.waiting = False
 
     def remove(self) -> None:
+        """Take the hooks off the parameters."""
         for h in self.handles:
             h.remove()
 # --8<-- [end:overlap]

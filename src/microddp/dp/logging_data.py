@@ -44,6 +44,8 @@ class RuntimeStats:
         self.sampled = 0
 
     def forward_started(self) -> None:
+        """Start an iteration; sample it if it is one of the first ones or every
+        `sample_rate`-th."""
         self.iterations += 1
         n = self.iterations - 1
         self.on = n < FIRST_SAMPLED or n % self.sample_rate == 0
@@ -52,6 +54,7 @@ class RuntimeStats:
             self.mark("forward_compute_time_start")
 
     def mark(self, event: str) -> None:
+        """Note when `event` first happened in this iteration, if it is sampled."""
         if self.on and event not in self.at:
             self.at[event] = time.time_ns()
 
@@ -76,6 +79,7 @@ class RuntimeStats:
         self.on = False
 
     def averages(self) -> dict[str, int]:
+        """Mean nanoseconds per sampled iteration, under torch's `DDPLoggingData` names."""
         if not self.sampled:
             return {}
         n = self.sampled

@@ -126,9 +126,11 @@ class Reducer(DoubleBackward):
         backward). Nothing to do here: that backward's end averaged everything already."""
 
     def claim(self, bucket: Bucket, exclusive: bool = False) -> None:
+        """Make `bucket` safe to write before this backward's first write (see Lender.claim)."""
         self.lender.claim(bucket, exclusive)
 
     def release_retired(self) -> None:
+        """Free the gradients that lent views replaced in the last backward."""
         self.lender.release_retired()
 
     # -- one iteration ----------------------------------------------------------------------

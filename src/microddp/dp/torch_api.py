@@ -78,10 +78,12 @@ class TorchDDPApi:
     # -- torch's other attributes, with torch's meaning ---------------------------------------
     @property
     def bucket_bytes_cap(self) -> int:
+        """The cap of every bucket after the first, in bytes (torch's attribute)."""
         return self.reducer.caps[1]
 
     @property
     def bucket_bytes_cap_default(self) -> bool:
+        """Whether the caller left bucket_cap_mb at its default."""
         return self._bucket_cap_default
 
     bucket_bytes_cap_list = None  # torch 2.13's per-bucket caps, refused at construction
@@ -99,10 +101,12 @@ class TorchDDPApi:
 
     @property
     def parameters_to_ignore(self) -> set:
+        """Always empty: ignoring parameters is refused at construction."""
         return set()  # refused at construction
 
     @property
     def device_type(self) -> str:
+        """`cpu` or `cuda`: the type of the module's device."""
         return self.device.type
 
     @property
@@ -115,10 +119,12 @@ class TorchDDPApi:
 
     @property
     def modules_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers, the ones forward broadcasts."""
         return list(self.module.buffers())
 
     @property
     def named_module_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The module's buffers with their names."""
         return list(self.module.named_buffers())
 
     @property
@@ -126,6 +132,7 @@ class TorchDDPApi:
         return group_rank(self.process_group)
 
     def will_sync_module_buffers(self) -> bool:
+        """Whether this forward broadcasts buffers (torch's name for will_sync_buffers)."""
         return self.will_sync_buffers()
 
     @staticmethod
@@ -162,14 +169,17 @@ class TorchDDPApi:
         self.register_comm_hook(None, _BUILTIN_HOOKS[name])
 
     def scatter(self, inputs, kwargs, device_ids):
+        """Split inputs along `dim` for each device, as torch's DDP does."""
         return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
 
     def to_kwargs(self, inputs, kwargs, device_id):
+        """Move inputs and keyword arguments to the device `device_id`, in torch's nested form."""
         device = torch.device(self.device_type, device_id)
         inputs, kwargs = to_device((tuple(inputs or ()), dict(kwargs or {})), device)
         return (inputs,), (kwargs,)
 
     def gather(self, outputs, output_device):
+        """Gather outputs onto `output_device` along `dim`, as torch's DDP does."""
         return _gather(outputs, output_device, dim=self.dim)
 
     def __getattr__(self, name: str):

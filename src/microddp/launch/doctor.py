@@ -50,6 +50,7 @@ def ring_problem(world, reduce: Callable | None = None) -> str | None:
 
 
 def loopback_port() -> tuple[bool, str]:
+    """Whether a port on 127.0.0.1 can be bound, and what to show either way."""
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

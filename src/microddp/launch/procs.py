@@ -38,6 +38,7 @@ class AgentStore:
     @classmethod
     def start(cls, port: int = 0, addr: str = LOOPBACK,
               timeout: float | timedelta | None = None) -> AgentStore:
+        """A TCPStore server on `addr:port` (0 picks a free port), for the workers to meet at."""
         if not 0 <= port <= 65535:
             raise MicroDDPError(f"port must be between 0 and 65535, got {port}; 0 picks a free "
                                 "one")

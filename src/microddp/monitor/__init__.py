@@ -112,4 +112,5 @@ def disable() -> None:
 
 
 def active() -> Monitor | None:
+    """The monitor watching this process's collectives, or None."""
     return patch.active()

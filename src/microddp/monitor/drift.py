@@ -75,5 +75,7 @@ class DriftCheck:
         self.module, self.every, self.group = module, every, group
 
     def check(self, step: int) -> None:
+        """Compare the replicas across ranks if `step` is a multiple of `every`; raises if they
+        differ."""
         if step % self.every == 0:
             check_replicas(self.module, step, self.group)

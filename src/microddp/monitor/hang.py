@@ -49,6 +49,7 @@ class Monitor:
         self._thread.start()
 
     def key(self, *parts: object) -> str:
+        """This rank's store key for `parts`, under the monitor's prefix."""
         return self.prefix + "/".join(map(str, parts))
 
     def close(self) -> None:
@@ -68,6 +69,8 @@ class Monitor:
     # -- what this rank says about itself --------------------------------------------------
     def status(self) -> dict:
         # The collective this rank gave up on counts as open even though its Work has failed.
+        """What this rank is doing now: its oldest open collective, the line it is on, its last
+        finished one."""
         entry = self._stalled or self.log.oldest_open()
         last = self.log.last_done()
         return {

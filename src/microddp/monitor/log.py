@@ -113,6 +113,7 @@ def main_thread_where() -> str:
 
 
 def describe_tensor(x: Any) -> str:
+    """A tensor's dtype and shape (`float32[4,8]`), or a list's length and first element's."""
     if isinstance(x, torch.Tensor):
         dtype = str(x.dtype).removeprefix("torch.")
         return f"{dtype}[{','.join(map(str, x.shape))}]"
@@ -157,16 +158,19 @@ class Entry:
 
     @property
     def shape(self) -> str:  # e.g. "float32[4]"
+        """The dtype and shape of the call's tensor, e.g. `float32[4]`."""
         self._describe_call()
         return self._shape
 
     @property
     def detail(self) -> str:  # reduce op, src/dst: what must match across ranks besides the shape
+        """What else must match across ranks besides the shape: reduce op, source, destination."""
         self._describe_call()
         return self._detail
 
     @property
     def caller(self) -> str:
+        """The user's file and line that made the call (found once, when first asked)."""
         if self._caller is None:
             if self._location is None:
                 frame = self._frame  # one read: the calling thread may let go of it meanwhile
@@ -201,14 +205,17 @@ class Entry:
         self._call = self._frame = self.work = None
 
     def fingerprint(self) -> dict:
+        """What two ranks' calls must agree on: operation, shape and detail."""
         return {"op": self.op, "shape": self.shape, "detail": self.detail}
 
     def describe(self) -> str:
+        """One line for a report: operation, sequence number, group, shape and calling line."""
         what = " ".join(x for x in (self.shape, self.detail) if x)
         grp = "" if self.group == "world" else f" on group {self.group}"
         return f"{self.op} #{self.seq}{grp} ({what}) called from {self.caller or 'an unknown line'}"
 
     def in_flight(self) -> bool:
+        """Whether the call is still open (not ended and its work not completed)."""
         if self.done is not None:
             return False
         work = self.work
@@ -234,6 +241,7 @@ class CollectiveLog:
 
     def begin(self, group: str, op: str, call: tuple | None = None,
               frame: FrameType | None = None) -> Entry:
+        """Record that a collective started on `group`; the entry to `end` when it finishes."""
         with self._lock:
             seq = self._seq.get(group, 0) + 1
             self._seq[group] = seq
@@ -247,6 +255,7 @@ class CollectiveLog:
             return entry
 
     def end(self, entry: Entry) -> None:
+        """Record that the collective of `entry` finished, and let go of its tensors."""
         entry.done = time.monotonic()
         entry.release()
         self.open.pop(entry, None)  # one step under the GIL (identity hash): no lock needed
@@ -263,6 +272,7 @@ class CollectiveLog:
             return next(iter(self.open), None)
 
     def last_done(self) -> Entry | None:
+        """The most recent collective that finished, or None."""
         with self._lock:
             done = [e for e in self.recent if e.done is not None]
         return done[-1] if done else None

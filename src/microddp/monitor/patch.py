@@ -59,6 +59,7 @@ _active: Monitor | None = None
 
 
 def group_name(group: Any) -> str:
+    """The name a report uses for `group`: `world` for the default one."""
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
     return str(getattr(group, "group_name", id(group)))
@@ -95,6 +96,8 @@ class MonitoredWork:
         self._work, self._entry, self._mon = work, entry, mon
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the work, no longer than the monitor's deadline; a failure becomes a report
+        of every rank."""
         mon, entry = self._mon, self._entry
         left = mon.timeout_s - (time.monotonic() - entry.started)
         try:
@@ -106,6 +109,7 @@ class MonitoredWork:
 
     def get_future(self) -> Any:
         # The caller will wait on the future, not on us: the watchdog must speak for it.
+        """The work's future; the watchdog then reports a hang, since no wait() here will."""
         self._entry.escapable = False
         return self._work.get_future()
 
@@ -317,4 +321,5 @@ def uninstall() -> Monitor | None:
 
 
 def active() -> Monitor | None:
+    """The monitor installed in this process, or None."""
     return _active

@@ -55,12 +55,15 @@ class Schedule:
 
     @property
     def stages(self) -> int:
+        """Stages in all: ranks times virtual stages per rank."""
         return self.ranks * self.virtual
 
     def rank_of(self, stage: int) -> int:
+        """The rank that runs `stage` (stages are dealt round-robin)."""
         return stage % self.ranks
 
     def stages_of(self, rank: int) -> list[int]:
+        """The stages `rank` runs, first to last."""
         return [rank + k * self.ranks for k in range(self.virtual)]
 
 

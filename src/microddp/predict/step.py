@@ -67,6 +67,7 @@ HARDWARE = {
 
 @dataclass(frozen=True)
 class Model:
+    """A model's size and cost for the predictor: parameters and training FLOPs per sample."""
     params: float
     flops_per_sample: float  # training FLOPs per sample (forward + backward)
     note: str = ""
@@ -184,6 +185,7 @@ def verdict(rows: list[dict], threshold: float = 0.5) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """The predictions as a fixed-width text table, one line per world size."""
     head = (f"{'ranks':>6} {'batch':>7} {'compute':>10} {'comm':>10} {'exp.no-ovl':>10} "
             f"{'exp.ovl':>10} {'step':>10} {'comm/comp':>9} {'speedup':>8} {'eff':>5}")
     out = [head]
@@ -196,5 +198,6 @@ def table(rows: list[dict]) -> str:
 
 
 def save_calibration(hw: Hardware, path: str) -> None:
+    """Write measured hardware figures as JSON, for `microddp predict --hardware FILE`."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     outputs.write_text(path, json.dumps(asdict(hw)))

@@ -30,6 +30,7 @@ TAG_HEADER, TAG_PAYLOAD = 1, 2
 
 def header(kind: int, sender: int, version: int = 0, clock: int = 0,
            samples: int = 0) -> torch.Tensor:
+    """The fixed-size int64 header every parameter-server message starts with."""
     return torch.tensor([kind, sender, version, clock, samples], dtype=torch.int64)
 
 
@@ -39,6 +40,8 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def flat_grads(model: nn.Module) -> torch.Tensor:
+    """All gradients in one float32 tensor (zeros for a parameter without one), in parameter
+    order."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                       for p in model.parameters()]).float()
 
@@ -57,6 +60,7 @@ def load_flat(model: nn.Module, flat: torch.Tensor, into_grad: bool = False) -> 
 
 
 def send(head: torch.Tensor, dst: int, payload: torch.Tensor | None = None) -> None:
+    """Send a header to `dst`, then its payload if there is one."""
     comms.send(head, dst, tag=TAG_HEADER)
     if payload is not None:
         comms.send(payload, dst, tag=TAG_PAYLOAD)
@@ -76,6 +80,7 @@ def recv(src: int, numel: int, timeout: float) -> tuple[torch.Tensor, torch.Tens
 
 @dataclass
 class Message:
+    """One message between a worker and the server, decoded from its header and payload."""
     kind: int
     worker: int
     version: int = 0
@@ -117,6 +122,7 @@ class Inbox:
                 return
 
     def get(self, timeout: float) -> Message | None:
+        """The next message, or None if none came within `timeout` seconds."""
         try:
             return self.messages.get(timeout=timeout)
         except queue.Empty:

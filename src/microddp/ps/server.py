@@ -45,6 +45,7 @@ class ServerReport:
 
     @property
     def samples_per_s(self) -> float:
+        """Samples applied per second of the run (0 for an empty run)."""
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
 

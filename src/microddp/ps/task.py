@@ -51,6 +51,7 @@ class Task:
             parts / self.global_batch)
 
     def shard_size(self, part: int, parts: int) -> int:
+        """How many samples of a global batch worker `part` of `parts` takes."""
         return len(shard_range(self.global_batch, part, parts))
 
 

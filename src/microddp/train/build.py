@@ -23,10 +23,13 @@ class Local(nn.Module):
         self.module = module
 
     def forward(self, *args, **kwargs):
+        """Run the module as it is: a world of one has nothing to average."""
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
+        """Nothing to hold back in a world of one; DDP's interface, so the loop needs no special
+        case."""
         yield
 
 
@@ -49,6 +52,8 @@ def wrap(module: nn.Module, engine: str, world: World) -> nn.Module:
 
 
 def build_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+    """The optimizer `--optimizer` names (SGD with momentum 0.9, or Adam) at the run's learning
+    rate."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.learning_rate, momentum=0.9)
     if cfg.optimizer == "adam":
@@ -72,14 +77,17 @@ class Precision:
         self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
+        """The context forward runs in: autocast to the chosen dtype, or nothing for float32."""
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward from `loss`, scaled first with fp16 so small gradients do not flush to zero."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step the optimizer; with fp16, unscaled and skipped when the gradients overflowed."""
         if self.scaler:
             self.scaler.step(optimizer)  # skips the step if the scaled gradients overflowed
             self.scaler.update()
@@ -87,9 +95,11 @@ class Precision:
             optimizer.step()
 
     def state_dict(self) -> dict | None:
+        """The gradient scaler's state for a checkpoint (None without one)."""
         return self.scaler.state_dict() if self.scaler else None
 
     def load_state_dict(self, state: dict | None) -> None:
+        """Restore the gradient scaler's state from a checkpoint."""
         if self.scaler and state:
             self.scaler.load_state_dict(state)
 

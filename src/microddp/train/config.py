@@ -65,10 +65,12 @@ class TrainConfig:
 
     @property
     def learning_rate(self) -> float:
+        """`--lr`, or the optimizer's default when not given."""
         return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
 
     @property
     def ckpt_dir(self) -> Path:
+        """Where checkpoints go: `--checkpoint-dir`, else `checkpoints/` in the run folder."""
         if self.checkpoint_dir:
             return Path(self.checkpoint_dir)
         if self.out is None:
@@ -76,6 +78,7 @@ class TrainConfig:
         return Path(self.out) / "checkpoints"
 
     def resume_settings(self) -> dict:
+        """The settings a checkpoint must match to be resumed with this config."""
         return {k: (self.learning_rate if k == "lr" else getattr(self, k)) for k in RESUME_KEYS}
 
     def to_argv(self) -> list[str]:
@@ -93,6 +96,7 @@ class TrainConfig:
         return argv
 
     def as_dict(self) -> dict:
+        """Every setting by name (for the run's metrics.jsonl)."""
         return asdict(self)
 
 
@@ -157,6 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
+    """The config from parsed flags, ignoring flags that are not settings."""
     names = {f.name for f in fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 

@@ -18,6 +18,7 @@ BAR_WIDTH = 20
 
 
 def bar(done: int, total: int) -> str:
+    """A fixed-width text progress bar for `done` of `total`."""
     filled = BAR_WIDTH * done // max(total, 1)
     return "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"
 
@@ -41,10 +42,12 @@ class LossMeter:
         self.fresh_interval = 0.0  # since the last progress line
 
     def add(self, loss_sum: torch.Tensor, n: int) -> None:
+        """Add a batch's summed loss over `n` samples, without communicating."""
         self.pending[0] += loss_sum.detach().double()
         self.pending[1] += n
 
     def sync(self) -> None:
+        """Sum the pending losses over every rank into the interval's and epoch's totals."""
         comms.all_reduce(self.pending, "sum")
         loss, n = self.pending.tolist()
         self.pending.zero_()
@@ -61,6 +64,7 @@ class LossMeter:
         return loss / max(n, 1), fresh
 
     def epoch_mean(self) -> float:
+        """The mean training loss per sample of the epoch so far, over every rank."""
         return self.epoch[0] / max(self.epoch[1], 1)
 
     def state(self) -> dict:
@@ -103,10 +107,12 @@ class Reporter:
         outputs.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def say(self, text: str) -> None:
+        """Print a line on rank 0."""
         if self.enabled:
             print(text, flush=True)
 
     def log(self, record: dict) -> None:
+        """Append a record with the elapsed time to metrics.jsonl (rank 0 only)."""
         if self.enabled:
             record = {**record, "time": round(time.perf_counter() - self.t0, 4)}
             with self.metrics_path.open("a") as f:
@@ -114,17 +120,20 @@ class Reporter:
 
     def progress(self, epoch: int, epochs: int, done: int, total: int, step: int,
                  loss: float, samples_per_s: float) -> None:
+        """Print the progress line: epoch, bar, step, loss, throughput."""
         self.say(f"epoch {epoch + 1}/{epochs} {bar(done, total)} {done}/{total} steps  "
                  f"step {step}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s")
 
     def epoch_summary(self, epoch: int, epochs: int, train_loss: float, acc: float,
                       samples_per_s: float, seconds: float) -> None:
+        """Print an epoch's training loss, test accuracy and throughput."""
         self.say(f"epoch {epoch + 1}/{epochs}: train loss {train_loss:.4f}  "
                  f"test accuracy {100 * acc:.2f}%  {samples_per_s:,.0f} samples/s  "
                  f"({seconds:.1f} s)")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl file, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 

@@ -120,6 +120,8 @@ def restore(state: dict, world: World, strategy, precision, sampler) -> int:
 
 
 def describe(state: dict, world: World) -> str:
+    """One line saying where a resumed run picks up, and why results may differ by rounding if
+    the world size changed."""
     text = (f"resuming from {Path(state['path']).name}: step {state['step']}, "
             f"epoch {state['sampler']['epoch'] + 1}, batch {state['sampler']['position']}")
     if state["world_size"] != world.world_size:

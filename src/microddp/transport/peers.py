@@ -97,6 +97,7 @@ class Peers:
 
     @property
     def member(self) -> bool:
+        """Whether this rank belongs to the group."""
         return self.me >= 0
 
     def group_rank(self, global_rank: int, what: str) -> int:
@@ -124,12 +125,14 @@ class Peers:
     # for every step, a receive posted early can stall for milliseconds on a busy machine.
     # With a second connection (`back`), messages from the higher group rank go over it.
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        """Start sending `tensor` to group rank `peer`; the work to wait on."""
         if _counters:
             _count(tensor)
         pg = self.back if self.back is not None and peer < self.me else self.pg
         return pg.send([_wire(tensor)], peer, 0 if self.nccl else tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0):
+        """Start receiving into `tensor` from group rank `peer`; the work to wait on."""
         pg = self.back if self.back is not None and peer > self.me else self.pg
         return pg.recv([_wire(tensor)], peer, 0 if self.nccl else tag)
 
@@ -145,9 +148,11 @@ class Peers:
         return self.pg.recv([tensor], peer, tag)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        """Send `tensor` to group rank `peer` and wait until it is sent."""
         self.isend(tensor, peer, tag).wait()
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        """Receive into `tensor` from group rank `peer` and wait until it has arrived."""
         self.irecv(tensor, peer, tag).wait()
 
     def exchange(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
@@ -181,6 +186,7 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def wait_all(works: list) -> None:
+    """Wait for every work in `works`, in order."""
     for w in works:
         w.wait()
 
@@ -203,6 +209,7 @@ class Flat:
         self.data = self.packed.view(-1)
 
     def done(self) -> torch.Tensor:
+        """Write the result back into the original tensor if it was packed, and return it."""
         if not self.in_place:
             self.base.copy_(self.packed)
         written(self.tensor)

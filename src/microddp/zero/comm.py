@@ -24,6 +24,7 @@ class Sent:
         self._at_step = 0
 
     def add(self, bucket: Bucket, element_size: int) -> None:
+        """Count the bytes one bucket's collective sends from this rank."""
         self.total += (bucket.world_size - 1) * bucket.cap * element_size
 
     def end_step(self) -> None:

@@ -109,6 +109,7 @@ class Zero(nn.Module):
         return units, bucket_params
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module (the parameter hooks gather what stage 3 needs)."""
         return self.module(*args, **kwargs)
 
     @contextmanager

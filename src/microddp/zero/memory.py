@@ -69,4 +69,5 @@ class CountingAllReduce:
         return dist.all_reduce(flat, async_op=True).get_future().then(lambda f: f.value()[0])
 
     def end_step(self) -> None:
+        """Close the step's window: what went out since the previous step ended."""
         self.last_step, self._at_step = self.total - self._at_step, self.total

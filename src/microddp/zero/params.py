@@ -78,6 +78,7 @@ class ParamSharder:
         unit.state = FREE
 
     def start_gather(self, unit: Unit) -> None:
+        """Start all-gathering a unit's parameters, unless they are already full or on their way."""
         if unit.state != FREE:
             return
         unit.pending = []
@@ -90,6 +91,7 @@ class ParamSharder:
         unit.state = GATHERING
 
     def ensure_full(self, unit: Unit) -> None:
+        """Make a unit's parameters whole, waiting for a gather in flight."""
         self.start_gather(unit)
         if unit.state == GATHERING:
             for b, handle, slots in unit.pending:
@@ -99,10 +101,12 @@ class ParamSharder:
             unit.state = FULL
 
     def gather_all(self) -> None:
+        """Make every unit's parameters whole (for saving or evaluating the full model)."""
         for unit in self.units:
             self.ensure_full(unit)
 
     def free_all(self) -> None:
+        """Free every unit's full parameters, leaving only this rank's shards."""
         for unit in self.units:
             if unit.state == GATHERING:
                 self.ensure_full(unit)  # a started gather must finish on every rank

@@ -52,10 +52,12 @@ class Bucket:
 
     @property
     def numel(self) -> int:
+        """Elements in the bucket, over all its parameters."""
         return sum(self.numels)
 
     @property
     def world_size(self) -> int:
+        """Ranks the bucket is sharded over."""
         return len(self.sizes)
 
 

@@ -100,5 +100,6 @@ class Shards:
         return out
 
     def zero_grad(self) -> None:
+        """Drop the shards' gradients (set to None, as torch's optimizers do)."""
         for shard in self.params:
             shard.grad = None
