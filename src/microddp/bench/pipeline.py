@@ -45,6 +45,7 @@ loss_fn = nn.functional.cross_entropy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp bench pipeline`."""
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks p (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step "
                    "(default 8)")
@@ -72,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def wrap(stage: nn.Module, compute: str, sleep_ms: float) -> nn.Module:
+    """Put one rank's stage under the chosen compute mode (real layers or fixed sleeps)."""
     return Sleeping(stage, sleep_ms / 1e3) if compute == "sleep" else stage
 
 
@@ -181,6 +183,7 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `microddp bench pipeline`: time every schedule beside torch's, write the json, PNGs and trace."""
     from ..launch.spawn import spawn
 
     schedules, theirs = check(args)

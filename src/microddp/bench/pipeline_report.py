@@ -64,6 +64,7 @@ def _kib(n: int) -> str:
 
 
 def table(result: dict) -> str:
+    """The printed table: bubble measured and in theory, step time and peak activations per schedule."""
     cfg = result["config"]
     mode = ("sleep: each block sleeps "
             f"{cfg['sleep_ms']:g} ms forward, {2 * cfg['sleep_ms']:g} ms backward, on top of its "

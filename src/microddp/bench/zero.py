@@ -41,6 +41,7 @@ KEYS = ("params", "grads", "optimizer_state")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp bench zero`."""
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
                    help="world sizes (default 2 4)")
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
@@ -149,6 +150,7 @@ def _kib(b: float) -> str:
 
 
 def table(results: list[dict], params: int) -> str:
+    """The printed table: measured bytes per rank and step time of every contender."""
     lines = [f"{'ranks':>5} {'contender':12}{'params':>10}{'grads':>10}{'optimizer':>10}"
              f"{'total':>10}{'vs dp':>7}{'step ms':>9}   (KiB on the rank holding most)"]
     for res in results:
@@ -169,6 +171,7 @@ def table(results: list[dict], params: int) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Memory per rank of every contender as stacked bars, one panel per world size."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -202,6 +205,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `microddp bench zero` on each world size and write zero.json and zero.png."""
     from ..launch.spawn import spawn
 
     flags.at_least(2, ranks=args.ranks)

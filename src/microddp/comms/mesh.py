@@ -34,6 +34,7 @@ class Mesh:
 
     @property
     def size(self) -> int:
+        """Ranks in the mesh: dp x pp."""
         return self.dp * self.pp
 
     def coords(self, rank: int) -> tuple[int, int]:
@@ -44,6 +45,7 @@ class Mesh:
         return divmod(rank, self.pp)
 
     def rank(self, replica: int, stage: int) -> int:
+        """The rank at (`replica`, `stage`): the inverse of coords()."""
         return replica * self.pp + stage
 
     def pp_ranks(self, replica: int) -> list[int]:

@@ -66,6 +66,7 @@ class Sleeping(nn.Module):
         self.weight_clock = nn.Parameter(torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The wrapped block's output, after sleeping its fixed forward time."""
         if not x.requires_grad:
             # The first stage's input is the batch: make it a leaf that wants a gradient, so a
             # full backward pays the input half on stage 0 as well (and every stage costs alike).

@@ -104,6 +104,7 @@ def table(job: PipelineJob, rows: list[dict], measured: dict | None = None) -> s
 
 
 def describe(job: PipelineJob, hw: Hardware) -> str:
+    """One line naming the job and the hardware the prediction assumes."""
     compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "
                "FLOP/s per rank" if job.sleep_ms else
                f"FLOPs at {rank_rate(hw, job.stages):.3g} FLOP/s per rank")

@@ -48,6 +48,7 @@ class Piece:
 
 
 def shard_name(rank: int) -> str:
+    """The file name of one rank's shard in a checkpoint folder."""
     return f"shard-{rank:05d}.pt"
 
 

@@ -54,6 +54,7 @@ class Strategy:
 
     @property
     def lr(self) -> float:
+        """The learning rate of the first parameter group (what progress lines log)."""
         raise NotImplementedError
 
     def evaluate(self, split: Split) -> dict:
@@ -86,6 +87,7 @@ class Strategy:
         raise NotImplementedError
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned (a one-file checkpoint)."""
         raise NotImplementedError
 
     def save_shards(self, folder: Path, run: str, common: Callable[[], dict],

@@ -20,6 +20,7 @@ from .traffic import ring_all_reduce_bytes
 
 
 class DataParallel(Strategy):
+    """Plain data parallelism: the model under a DDP engine, gradients averaged every step."""
     name = "dp"
 
     def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
@@ -32,10 +33,12 @@ class DataParallel(Strategy):
         self._sent = 0
 
     def describe(self) -> str:
+        """How this strategy is set up, for the run's first lines."""
         return f"dp, engine {self.cfg.engine if distributed() else 'none'}"
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
                    sync: bool) -> torch.Tensor:
+        """Forward and backward of one slice at the loop's scale; returns the summed loss."""
         # Both run inside no_sync() when `sync` is False: DDP decides at forward time whether
         # the coming backward averages gradients.
         with contextlib.nullcontext() if sync else self.model.no_sync():
@@ -49,6 +52,7 @@ class DataParallel(Strategy):
         return loss_sum
 
     def step(self) -> None:
+        """The optimizer step of this strategy, then gradients cleared."""
         # Measured with the averaged gradients in place and the optimizer state of the last
         # step: the most this rank holds at once.
         self._memory = {**measure(self.module, self.optimizer), "sent_per_step": self._sent}
@@ -59,26 +63,34 @@ class DataParallel(Strategy):
 
     @property
     def lr(self) -> float:
+        """The learning rate of the first parameter group (what progress lines log)."""
         return self.optimizer.param_groups[0]["lr"]
 
     def evaluate(self, split: Split) -> dict:
+        """Test loss and accuracy of the whole model, equal on every rank."""
         return evaluate(self.module, split, self.world)
 
     def drift_module(self) -> nn.Module:
+        """The replica the drift check compares across ranks."""
         return self.module
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict, for model.pt."""
         return self.module.state_dict() if self.world.rank == 0 else None
 
     def replica_state(self) -> dict[str, torch.Tensor]:
+        """This rank's whole replica, for the one-file checkpoint."""
         return self.module.state_dict()
 
     def memory(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state on this rank, from the live tensors."""
         return dict(self._memory)
 
     def state_dict(self) -> dict:
+        """Model and optimizer state for a one-file checkpoint."""
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned (a one-file checkpoint)."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

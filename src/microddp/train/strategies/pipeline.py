@@ -38,6 +38,7 @@ VIRTUAL = {"interleaved": 2}  # stages per rank; 1 for the other schedules
 
 
 class Pipeline(Strategy):
+    """Pipeline (and DP x PP) parallelism: this rank's stages run a schedule; gradients averaged once per step over the DP group."""
     sharded_checkpoints = True
 
     def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
@@ -72,6 +73,7 @@ class Pipeline(Strategy):
         return schedule
 
     def describe(self) -> str:
+        """How this strategy is set up, for the run's first lines."""
         return (f"{self.name}: {self.mesh.pp} stage(s) x {self.mesh.dp} replica(s), schedule "
                 f"{self.cfg.schedule}, {self.m} micro-batches; this rank: replica "
                 f"{self.groups.replica}, stage(s) {sorted(self.mine)}")
@@ -83,6 +85,7 @@ class Pipeline(Strategy):
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
                    sync: bool) -> torch.Tensor | None:
+        """Forward and backward of one slice at the loop's scale; returns the summed loss."""
         k = len(x)
         loss = None
         if k:  # a replica with no sample in this step runs no schedule, but still syncs
@@ -110,6 +113,7 @@ class Pipeline(Strategy):
         return torch.tensor(0.0 if loss is None else loss / scale, dtype=torch.float64)
 
     def step(self) -> None:
+        """The optimizer step of this strategy, then gradients cleared."""
         self._memory = {**measure(self.params, self.optimizer), "sent_per_step": sum(self._sent)}
         self._sent = []
         with trace.span("optimizer", track="optim"):
@@ -118,6 +122,7 @@ class Pipeline(Strategy):
 
     @property
     def lr(self) -> float:
+        """The learning rate of the first parameter group (what progress lines log)."""
         return self.optimizer.param_groups[0]["lr"]
 
     @contextlib.contextmanager
@@ -155,16 +160,19 @@ class Pipeline(Strategy):
             self._release()
 
     def evaluate(self, split: Split) -> dict:
+        """Test loss and accuracy of the whole model, equal on every rank."""
         with self._whole(None) as full:
             return evaluate(full, split, self.world)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict, for model.pt."""
         with self._whole(0) as full:
             if self.world.rank == 0:
                 return {k: v.detach().clone() for k, v in full.state_dict().items()}
         return None
 
     def memory(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state on this rank, from the live tensors."""
         return dict(self._memory)
 
     def pieces(self) -> list[sharded.Piece]:
@@ -174,9 +182,11 @@ class Pipeline(Strategy):
         return [sharded.Piece(self.names[id(q)], 0, q.data.view(-1), q) for q in self.params]
 
     def save_shards(self, folder: Path, run: str, common, keep: int) -> None:
+        """Write this rank's shard of a checkpoint folder."""
         sharded.save(folder, self.world, run, self.pieces(), self.optimizer, common, keep,
                      self.name)
 
     def load_shards(self, folder: Path, manifest: dict) -> None:
+        """Read this rank's part back from a checkpoint folder of any layout."""
         pieces = [sharded.Piece(self.names[id(q)], 0, q.data.view(-1), q) for q in self.params]
         sharded.load(folder, manifest, pieces, self.optimizer)

@@ -24,6 +24,7 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, {"momentum": 0.9}), "adam": (torch.optim.
 
 
 class Sharded(Strategy):
+    """ZeRO-1/2/3: the model under zero.Zero, optimizer state (and gradients, parameters) sharded over ranks."""
     sharded_checkpoints = True
 
     def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
@@ -38,6 +39,7 @@ class Sharded(Strategy):
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
                    sync: bool) -> torch.Tensor:
+        """Forward and backward of one slice at the loop's scale; returns the summed loss."""
         # As DDP: a micro-step outside no_sync() reduces the gradients accumulated so far.
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with trace.span("forward"), self.precision.autocast():
@@ -48,27 +50,33 @@ class Sharded(Strategy):
         return loss_sum
 
     def step(self) -> None:
+        """The optimizer step of this strategy, then gradients cleared."""
         with trace.span("optimizer", track="optim"):
             self.model.step()
             self.model.zero_grad()
 
     @property
     def lr(self) -> float:
+        """The learning rate of the first parameter group (what progress lines log)."""
         return self.optimizer.param_groups[0]["lr"]
 
     def evaluate(self, split: Split) -> dict:
+        """Test loss and accuracy of the whole model, equal on every rank."""
         # Ranks score different test batches, so ZeRO-3 must not gather per forward: the whole
         # module is gathered once for the evaluation (stages 1 and 2 hold it anyway).
         with self.model.gathered() as full:
             return evaluate(full, split, self.world)
 
     def drift_module(self) -> nn.Module | None:
+        """The replica the drift check compares across ranks."""
         return self.module if self.stage < 3 else None  # stage 3 holds no whole replica
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict, for model.pt."""
         return self.model.consolidated_state_dict(to_rank=0)
 
     def memory(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state on this rank, from the live tensors."""
         return self.model.memory()
 
     def pieces(self) -> list[sharded.Piece]:
@@ -87,9 +95,11 @@ class Sharded(Strategy):
         return out
 
     def save_shards(self, folder: Path, run: str, common, keep: int) -> None:
+        """Write this rank's shard of a checkpoint folder."""
         sharded.save(folder, self.world, run, self.pieces(), self.optimizer, common, keep,
                      self.name)
 
     def load_shards(self, folder: Path, manifest: dict) -> None:
+        """Read this rank's part back from a checkpoint folder of any layout."""
         sharded.load(folder, manifest, self.pieces(), self.optimizer)
         self.model.refresh_from_shards()
