@@ -10,7 +10,7 @@ from cli_examples import check_parses, command_lines, out_folders, run_command
 from microddp import commands as cli
 
 COMMANDS = [["doctor"], ["hello"], ["run"], ["train"], ["bench", "allreduce"], ["bench", "ddp"],
-            ["bench", "scaling"], ["trace"], ["predict"]]
+            ["bench", "scaling"], ["bench", "async"], ["trace"], ["predict"]]
 
 
 def _parser(path: list[str]) -> argparse.ArgumentParser:
@@ -79,6 +79,8 @@ QUICK = {
     ("hello",): "all",
     ("run",): ["microddp run -n 2 -m microddp.commands.hello"],
     ("predict",): "all but --calibrate",
+    ("bench", "async"): ["microddp bench async --steps 20 --rounds 1 --bounds 2 --out "
+                         "runs/bench-async-quick"],
     ("trace",): "all but --overhead",
 }
 

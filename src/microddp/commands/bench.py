@@ -1,4 +1,4 @@
-"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling`."""
+"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|async`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ examples:
   microddp bench allreduce           # ring / tree / naive vs gloo, 1 KiB .. 64 MiB
   microddp bench ddp                 # microddp DDP vs PyTorch DDP vs naive, dims 128..1024
   microddp bench scaling             # strong and weak scaling, 1..N ranks
+  microddp bench async               # sync dp vs a parameter server: S=0, backup, SSP, async
 each benchmark has its own --help.
 """
 
@@ -18,6 +19,8 @@ BENCHMARKS = {
                   "ring / tree / naive all-reduce vs gloo, with a fitted cost model"),
     "ddp": ("microddp.bench.ddp", "microddp DDP vs PyTorch DDP vs the naive stage"),
     "scaling": ("microddp.bench.scaling", "strong and weak scaling over world sizes"),
+    "async": ("microddp.bench.sync_async",
+              "sync dp vs a parameter server: backup workers, SSP, async, a straggler"),
 }
 # add_arguments needs the words after `bench` to pick the benchmark, whose own run() is called
 NESTED = True

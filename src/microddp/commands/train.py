@@ -1,7 +1,8 @@
 """Train an MLP on real data with data parallelism: the job to run first.
 
 Starts --nproc local ranks (or runs as one worker under torchrun / `microddp run`), trains
-FullMLP on scikit-learn's handwritten digits with the chosen data-parallel engine, prints
+FullMLP on scikit-learn's handwritten digits with the chosen data-parallel engine (or, with
+--strategy async, on a parameter server and its workers, under a staleness bound), prints
 progress and per-epoch test accuracy on rank 0, and leaves a run folder with metrics.jsonl,
 model.pt (the bare module's state_dict), curves.png and checkpoints to resume from.
 """
@@ -21,6 +22,12 @@ examples:
   microddp train --batch-size 32 --accumulate 4 --amp bf16 --epochs 2
   microddp train --out runs/a --epochs 2 --checkpoint-every 10 --max-restarts 2
   microddp train --out runs/a --resume --epochs 4   # continue run a for longer
+
+asynchronous, with a parameter server (rank 0) and --nproc - 1 workers:
+  microddp train --strategy async --nproc 3 --staleness inf --straggler 2:4 --epochs 2
+  microddp train --strategy async --nproc 4 --backup-workers 1 --straggler 3:4 --epochs 2
+  a worker that dies is dropped (the run goes on and records it); if the server dies, the
+  workers stop, and --max-restarts K restarts everyone from the server's checkpoint
 
 one host, under torchrun instead of the built-in launcher:
   torchrun --nproc-per-node 4 --max-restarts 2 -m microddp.train --out runs/b

@@ -21,6 +21,8 @@ from .. import checkpoint, monitor, outputs
 from .. import spans as trace
 from ..comms.world import World, distributed
 from ..data import ShardedBatchSampler, evaluate, load_dataset
+from ..ps import parse_straggler
+from ..timing import straggle_after_forward
 from ..trace import report as trace_report
 from . import resume
 from .build import Hook, Precision, bare, build_model, build_optimizer, wrap
@@ -47,15 +49,20 @@ def _window_plan(n_batches: int, first: int, accumulate: int) -> list[range]:
 
 
 def _micro_step(model, precision: Precision, x: torch.Tensor, y: torch.Tensor, scale: float,
-                sync: bool) -> torch.Tensor:
+                sync: bool, slow: float = 1.0) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns its summed loss.
 
     Both run inside no_sync() when `sync` is False: DDP decides at forward time whether the
-    coming backward averages gradients.
+    coming backward averages gradients. `slow` > 1 (--straggler): this rank sleeps so that its
+    forward and backward take `slow` times as long.
     """
     with contextlib.nullcontext() if sync else model.no_sync():
+        t0 = time.perf_counter()
         with trace.span("forward"), precision.autocast():
             logits = model(x)
+        if slow > 1:
+            with trace.span("straggle"):
+                straggle_after_forward(time.perf_counter() - t0, slow)
         loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
         with trace.span("backward"):
             precision.backward(loss_sum * scale)
@@ -64,6 +71,11 @@ def _micro_step(model, precision: Precision, x: torch.Tensor, y: torch.Tensor, s
 
 def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result:
     """Run (or continue) the training job described by `cfg` on this rank."""
+    if cfg.strategy == "async":  # a parameter server and its workers: train/async_job.py
+        from .async_job import train as train_async
+
+        done = train_async(world, cfg, on_step)
+        return done and Result(**done)
     validate(cfg, world.world_size)
     out = Path(cfg.out)
     device = world.device
@@ -89,6 +101,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     step = resume.restore(state, world, module, optimizer, precision, sampler) if state else 0
     rep = Reporter(out, world.rank == 0, step if state else None)
     per_rank = cfg.batch_size // world.world_size
+    slow = parse_straggler(cfg.straggler).get(world.rank, 1.0)
     steps_per_epoch = math.ceil(len(sampler) / cfg.accumulate)
     rep.say(f"microddp train: {world.world_size} rank(s) ({world.backend or 'single process'}, "
             f"{device}), engine {cfg.engine if distributed() else 'none'}, "
@@ -141,7 +154,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                     x, y = train_set.x[idx], train_set.y[idx]
                 # Only the window's last micro-batch synchronises: the others just accumulate.
                 loss_sum = _micro_step(model, precision, x, y, world.world_size / total,
-                                       sync=k == len(window) - 1)
+                                       sync=k == len(window) - 1, slow=slow)
                 meter.add(loss_sum, len(y))
             with trace.span("optimizer", track="optim"):
                 precision.step(optimizer)
