@@ -10,7 +10,8 @@ from cli_examples import check_parses, command_lines, out_folders, run_command
 from microddp import commands as cli
 
 COMMANDS = [["doctor"], ["hello"], ["run"], ["train"], ["bench", "allreduce"], ["bench", "ddp"],
-            ["bench", "scaling"], ["bench", "pipeline"], ["bench", "zero"], ["trace"], ["predict"]]
+            ["bench", "scaling"], ["bench", "pipeline"], ["bench", "zero"], ["bench", "async"],
+            ["trace"], ["predict"]]
 
 
 def _parser(path: list[str]) -> argparse.ArgumentParser:
@@ -80,6 +81,8 @@ QUICK = {
     ("run",): ["microddp run -n 2 -m microddp.commands.hello"],
     ("predict",): "all but --calibrate",  # nor --compare: it reads a file of this clone, and
     # these run from an empty folder (tests/test_predict_memory_pipeline.py runs --compare)
+    ("bench", "async"): ["microddp bench async --steps 20 --rounds 1 --bounds 2 --out "
+                         "runs/bench-async-quick"],
     ("trace",): "all but --overhead",
     ("bench", "pipeline"): ["microddp bench pipeline --stages 2 --microbatches 4 --compute sleep "
                             "--repeats 2 --out runs/pp"],

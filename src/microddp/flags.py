@@ -45,3 +45,17 @@ def engines(names: list[str]) -> None:
     if bad:
         raise MicroDDPError(f"unknown engine(s) {', '.join(bad)}; choose from {', '.join(ENGINES)}")
     distinct("engines", names)
+
+
+def rank_list(name: str, text: str) -> list[int]:
+    """'1-3,5' -> [1, 2, 3, 5]: ranks as a command line names them."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise MicroDDPError(f"--{name.replace('_', '-')} {text!r}: give ranks like 1-3 or "
+                                "1,2,5") from None
+        out += range(first, last + 1)
+    return out

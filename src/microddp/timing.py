@@ -98,3 +98,18 @@ def ratio_interval(a: list[float], b: list[float], level: float = 0.9, resamples
     tail = (1 - level) / 2
     lo, hi = torch.quantile(ratios, torch.tensor([tail, 1 - tail], dtype=torch.float64))
     return lo.item(), hi.item()
+
+
+def straggle(spent_s: float, factor: float) -> None:
+    """Make work that took `spent_s` seconds look `factor` times slower, by sleeping for the
+    difference: how `--straggler RANK:FACTOR` turns one rank into a straggler, so that sync
+    and async training are compared on a measured slowdown rather than an argued one."""
+    if factor > 1 and spent_s > 0:
+        time.sleep((factor - 1) * spent_s)
+
+
+def straggle_after_forward(forward_s: float, factor: float) -> None:
+    """`straggle` for a rank whose backward runs inside data parallelism: its backward's own
+    time would include the all-reduce (waiting on the other ranks is no computing of its
+    own), so the work is counted from the forward alone, the backward as two forwards."""
+    straggle(3 * forward_s, factor)

@@ -1,4 +1,4 @@
-"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling`."""
+"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|async`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ examples:
   microddp bench scaling             # strong and weak scaling, 1..N ranks
   microddp bench pipeline --compute sleep   # GPipe, 1F1B, interleaved, zero-bubble
   microddp bench zero                # DP, ZeRO-1/2/3, torch's ZeRO and FSDP2 on 2 and 4 ranks
+  microddp bench async               # sync dp vs a parameter server: S=0, backup, SSP, async
 each benchmark has its own --help.
 """
 
@@ -23,6 +24,8 @@ BENCHMARKS = {
     "pipeline": ("microddp.bench.pipeline",
                  "pipeline schedules: bubble, activation memory, step time vs torch's"),
     "zero": ("microddp.bench.zero", "memory per rank and step time: DP, ZeRO-1/2/3 vs torch's"),
+    "async": ("microddp.bench.sync_async",
+              "sync dp vs a parameter server: backup workers, SSP, async, a straggler"),
 }
 # add_arguments needs the words after `bench` to pick the benchmark, whose own run() is called
 NESTED = True

@@ -2,7 +2,8 @@
 
 Starts N workers with the environment torchrun gives them, prefixes every output line with
 `[rank k]`, and if one worker fails stops the rest at once (each with its process group),
-repeats the failing rank's last lines, and exits non-zero. `--max-restarts K` starts the whole
+repeats the failing rank's last lines, and exits non-zero (`--expendable RANKS` lets those ranks
+fail while the others go on, as a parameter server's workers may). `--max-restarts K` starts the whole
 group again after a failure, unless a worker exited with 2 (a usage error: a restart would
 repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job (exit 128 + signal); so does a
 closed output pipe, quietly (exit 141, as `| head` expects).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..flags import rank_list
 from ..launch.run import launch
 
 EPILOG = """\
@@ -19,6 +21,8 @@ examples:
   microddp run -n 2 -m microddp.commands.hello                 # 2 local workers of a module
   microddp run -n 2 -m microddp.train --epochs 1      # the training job, one worker per rank
   microddp run -n 2 --max-restarts 2 -m microddp.train --epochs 2 --out runs/restartable
+  microddp run -n 3 --expendable 1-2 -m microddp.train --strategy async --epochs 1
+                       # a parameter server goes on when a worker dies: let the launcher too
 SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
 init_process_group); the course scripts start their own ranks: run them with plain python.
 
@@ -36,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 0)")
     p.add_argument("--master-port", type=int, default=0,
                    help="rendezvous port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--expendable", default="", metavar="RANKS",
+                   help="ranks whose failure does not stop the others, e.g. 1-3 (a parameter "
+                        "server's workers; default: none, any failure stops the job)")
     p.add_argument("-m", dest="module", action="store_true",
                    help="treat SCRIPT as a module name, as `python -m` does")
     p.add_argument("script", help="the Python script (or module, with -m) each worker runs")
@@ -47,4 +54,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Launch the workers, restarting up to --max-restarts times; return the exit code."""
     return launch(args.script, args.script_args, nproc=args.nproc, module=args.module,
-                  max_restarts=args.max_restarts, master_port=args.master_port)
+                  max_restarts=args.max_restarts, master_port=args.master_port,
+                  expendable=rank_list("expendable", args.expendable))

@@ -2,9 +2,10 @@
 
 Starts --nproc local ranks (or runs as one worker under torchrun / `microddp run`), trains
 FullMLP on scikit-learn's handwritten digits with the chosen strategy (data parallel by
-default; pipeline, hybrid or ZeRO with --strategy), prints progress and per-epoch test
-accuracy on rank 0, and leaves a run folder with metrics.jsonl, model.pt (the whole model's
-state_dict), curves.png and checkpoints to resume from.
+default; pipeline, hybrid or ZeRO with --strategy; with --strategy async, a parameter server and
+its workers under a staleness bound), prints progress and per-epoch test accuracy on rank 0,
+and leaves a run folder with metrics.jsonl, model.pt (the whole model's state_dict),
+curves.png and checkpoints to resume from.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ strategies (--batch-size stays the global batch; the same seed trains to the sam
   microddp train --strategy zero3 --nproc 4 --accumulate 2 --amp bf16 --epochs 3
   microddp train --strategy pp --nproc 2 --schedule gpipe --microbatches 4 --epochs 1
   microddp train --strategy dp-pp --nproc 4 --pp 2 --schedule zero-bubble --depth 4 --optimizer adam --epochs 1
+
+asynchronous, with a parameter server (rank 0) and --nproc - 1 workers:
+  microddp train --strategy async --nproc 3 --staleness inf --straggler 2:4 --epochs 2
+  microddp train --strategy async --nproc 4 --backup-workers 1 --straggler 3:4 --epochs 2
+  a worker that dies is dropped (the run goes on and records it); if the server dies, the
+  workers stop, and --max-restarts K restarts everyone from the server's checkpoint
 
 one host, under torchrun instead of the built-in launcher:
   torchrun --nproc-per-node 4 --max-restarts 2 -m microddp.train --out runs/b

@@ -4,7 +4,8 @@ script with the environment torchrun gives them, as `microddp run`, `microddp tr
 
 Every output line gets a `[rank k]` prefix; if one worker fails the rest are stopped at once
 (each with its process group), the failing rank's last lines are repeated, and the exit code is
-non-zero. `max_restarts=K` starts the whole group again after a failure, unless a worker exited
+non-zero; except an *expendable* rank (a parameter server's worker: the job is built to go on
+without it), whose failure is reported and leaves the others running. `max_restarts=K` starts the whole group again after a failure, unless a worker exited
 with 2 (a usage error: a restart would repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the
 job (exit 128 + signal); so does a closed output pipe, quietly (exit 141, as `| head` expects).
 """
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..errors import MicroDDPError
@@ -121,23 +122,31 @@ def _command(script: str, script_args: list[str], module: bool) -> list[str]:
 
 
 def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
-              run_id: str, out: _Output) -> int:
-    """One attempt: start all workers, wait; on the first failure stop the rest."""
+              run_id: str, out: _Output, expendable: frozenset[int] = frozenset()) -> int:
+    """One attempt: start all workers, wait; on the first failure of a rank that is not
+    expendable stop the rest."""
     agent = AgentStore.start(port)
     envs = [worker_env(os.environ, r, n, agent, restart, max_restarts, run_id=run_id)
             for r in range(n)]
     workers = [_Worker(r, cmd, env, out) for r, env in enumerate(envs)]
+    let_go: set[int] = set()
     try:
         while not out.closed.is_set():
             codes = [w.proc.poll() for w in workers]
             failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
+            spared = [w for w in failed if w.rank in expendable]
+            failed = [w for w in failed if w.rank not in expendable]
+            for w in spared if not failed else ():  # else they only followed the one that failed
+                if w.rank not in let_go:
+                    let_go.add(w.rank)
+                    _report_expendable(w)
             if failed:
                 first = failed[0]
                 kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in workers])
                 _report(first, workers)
                 code = first.proc.returncode
                 return code if code > 0 else 128 - code
-            if all(c == 0 for c in codes):
+            if all(c == 0 or w.rank in let_go for w, c in zip(workers, codes, strict=True)):
                 return 0
             time.sleep(0.05)
         return PIPE_CLOSED
@@ -167,6 +176,15 @@ def _report(first: _Worker, workers: list[_Worker]) -> None:
         print(f"{failed}; stopped the other ranks. {tail}", file=sys.stderr)
     for line in first.tail:
         print(f"  [rank {first.rank}] {line}", file=sys.stderr)
+
+
+def _report_expendable(w: _Worker) -> None:
+    w.reader.join(timeout=2)
+    print(f"microddp run: rank {w.rank} failed ({describe_exit(w.proc.returncode)}); it is "
+          "expendable, so the others go on without it. "
+          + ("Its last lines:" if w.tail else "It printed nothing."), file=sys.stderr)
+    for line in w.tail:
+        print(f"  [rank {w.rank}] {line}", file=sys.stderr)
 
 
 def _hang_report(first: _Worker, workers: list[_Worker]) -> list[str]:
@@ -204,12 +222,14 @@ def _signals_stop_the_job():
 
 
 def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: bool = False,
-           max_restarts: int = 0, master_port: int = 0) -> int:
+           max_restarts: int = 0, master_port: int = 0, expendable: Iterable[int] = ()) -> int:
     """Run `script` (a module name with module=True, as `python -m`) on `nproc` local workers,
     restarting all of them up to `max_restarts` times; return the job's exit code.
 
-    `master_port` 0 picks a free port. The errors name the `microddp run` flags, since the
-    command line is how most people reach this.
+    `master_port` 0 picks a free port. `expendable` ranks may fail without stopping the others
+    (a parameter server's workers): their failure is reported, and the job's exit code is the
+    other ranks'. The errors name the `microddp run` flags, since the command line is how most
+    people reach this.
     """
     n = nproc
     if not 1 <= n <= MAX_WORKERS:
@@ -219,11 +239,15 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: 
     if not 0 <= master_port <= MAX_PORT:
         raise MicroDDPError(f"--master-port must be between 0 and {MAX_PORT} (0: a free one), "
                             f"got {master_port}")
+    spare = frozenset(expendable)
+    if not spare <= set(range(n)) or len(spare) == n:
+        raise MicroDDPError(f"--expendable {','.join(map(str, sorted(spare)))}: each must be a "
+                            f"rank of 0..{n - 1}, and at least one rank must not be expendable")
     cmd = _command(script, list(script_args), module)
     out, run_id = _Output(), new_run_id()
     with _signals_stop_the_job():
         for attempt in range(max_restarts + 1):
-            code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out)
+            code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out, spare)
             if out.closed.is_set():
                 return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
             if code == 0:

@@ -10,10 +10,10 @@ inf = fully asynchronous), with backup workers, stragglers and lost workers.
 from .config import SERVER, PSConfig, parse_staleness, parse_straggler
 from .job import run
 from .policy import Held, Staleness, describe
-from .server import ServerReport, run_server
-from .task import Task, accuracy
+from .server import Observer, Server, ServerReport, run_server
+from .task import Task, accuracy, score
 from .worker import WorkerReport, run_worker
 
-__all__ = ["SERVER", "Held", "PSConfig", "ServerReport", "Staleness", "Task", "WorkerReport",
-           "accuracy", "describe", "parse_staleness", "parse_straggler", "run", "run_server",
-           "run_worker"]
+__all__ = ["SERVER", "Held", "Observer", "PSConfig", "Server", "ServerReport", "Staleness",
+           "Task", "WorkerReport", "accuracy", "describe", "parse_staleness", "parse_straggler",
+           "run", "run_server", "run_worker", "score"]

@@ -31,6 +31,7 @@ class Held:
     version: int
     grad: torch.Tensor
     samples: int
+    loss: float = 0.0  # the shard's summed loss at the parameters it was computed on
 
 
 @dataclass
@@ -71,7 +72,9 @@ class Staleness:
     def take(self, staleness_lr: bool = False) -> tuple[torch.Tensor, list[Held], list[int]]:
         """The update to apply now: the mean of the held gradients (each divided by its
         staleness if `staleness_lr`), the gradients used and their staleness; v advances."""
-        used, self.held = self.held, []
+        # In worker order, not arrival order: float addition is not associative, and this way
+        # the same gradients always sum to the same bits (S=0 is deterministic, run after run).
+        used, self.held = sorted(self.held, key=lambda g: g.worker), []
         stale = [self.version - g.version for g in used]
         weights = [1.0 / max(1, s) if staleness_lr else 1.0 for s in stale]
         total = torch.zeros_like(used[0].grad)

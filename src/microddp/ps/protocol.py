@@ -2,7 +2,10 @@
 
 Every message is a small int64 header, then (for parameters and gradients) one flat float32
 tensor. Header: [kind, sender, version, clock, samples]: the version is the parameter version
-the payload was computed from (gradients) or is (parameters), clock the worker's own count.
+the payload was computed from (gradients) or is (parameters); clock is the global batch the
+worker computes next (parameters: the server owns every worker's place in the data, so a
+resumed server puts its workers back where they were) or computed (gradients). A gradient's
+payload ends with one more number, the shard's summed loss, for the server's progress lines.
 
 The server listens to each worker on a thread of its own (`Inbox`): gloo's receive work does
 not report completion until waited on, so polling several receives from one thread cannot
@@ -73,7 +76,7 @@ def recv(src: int, numel: int, timeout: float) -> tuple[torch.Tensor, torch.Tens
     comms.irecv(head, src, tag=TAG_HEADER).wait(timedelta(seconds=timeout))
     payload = None
     if int(head[0]) in (PARAMS, GRAD):
-        payload = torch.zeros(numel, dtype=torch.float32)
+        payload = torch.zeros(numel + (int(head[0]) == GRAD), dtype=torch.float32)
         comms.irecv(payload, src, tag=TAG_PAYLOAD).wait(timedelta(seconds=timeout))
     return head, payload
 
@@ -86,7 +89,8 @@ class Message:
     version: int = 0
     clock: int = 0
     samples: int = 0
-    payload: torch.Tensor | None = None
+    payload: torch.Tensor | None = None  # a gradient, without its loss
+    loss: float = 0.0  # a gradient's shard loss, summed over its samples
     error: str = ""
 
 
@@ -117,7 +121,10 @@ class Inbox:
                 self.messages.put(Message(LOST, worker, error=f"unexpected header "
                                           f"{head.tolist()}: not a microddp.ps worker?"))
                 return
-            self.messages.put(Message(kind, worker, version, clock, samples, payload))
+            loss = 0.0
+            if kind == GRAD:
+                payload, loss = payload[:-1], float(payload[-1])
+            self.messages.put(Message(kind, worker, version, clock, samples, payload, loss))
             if kind == BYE:
                 return
 

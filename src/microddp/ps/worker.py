@@ -8,6 +8,10 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
+from .. import spans as trace
+from ..timing import straggle
 from .config import SERVER, PSConfig
 from .protocol import (
     BYE,
@@ -41,37 +45,41 @@ def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> Work
     numel = flat_params(model).numel()
     part, parts = rank - 1, world_size - 1
     factor = config.stragglers.get(rank, 1.0)
-    clock, compute_s, wait_s = 0, 0.0, 0.0
+    pushed, compute_s, wait_s = 0, 0.0, 0.0
     while True:
         t0 = time.perf_counter()
         try:
-            head, params = recv(SERVER, numel, config.server_timeout)
+            with trace.span("wait for parameters", track="comm_wait"):
+                head, params = recv(SERVER, numel, config.server_timeout)
         except RuntimeError as e:  # gloo: connection closed, or nothing for server_timeout
             raise server_gone(rank, SERVER, "waiting for parameters", e) from None
-        if clock:  # the first pull also waits for the server to start: not a staleness wait
+        if pushed:  # the first pull also waits for the server to start: not a staleness wait
             wait_s += time.perf_counter() - t0
         if int(head[0]) == STOP:
             break
-        version = int(head[2])
-        if config.fail_after.get(rank) == clock:
+        version, clock = int(head[2]), int(head[3])
+        if config.fail_after.get(rank) == pushed:
             os._exit(1)  # an injected crash: no goodbye, no cleanup, as a killed process
         t0 = time.perf_counter()
         load_flat(model, params)
         model.zero_grad(set_to_none=True)
-        task.loss(model, clock, part, parts).backward()
-        grad = flat_grads(model)
-        spent = time.perf_counter() - t0
-        if factor > 1:  # a straggler: the same work, `factor` times as long
-            time.sleep((factor - 1) * spent)
+        with trace.span("forward+backward"):
+            loss, loss_sum, samples = task.shard_loss(model, clock, part, parts)
+            loss.backward()
+            grad = flat_grads(model)
+        with trace.span("straggle"):  # a straggler: the same work, `factor` times as long
+            straggle(time.perf_counter() - t0, factor)
         compute_s += time.perf_counter() - t0
         try:
-            send(header(GRAD, rank, version, clock, task.shard_size(part, parts)), SERVER, grad)
+            with trace.span("push gradient", track="comm"):
+                send(header(GRAD, rank, version, clock, samples), SERVER,
+                     torch.cat([grad, torch.tensor([loss_sum])]))
         except RuntimeError as e:
             raise server_gone(rank, SERVER, "sending a gradient", e) from None
-        clock += 1
+        pushed += 1
+        trace.next_step()
     try:
-        send(header(BYE, rank, clock=clock), SERVER)
+        send(header(BYE, rank, clock=pushed), SERVER)
     except RuntimeError as e:
         raise server_gone(rank, SERVER, "saying goodbye", e) from None
-    return WorkerReport(rank, clock, compute_s, wait_s)
-
+    return WorkerReport(rank, pushed, compute_s, wait_s)

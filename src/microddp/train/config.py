@@ -16,11 +16,13 @@ from ..data import DATASETS
 from ..dp.engines import ENGINES
 from ..errors import MicroDDPError
 from ..flags import at_least, positive
+from ..ps import PSConfig, parse_staleness, parse_straggler
 
 OPTIMIZERS = ("sgd", "adam")
-# How the job spreads the model over ranks; each name has its procedure in train/strategies/.
-# The lead extends this list when a strategy joins (it is the one list --strategy accepts).
-STRATEGIES = ("dp", "pp", "dp-pp", "zero1", "zero2", "zero3")
+# How the job spreads the model over ranks; each name has its procedure in train/strategies/,
+# but async, which is its own job (train/async_job.py): rank 0 a parameter server (microddp.ps),
+# the others its workers, under the staleness bound --staleness.
+STRATEGIES = ("dp", "pp", "dp-pp", "zero1", "zero2", "zero3", "async")
 PIPELINES = ("pp", "dp-pp")  # the strategies that cut the model into --pp stages
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 AMP = ("bf16", "fp16")
@@ -62,6 +64,11 @@ class TrainConfig:
     monitor_timeout: float = 60.0  # seconds a collective may stall before the hang report; 0 off
     drift_every: int = 0  # compare replicas every K optimizer steps; 0 off
     plot: bool = True
+    strategy: str = "dp"
+    straggler: str = ""  # RANK:FACTOR[,RANK:FACTOR]: those ranks compute FACTOR times slower
+    staleness: str = "0"  # async: the bound S, a whole number or "inf"
+    staleness_lr: bool = False  # async: divide each gradient's step by its staleness
+    backup_workers: int = 0  # async, staleness 0: each update takes the first N-b gradients
 
     @property
     def learning_rate(self) -> float:
@@ -119,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help=f"how the model is spread over the ranks: {' | '.join(STRATEGIES)} (dp: a replica "
            "per rank; pp: the layers cut into stages, one per rank; dp-pp: --pp stages, each "
            "replicated nproc/pp times; zero1/2/3: data parallel with the optimizer state, "
-           f"gradients, parameters sharded; default {d.strategy})")
+           f"gradients, parameters sharded; async: a parameter server (rank 0) and --nproc - 1 "
+           f"workers; default {d.strategy})")
     a("--pp", type=int, default=None,
       help="pipeline stages for pp/dp-pp; data-parallel replicas = nproc / pp "
            "(default: nproc for pp, 2 for dp-pp)")
@@ -158,6 +166,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--drift-every", type=int, default=d.drift_every,
       help="every K steps check that all replicas hold the same parameters (default 0: off)")
     a("--no-plot", dest="plot", action="store_false", help="skip curves.png")
+    a("--straggler", default=d.straggler, metavar="RANK:FACTOR",
+      help="make RANK compute FACTOR times slower (several: 1:2,3:4), to measure what a "
+           "straggler costs (default: none)")
+    a("--staleness", default=d.staleness, metavar="S",
+      help="async: no gradient is applied more than S updates late; 0 is synchronous, inf "
+           f"fully asynchronous (default {d.staleness})")
+    a("--staleness-lr", action="store_true",
+      help="async: divide each gradient's step by its staleness")
+    a("--backup-workers", type=int, default=d.backup_workers, metavar="B",
+      help="async with --staleness 0: each update uses the first N-B gradients to arrive "
+           f"(default {d.backup_workers})")
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -214,11 +233,15 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             where = "one per GPU" if torch.cuda.is_available() else "4 per CPU core"
             raise MicroDDPError(f"--nproc must be between 1 and {limit} here ({where}), got {n}")
     _check_strategy(cfg, n)
+    if cfg.strategy == "async":
+        _check_async(cfg, n)
+    else:
+        _check_sync(cfg, n)
     if cfg.drift_every and cfg.strategy not in ("dp", "zero1", "zero2"):
         raise MicroDDPError(f"--drift-every compares whole replicas of the model, which "
                             f"--strategy {cfg.strategy} does not keep on every rank; drop it")
     replicas = n // stages(cfg, n)
-    if cfg.batch_size % replicas:
+    if cfg.strategy != "async" and cfg.batch_size % replicas:
         what = (f"{n} ranks" if replicas == n else
                 f"{replicas} replicas ({n} ranks / {stages(cfg, n)} stages)")
         raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch and must split "
@@ -286,6 +309,43 @@ def _check_strategy(cfg: TrainConfig, n: int) -> None:
         raise MicroDDPError(f"--microbatches {m} is more than the {per_replica} samples each "
                             f"pipeline gets per step (--batch-size {cfg.batch_size} over "
                             f"{n // p} replicas); use at most {per_replica}")
+
+
+def ps_config(cfg: TrainConfig, steps: int) -> PSConfig:
+    """The parameter-server settings of an async run of `steps` global batches."""
+    return PSConfig(steps=steps, lr=cfg.learning_rate, staleness=parse_staleness(cfg.staleness),
+                    backup_workers=cfg.backup_workers, staleness_lr=cfg.staleness_lr,
+                    stragglers=parse_straggler(cfg.straggler))
+
+
+def _check_async(cfg: TrainConfig, n: int) -> None:
+    if n < 2:
+        raise MicroDDPError(f"--strategy async needs --nproc of at least 2: a parameter server "
+                            f"(rank 0) and at least one worker, got {n}")
+    for flag, used in (("--accumulate", cfg.accumulate != 1), ("--amp", cfg.amp is not None),
+                       ("--drift-every", cfg.drift_every != 0)):
+        if used:
+            raise MicroDDPError(f"{flag} is for the data-parallel strategies; --strategy async "
+                                f"does not support it: drop {flag}")
+    if cfg.batch_size < n - 1:
+        raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch, shared by "
+                            f"{n - 1} workers; use at least {n - 1}")
+    ps_config(cfg, steps=1).check(n)  # staleness, backup workers, straggler ranks
+
+
+def _check_sync(cfg: TrainConfig, n: int) -> None:
+    for rank, factor in parse_straggler(cfg.straggler).items():
+        if not 0 <= rank < n or not factor >= 1:
+            raise MicroDDPError(f"--straggler {rank}:{factor:g}: the rank must be one of 0.."
+                                f"{n - 1} and the factor >= 1 (how many times slower)")
+    if cfg.straggler and cfg.strategy in PIPELINES:
+        raise MicroDDPError(f"--straggler slows one rank's data-parallel micro-step, which "
+                            f"--strategy {cfg.strategy} replaces with a pipeline schedule; use "
+                            "it with dp, zero1-3 or async")
+    if cfg.staleness != "0" or cfg.staleness_lr or cfg.backup_workers:
+        parse_staleness(cfg.staleness)
+        raise MicroDDPError("--staleness, --staleness-lr and --backup-workers belong to a "
+                            "parameter server: add --strategy async")
 
 
 def check_folder(path: str | Path, flag: str) -> None:

@@ -52,6 +52,11 @@ def _window_plan(n_batches: int, first: int, accumulate: int) -> list[range]:
 
 def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result:
     """Run (or continue) the training job described by `cfg` on this rank."""
+    if cfg.strategy == "async":  # a parameter server and its workers: train/async_job.py
+        from .async_job import train as train_async
+
+        done = train_async(world, cfg, on_step)
+        return done and Result(**done)
     validate(cfg, world.world_size)
     out = Path(cfg.out)
     device = world.device

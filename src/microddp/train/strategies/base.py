@@ -12,14 +12,20 @@ replicas once per optimizer step.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ... import spans as trace
 from ...comms.world import World
 from ...data import Split
+from ...ps import parse_straggler
+from ...timing import straggle_after_forward
 from ..build import Precision
 from ..config import TrainConfig
 
@@ -35,6 +41,8 @@ class Strategy:
     def __init__(self, cfg: TrainConfig, world: World, module: nn.Module,
                  precision: Precision) -> None:
         self.cfg, self.world, self.module, self.precision = cfg, world, module, precision
+        # --straggler RANK:FACTOR: how many times slower this rank computes (1: not slowed)
+        self.slow = parse_straggler(cfg.straggler).get(world.rank, 1.0)
 
     def describe(self) -> str:
         """The first line's words about how the model is spread over the ranks."""
@@ -45,8 +53,26 @@ class Strategy:
         """Forward and backward of this rank's slice, the loss sum times `scale`; gradients
         are averaged over the replicas when `sync` (the window's last micro-step). Returns the
         slice's summed loss, or None on a rank that computes no loss (a pipeline's inner
-        stages), so the loss is counted once per replica."""
-        raise NotImplementedError
+        stages), so the loss is counted once per replica.
+
+        This is the data-parallel micro-step (dp and ZeRO share it; a pipeline overrides it):
+        `self.model` offers no_sync(), and both passes run inside it when `sync` is False,
+        because DDP decides at forward time whether the coming backward averages gradients.
+        A rank named by --straggler sleeps after its forward so that its own compute takes
+        that factor longer (the backward counted as two forwards: its time includes waiting
+        on the other ranks, which is no computing of its own).
+        """
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            t0 = time.perf_counter()
+            with trace.span("forward"), self.precision.autocast():
+                logits = self.model(x)
+            if self.slow > 1:
+                with trace.span("straggle"):
+                    straggle_after_forward(time.perf_counter() - t0, self.slow)
+            loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
+            with trace.span("backward"):
+                self.precision.backward(loss_sum * scale)
+        return loss_sum
 
     def step(self) -> None:
         """The optimizer step on the averaged gradients, then drop them."""

@@ -3,10 +3,7 @@ chosen data-parallel engine (microddp's DDP by default), one checkpoint file fro
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ... import spans as trace
@@ -38,15 +35,8 @@ class DataParallel(Strategy):
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
                    sync: bool) -> torch.Tensor:
-        """Forward and backward of one slice at the loop's scale; returns the summed loss."""
-        # Both run inside no_sync() when `sync` is False: DDP decides at forward time whether
-        # the coming backward averages gradients.
-        with contextlib.nullcontext() if sync else self.model.no_sync():
-            with trace.span("forward"), self.precision.autocast():
-                logits = self.model(x)
-            loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
-            with trace.span("backward"):
-                self.precision.backward(loss_sum * scale)
+        """The data-parallel micro-step (Strategy's), counting the bytes a sync sends."""
+        loss_sum = super().micro_step(x, y, scale, sync)
         if sync:
             self._sent += ring_all_reduce_bytes(self.module, self.world.world_size)
         return loss_sum

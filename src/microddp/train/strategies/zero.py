@@ -4,11 +4,9 @@ shard of a checkpoint, which resumes on any world size (train/sharded.py)."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ... import spans as trace
@@ -36,18 +34,6 @@ class Sharded(Strategy):
         self.model = Zero(module, cls, stage=self.stage, lr=cfg.learning_rate, **options)
         self.optimizer = self.model.optimizer
         self.data_rank, self.data_size = world.rank, world.world_size
-
-    def micro_step(self, x: torch.Tensor, y: torch.Tensor, scale: float,
-                   sync: bool) -> torch.Tensor:
-        """Forward and backward of one slice at the loop's scale; returns the summed loss."""
-        # As DDP: a micro-step outside no_sync() reduces the gradients accumulated so far.
-        with contextlib.nullcontext() if sync else self.model.no_sync():
-            with trace.span("forward"), self.precision.autocast():
-                logits = self.model(x)
-            loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
-            with trace.span("backward"):
-                (loss_sum * scale).backward()
-        return loss_sum
 
     def step(self) -> None:
         """The optimizer step of this strategy, then gradients cleared."""
