@@ -91,7 +91,10 @@ def _against_gloo(world, exact: bool, dtypes, ops, slot=SLOT, small=SMALL):
                 else:
                     dist.all_reduce(ref, comms.REDUCE_OPS[op])
                 mine = x.clone()
-                comms.all_reduce(mine, op)  # the default path: shared memory on one host
+                if n == 2:
+                    comms.all_reduce(mine, op)  # the default path: shared memory on one host
+                else:  # on 3+ ranks comms keeps gloo for float sums: the algorithm itself
+                    C.shm_all_reduce(mine, op)
                 d = (mine.double() - ref.double()).abs().max().item()
                 scale = max(ref.double().abs().max().item(), 1e-30)
                 out.append((f"{dtype} {op} {numel}", torch.equal(mine, ref), d / scale,
@@ -131,6 +134,29 @@ def _defaults(world):
 def test_default_thresholds_on_two_ranks():
     for cases, used in mdp.spawn(_defaults, 2, timeout=180):
         assert used and [c for c, same, _, _ in cases if not same] == []
+
+
+def _which_path(world):
+    """What comms.all_reduce takes on this group, by dtype and op: did shared memory move it?"""
+    out = {}
+    for dtype, op in ((torch.float32, "sum"), (torch.float32, "avg"), (torch.float32, "max"),
+                      (torch.int64, "sum"), (torch.bfloat16, "product")):
+        before = shm.shared(None).group.seq
+        t = torch.ones(4, dtype=dtype)
+        comms.all_reduce(t, op)
+        out[f"{dtype} {op}"] = shm.shared(None).group.seq > before
+    return out
+
+
+@pytest.mark.parametrize("n,forced", [(2, False), (3, False), (3, True)])
+def test_comms_keeps_gloo_where_shared_memory_would_change_the_bits(n, forced, monkeypatch):
+    if forced:
+        monkeypatch.setenv("MICRODDP_TRANSPORT", "shm")
+    everywhere = n == 2 or forced  # x0 + x1 is gloo's result; on 3+ ranks only if asked
+    for out in mdp.spawn(_which_path, n, timeout=60):
+        assert out == {"torch.float32 sum": everywhere, "torch.float32 avg": everywhere,
+                       "torch.float32 max": True, "torch.int64 sum": True,
+                       "torch.bfloat16 product": everywhere}
 
 
 def _other_collectives(world):
@@ -279,7 +305,9 @@ def _tolerant_rank(rank, world_size, store, monitor, results):
     os.environ["MICRODDP_SHM_SMALL_BYTES"] = str(SMALL)
     mdp.init(backend="gloo", init_method=f"file://{store}", rank=rank,
              world_size=world_size, timeout=30, monitor=monitor)
-    t = torch.ones(1000)  # several chunks: the large path
+    # integers: shared memory on 3 ranks too (float sums stay on gloo there); 8000 bytes,
+    # several chunks of the large path
+    t = torch.ones(1000, dtype=torch.int64)
     comms.all_reduce(t)
     if rank == world_size - 1:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -26,7 +26,7 @@ from ..comms import args as comms_args
 from ..comms.world import group_rank, group_size
 from ..errors import MicroDDPError
 from ..transport.peers import written
-from ..transport.shm_attach import attach
+from ..transport.shm_attach import attach, wanted
 from .shm_group import DTYPES, SharedGroup, segment_bytes, sizes
 from .shm_lane import Lane, ShmWork
 
@@ -38,6 +38,10 @@ __all__ = ["shm_all_reduce", "shm_reduce_scatter", "shm_all_gather", "shm_broadc
 class _State:
     group: SharedGroup | None  # None: this group does not use shared memory
     lane: Lane | None
+    # Whether comms may send float sums here too: on 2 ranks (x0 + x1 is gloo's result, bit
+    # for bit) or when MICRODDP_TRANSPORT=shm asks for it. On more ranks gloo adds in an order
+    # of its own (route.py), so by default those stay on gloo.
+    any_order: bool = False
 
     def close(self) -> None:
         if self.lane is not None:
@@ -83,7 +87,7 @@ def _setup(key) -> _State:
     if got is None:
         return _State(None, None)
     return _State(SharedGroup(got.segment, rank, size, got.pids, timeout_s, slot, small),
-                  Lane(name))
+                  Lane(name), size == 2 or wanted() == "shm")
 
 
 def group_timeout_s(key) -> float:

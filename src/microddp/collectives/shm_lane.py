@@ -34,11 +34,11 @@ class ShmWork:
 
     def finish(self, error: BaseException | None = None) -> None:
         self._error = error
-        self._done.set()
         with self._lock:  # a future made from here on is completed by get_future itself
             self._finished, fut = True, self._future
         if fut is not None:
-            self._deliver(fut)
+            self._deliver(fut)  # its callbacks run before wait() returns, as with torch's Work
+        self._done.set()
 
     def _deliver(self, fut: torch.futures.Future) -> None:
         if self._error is None:
