@@ -78,10 +78,9 @@ class SharedGroup:
                  timeout_s: float, slot: int = SLOT_BYTES, small: int = SMALL_BYTES) -> None:
         self.segment, self.rank, self.size = segment, rank, size
         self.slot, self.small, self.timeout_s = slot, small, timeout_s
-        words = segment.words
-        self.gone = Flags(words, 2 * size * LINE_WORDS, rank, size, pids)
-        self.arrive = Flags(words, 0, rank, size, pids, self.gone)
-        self.reduced = Flags(words, size * LINE_WORDS, rank, size, pids, self.gone)
+        self.gone = Flags(segment, 2 * size * LINE_WORDS, rank, size, pids)
+        self.arrive = Flags(segment, 0, rank, size, pids, self.gone)
+        self.reduced = Flags(segment, size * LINE_WORDS, rank, size, pids, self.gone)
         base = _control_bytes(size)
         self.slots = [[segment.data[base + (p * (size + 1) + j) * slot:
                                     base + (p * (size + 1) + j + 1) * slot]

@@ -13,11 +13,17 @@ Lifecycle, because a segment outlives a crashed process unless somebody removes 
 
 Counters: each rank writes only its own counters (one 64-byte line each, so two ranks never
 write the same cache line), and only ever increases them; the others read them. A waiting rank
-spins briefly, then yields, then sleeps, checks a deadline and whether its peers are still
-alive, and raises a MicroDDPError that names the missing ranks instead of waiting for ever.
+spins briefly, then sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the
+poster rings after each post), so a rank on a busy host is woken the moment its peer posts,
+as a blocked socket read is, rather than when its next time slice comes. The futex is a system
+call through ctypes and libc (no compiler). Every LIVENESS_S it checks a deadline and whether
+its peers are still alive, and raises a MicroDDPError that names the missing ranks instead of
+waiting for ever.
 
 Memory ordering: a rank writes its data (torch ops), then its counter (one aligned 8-byte
-store); a reader sees the counter, then reads the data. That is correct on x86-64, whose
+store), then rings the bell; a reader reads the bell, then the counter, then the data (and
+sleeps only if the bell still holds what it read: the kernel checks that, so no wake-up is
+lost). That is correct on x86-64, whose
 total store order keeps stores in order and loads in order, and where each torch op is an
 opaque call the compiler cannot move a load or store across (a multi-threaded op joins its
 threads first, a full fence). Weakly ordered CPUs (ARM, POWER) need fences that Python cannot
@@ -26,6 +32,7 @@ issue, so `supported()` is False there and microddp keeps gloo unless told other
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -40,10 +47,27 @@ from ..errors import MicroDDPError
 SHM_DIR = "/dev/shm"
 PREFIX = "microddp-shm-"
 LINE_WORDS = 8  # 64 bytes: one cache line per counter
-SPINS = 2000  # busy reads before yielding (~0.1 ms): a peer a few microseconds behind
-YIELD_S = 1e-3  # then sched_yield for this long, then sleep, doubling up to MAX_SLEEP_S
-MAX_SLEEP_S = 2e-4  # a late peer costs at most this much more; waking costs ~1% of a core
-LIVENESS_S = 0.2  # how often a slow wait checks that its peers are alive
+SPINS = 1000  # busy reads before sleeping (~50 us): a peer a few microseconds behind
+LIVENESS_S = 0.2  # how often a sleeping wait checks its deadline and that its peers are alive
+_SYS_FUTEX = 202  # x86-64's number (supported() requires x86-64)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
+_libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released during the call
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleep until woken, `timeout_s` passes, or the word at `address` is not `expected`."""
+    ts = _Timespec(int(timeout_s), int(timeout_s % 1 * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(expected),
+                  ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(address: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1),
+                  None, None, 0)
 
 # Set by the hang monitor while it runs (it sits above this layer): turns the reason a wait
 # failed into the report of where every rank is.
@@ -152,6 +176,9 @@ class Segment:
             os.close(fd)  # the mapping keeps the memory; the name may go at once
         self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.words = memoryview(self._mm).cast("q")
+        self.bells = memoryview(self._mm).cast("i")  # 32-bit words: what a futex watches
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.address = ctypes.addressof(self._anchor)
 
     def unlink(self) -> None:
         try:
@@ -168,11 +195,13 @@ class Segment:
 
 
 class Flags:
-    """Per-rank counters in a segment: each rank posts its own, and waits for the others."""
+    """Per-rank counters in a segment: each rank posts its own, and waits for the others.
+    A counter is the first 8 bytes of its rank's 64-byte line; its bell the next 4."""
 
-    def __init__(self, words: memoryview, first_word: int, rank: int, size: int,
+    def __init__(self, segment: Segment, first_word: int, rank: int, size: int,
                  pids: Sequence[int], gone: Flags | None = None) -> None:
-        self.words, self.rank, self.size, self.pids = words, rank, size, list(pids)
+        self.words, self.bells, self.address = segment.words, segment.bells, segment.address
+        self.rank, self.size, self.pids = rank, size, list(pids)
         self.index = [first_word + r * LINE_WORDS for r in range(size)]
         self.others = [i for r, i in enumerate(self.index) if r != rank]
         self.gone = gone
@@ -181,7 +210,11 @@ class Flags:
         self.spins = SPINS if size <= _cores() else 0
 
     def post(self, value: int) -> None:
-        self.words[self.index[self.rank]] = value
+        i = self.index[self.rank]
+        self.words[i] = value
+        bell = 2 * i + 2  # the 32-bit word after the counter
+        self.bells[bell] = (self.bells[bell] + 1) & 0x7FFFFFFF
+        _futex_wake(self.address + 4 * bell)
 
     def get(self, rank: int) -> int:
         return self.words[self.index[rank]]
@@ -191,7 +224,7 @@ class Flags:
         reads from the first one (on a thread beside a training loop, whose Python hooks need
         it); otherwise spin first, as a rank with nothing else to do should."""
         words = self.words
-        if not yielding and self.spins:
+        if not yielding and self.spins:  # (the lane's thread must let go of the GIL at once)
             if len(self.others) == 1:  # two ranks: one line to watch
                 i = self.others[0]
                 for _ in range(self.spins):
@@ -204,18 +237,19 @@ class Flags:
         self._wait_slowly(value, deadline_s, what)
 
     def _wait_slowly(self, value: int, deadline_s: float, what: str) -> None:
-        words, others = self.words, self.others
+        words, bells, others = self.words, self.bells, self.others
         start = time.monotonic()
-        check_at, sleep_s = start + LIVENESS_S, 0.0
+        check_at = start + LIVENESS_S
         while True:
-            if min(words[i] for i in others) >= value:
+            late = [i for i in others if words[i] < value]
+            if not late:
                 return
+            i = late[0]
+            bell = 2 * i + 2
+            rung = bells[bell]  # the bell first, then the counter: see the module's docstring
+            if words[i] < value:
+                _futex_wait(self.address + 4 * bell, rung, LIVENESS_S)
             now = time.monotonic()
-            if now - start < YIELD_S:
-                os.sched_yield()  # releases the GIL; lets a peer waiting for this core run
-                continue
-            sleep_s = min(MAX_SLEEP_S, max(2 * sleep_s, 2e-5))
-            time.sleep(sleep_s)
             if now >= check_at:
                 check_at = now + LIVENESS_S
                 # Only a rank that has not posted counts: one may post its last step, then
