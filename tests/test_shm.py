@@ -20,7 +20,7 @@ import torch.distributed as dist
 import microddp as mdp
 from microddp import collectives as C
 from microddp import comms
-from microddp.collectives import shm
+from microddp.collectives import shm, shm_group
 from microddp.transport import shm as transport
 from microddp.transport import shm_attach
 
@@ -128,7 +128,8 @@ def test_random_floats_on_three_ranks_match_gloo_to_rounding(small_buffers):
 
 
 def _defaults(world):
-    return _against_gloo(world, False, [torch.float32], ["sum"], 1 << 20, 1 << 20)
+    slot = shm_group.SLOT_BYTES
+    return _against_gloo(world, False, [torch.float32], ["sum"], slot, slot)
 
 
 def test_default_thresholds_on_two_ranks():
@@ -387,9 +388,9 @@ def test_the_cost_model_of_the_shm_path_and_its_fit():
     m = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10)
     # small: one synchronisation, one copy in, p-1 reductions of the whole tensor
     assert m.predict("shm_all_reduce", 4096, 2) == pytest.approx(5e-6 + 4096e-10 + 4096 * 2e-10)
-    # large: two synchronisations per 1 MiB chunk, copies in and out, p-1 adds of n/p
+    # large: two synchronisations per chunk (of 1 MiB here), copies in and out, p-1 adds of n/p
     n = 3 << 20
-    assert m.predict("shm_all_reduce", n, 4) == pytest.approx(
+    assert m.predict("shm_all_reduce", n, 4, slot=1 << 20) == pytest.approx(
         6 * 5e-6 + 2 * n * 1e-10 + 3 * n / 4 * 2e-10)
     sizes = [1 << 20, 2 << 20, 4 << 20, 8 << 20]
     times = [CostModel(4e-6, 1e-10).shm_all_reduce(s, 2, slot=1 << 30) for s in sizes]

@@ -91,7 +91,7 @@ class CostModel:
     def gather(self, n: float, p: int) -> float:
         return (p - 1) * self._msg(n / p)
 
-    def shm_all_reduce(self, n: float, p: int, slot: float = 1 << 20,
+    def shm_all_reduce(self, n: float, p: int, slot: float = 4 << 20,
                        small: float = 64 << 10) -> float:
         """Through shared memory (shm_group.py), where alpha is one synchronisation (a wait
         on the peers' counters), beta the cost of copying a byte, gamma of reducing one. Up

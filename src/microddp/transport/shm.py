@@ -170,7 +170,10 @@ class Segment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)  # zero-filled: every counter starts at 0
+                # Reserve the memory now (zero-filled: every counter starts at 0): a /dev/shm
+                # too small for it fails here, with an error, rather than with a SIGBUS on
+                # the first write past its end, as a file merely truncated to size would.
+                os.posix_fallocate(fd, 0, size)
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)  # the mapping keeps the memory; the name may go at once
