@@ -63,6 +63,8 @@ def shared(group=None) -> _State | None:
     when the group talks through its backend instead (another host, a non-gloo backend,
     MICRODDP_TRANSPORT=gloo)."""
     key = _key(group)
+    if key is None:  # no default group after all (torch's was never formed, or is gone)
+        return None
     try:
         state = _states[key]
     except KeyError:

@@ -142,6 +142,9 @@ class Lane:
             if item is None:
                 return
             self._run(*item, True)
+            # Let go of the task (and the views of its tensors) now, not at the next call:
+            # DDP lends a bucket's memory to .grad only while nothing else holds it.
+            del item
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread once the calls queued before this have run."""
