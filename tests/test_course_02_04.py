@@ -123,3 +123,15 @@ def check_fitted_lines(out: str) -> None:
 
 def math_log2(p: int) -> int:
     return p.bit_length() - 1
+
+
+def test_shared_memory_matches_gloo_and_prints_the_table():
+    out = run("04_allreduce_algorithms/shared_memory.py", timeout=300)
+    assert "shared memory taken: yes; 16 MiB of random floats, equal to gloo's bit for bit: yes" in out
+    rows = re.findall(r"^\s+(\d+ [KM]iB)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                      out, re.M)
+    assert [r[0] for r in rows] == ["4 KiB", "64 KiB", "1 MiB", "4 MiB", "16 MiB"]
+    for _, gloo, shm, ratio, bound, to_bound in rows:  # ratios of the printed (rounded) times
+        assert float(gloo) > 0 and float(shm) > 0 and float(bound) > 0
+        assert float(ratio) == pytest.approx(float(shm) / float(gloo), rel=0.05, abs=0.01)
+        assert float(to_bound) == pytest.approx(float(shm) / float(bound), rel=0.05, abs=0.01)

@@ -118,7 +118,7 @@ def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeyp
     assert calibrate.rank_rate(64, 2, 8, repeats=3) > 0  # a real spawned rank, briefly
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 1e10))
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
-    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5))
+    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5, "ring"))
     monkeypatch.setattr(calibrate, "measured_step", lambda *a: 0.01)
     path = tmp_path / "cal.json"
     assert cli.main(["predict", "--calibrate", "--verify", "1", "--calibration", str(path),
@@ -157,9 +157,10 @@ def test_flops_overrides_a_calibrated_hosts_one_rank_rate(tmp_path, capsys):
 
 
 def test_calibration_measures_the_cpu_share_of_an_all_reduce():
-    for times, busy in mdp.spawn(measure_cpu_share, 2, timeout=60):
+    for times, busy, path in mdp.spawn(measure_cpu_share, 2, timeout=60):
         assert len(times) == 2 and min(times) > 0
-        assert 0 < busy < 4  # CPU-seconds per second: gloo's threads work, the caller waits
+        assert 0 < busy < 4  # CPU-seconds per second: the waits spin a while, then sleep
+        assert path == "shm"  # one host: comms.all_reduce takes shared memory
 
 
 def test_bucket_copies_are_three_passes_over_the_gradients():
@@ -289,7 +290,7 @@ def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path
     rates = iter([(1e10, 4e10), (3e10, 4e10), (2e10, 4e10)])  # a host whose load changed
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: next(rates))
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
-    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5))
+    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5, "ring"))
     path = tmp_path / "cal.json"
     assert cli.main(["predict", "--calibrate", "--calibration", str(path), "--dim", "64",
                      "--depth", "2", "--world", "1", "2"]) == 0
@@ -312,7 +313,7 @@ def test_a_steady_calibration_gives_no_warning(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 4e10))
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
-    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5))
+    monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5, "ring"))
     assert cli.main(["predict", "--calibrate", "--calibration", str(tmp_path / "c.json"),
                      "--world", "4"]) == 0
     assert "warning" not in capsys.readouterr().out

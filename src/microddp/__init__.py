@@ -63,6 +63,30 @@ class _HangMonitor:
 comms.world.watch_with(_HangMonitor())
 
 
+class _SameHostRoute:
+    """microddp.collectives' choice of path (shared memory on one host) as comms' route. The
+    collectives sit above comms, so they are handed in here, and imported only when a group
+    forms or all-reduces, which then hands comms the real route directly."""
+
+    def _real(self):
+        from .collectives import route
+
+        comms.route.route_with(route.ROUTE)
+        return route.ROUTE
+
+    def all_reduce_path(self, tensor, op: str, group):
+        return self._real().all_reduce_path(tensor, op, group)
+
+    def prepare(self, group) -> None:
+        self._real().prepare(group)
+
+    def close(self) -> None:
+        """Nothing to let go: no group has used shared memory yet."""
+
+
+comms.route.route_with(_SameHostRoute())
+
+
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'microddp' has no attribute {name!r}")

@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import flags, outputs
-from ..collectives import naive_all_reduce, ring_all_reduce, tree_all_reduce
+from .. import comms, flags, outputs
+from ..collectives import naive_all_reduce, ring_all_reduce, route, tree_all_reduce
 from ..collectives.cost import CostModel, fit_line, fit_lines
 from ..collectives.ring import (
     planned_ring_all_reduce_,
@@ -31,7 +31,7 @@ from ..collectives.ring import (
 from ..collectives.ring_plan import RingPlan
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
-from ..timing import interleaved, trimmed_mean
+from ..timing import interleaved, median, trimmed_mean
 from ..transport.duplex import duplex
 from ..transport.peers import Peers
 from .allreduce_report import CONTROL, describe, plot, table
@@ -42,11 +42,13 @@ examples:
   microddp bench allreduce -n 4 --repeats 100 --min-repeats 40   # 4 ranks, tighter medians
   microddp bench allreduce --sizes 1M,8M,32M --algorithms ring --out runs/ring
   microddp bench allreduce --sizes 2M --algorithms ring --control   # is a 5% gap real here?
+  microddp bench allreduce --sizes 4K,64K,4M,16M --algorithms shm --repeats 100   # vs memory
 writes allreduce_<N>ranks.png and .json into a new runs/bench-allreduce-DATE-TIME (or --out).
 """
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
 ALGOS = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce}
+CHOICES = (*ALGOS, "shm")  # shm: microddp.comms.all_reduce, through shared memory
 CALIBRATION_SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
@@ -55,9 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--world-size", type=int, default=2, help="ranks to start (default 2)")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"tensor sizes in bytes, K/M suffixes allowed (default {DEFAULT_SIZES})")
-    p.add_argument("--algorithms", default="ring,tree,naive",
-                   help="comma-separated subset of ring,tree,naive (gloo is always timed; "
-                        "default ring,tree,naive)")
+    p.add_argument("--algorithms", default="ring,tree,naive,shm",
+                   help="comma-separated subset of ring,tree,naive,shm (shm: microddp.comms."
+                        "all_reduce, which takes shared memory on one host; gloo is always "
+                        "timed; default ring,tree,naive,shm)")
     p.add_argument("--repeats", type=int, default=30,
                    help="timed calls per contender at <= 1 MiB; fewer for larger sizes "
                         "(never below --min-repeats) (default 30)")
@@ -189,7 +192,11 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
     rows, points = [], []
     for nbytes in sizes:
         t = torch.zeros(nbytes // 4)  # zeros stay zeros under sum: every call does equal work
-        contenders = {name: (lambda f=ALGOS[name], t=t: f(t, check=False)) for name in algos}
+        contenders = {name: (lambda f=ALGOS[name], t=t: f(t, check=False)) for name in algos
+                      if name in ALGOS}
+        if "shm" in algos:
+            contenders["shm"] = shm_contender(t)
+            contenders.update(memory_contenders(nbytes, p))
         if "ring" in algos:
             contenders["ring+check"] = lambda t=t: ring_all_reduce(t)
         contenders["gloo"] = lambda t=t: dist.all_reduce(t)
@@ -202,7 +209,11 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
                             sync=dist.barrier)
         if interleave_cal:
             points.append(calibration_point(times.pop("cal-step"), times.pop("cal-add"), chain))
-        rows.append({"bytes": nbytes, "times": times})
+        row = {"bytes": nbytes, "times": times}
+        if "shm" in algos:
+            row["bound_s"] = memory_bound(nbytes, p, times.pop("mem-copy"),
+                                          times.pop("mem-add"), times.pop("mem-add-slice"))
+        rows.append(row)
     if interleave_cal:
         chunk = [max(4, n // 4 // p * 4) for n in sizes]
         cal = _fit(chunk, points)
@@ -210,14 +221,46 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
             if world.rank == 0 else None)
 
 
+def shm_contender(t: torch.Tensor):
+    """microddp.comms.all_reduce(t), having checked that it takes shared memory here (a
+    collective step: every rank asks)."""
+    if route.all_reduce_path(t, "sum", None) is None:
+        raise MicroDDPError("--algorithms shm: microddp.comms.all_reduce does not take shared "
+                            "memory here (MICRODDP_TRANSPORT=gloo, or no usable /dev/shm); "
+                            "leave shm out")
+    return lambda: comms.all_reduce(t)
+
+
+def memory_contenders(nbytes: int, p: int) -> dict:
+    """What bounds an all-reduce through memory on this host, timed beside it on every rank at
+    once (the ranks share the memory bus): a copy of the tensor, an add of two tensors of its
+    size, and an add of two of its p-th parts."""
+    a, b, c = (torch.zeros(nbytes // 4) for _ in range(3))
+    k = max(1, nbytes // 4 // p)
+    return {"mem-copy": lambda: c.copy_(a),
+            "mem-add": lambda: torch.add(a, b, out=c),
+            "mem-add-slice": lambda: torch.add(a[:k], b[:k], out=c[:k])}
+
+
+def memory_bound(nbytes: int, p: int, copy: list[float], add: list[float],
+                 add_slice: list[float]) -> float:
+    """The least time an all-reduce through shared memory can take here, from medians: every
+    rank must copy its tensor in and, through a shared slot, the result out (2 copies) and
+    reduce its p-th of the p inputs (p-1 adds of n/p bytes); or, without the second copy, reduce
+    all of them (p-1 adds of n bytes). The cheaper of the two is the bound."""
+    t_copy, t_add, t_slice = median(copy), median(add), median(add_slice)
+    return min(2 * t_copy + (p - 1) * t_slice, t_copy + (p - 1) * t_add)
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the flags, time every algorithm against gloo on spawned ranks, and write the
     report; the exit code."""
     sizes = check_sizes([parse_size(s) for s in args.sizes.split(",") if s.strip()])
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    bad = [a for a in algos if a not in ALGOS]
+    bad = [a for a in algos if a not in CHOICES]
     if bad or not algos:
-        raise MicroDDPError(f"unknown algorithm(s) {bad or algos}; choose from ring,tree,naive")
+        raise MicroDDPError(f"unknown algorithm(s) {bad or algos}; choose from "
+                            f"{','.join(CHOICES)}")
     if args.world_size < 2:
         raise MicroDDPError(f"need at least 2 ranks to compare all-reduces, got {args.world_size}")
     if args.repeats < 1 or args.min_repeats < 1:
@@ -240,7 +283,8 @@ def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -
     small = tuple(cal["small"]) if cal["small"] else None
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"], small)
     print(describe(model))
-    shown = [a for a in ("ring", "ring+check", "tree", "naive") if a in out["rows"][0]["times"]]
+    shown = [a for a in ("ring", "ring+check", "tree", "naive", "shm")
+             if a in out["rows"][0]["times"]]
     report = table(out["rows"], shown, model, p, out["duplex"])
     for line in report["lines"]:
         print(line)
@@ -252,6 +296,10 @@ def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -
     print("mean = after dropping a tenth of the calls at each end; the model predicts it, since "
           "times add up\n  and medians do not (model err = predicted / mean - 1); x gloo time = "
           "ratio of medians")
+    if "shm" in shown:
+        print("shm = microddp.comms.all_reduce through shared memory; bound = the least time "
+              "this host's memory allows it\n  (2 copies and (p-1) adds of n/p bytes, or 1 copy "
+              "and (p-1) adds of n bytes, timed beside it)")
     if args.control:
         print(f"{CONTROL} = gloo's all_reduce timed again: a gap between gloo and an algorithm "
               f"no larger than gloo-2's is within this run's noise")

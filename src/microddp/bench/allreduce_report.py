@@ -73,6 +73,13 @@ def table(rows: list[dict], algos: list[str], model: CostModel, p: int,
                 modelled = f"{pred * 1e3:>9.3f}ms {(pred - mean) / mean:>+9.0%}"
             lines.append(f"{'':>9}  {a:<10} {got * 1e3:>9.3f}ms {mean * 1e3:>9.3f}ms {modelled} "
                          f"{ratio:>11.2f}  {lo:>7.2f}-{hi:.2f}")
+        if "bound_s" in row:
+            # The memory bound: the shm row's distance to what this host's memory allows.
+            bound = row["bound_s"]
+            rec.update({"bound_s": bound, "shm_vs_bound": median(times["shm"]) / bound})
+            lines.append(f"{'':>9}  {'bound':<10} {bound * 1e3:>9.3f}ms {'':>11} {'':>11} "
+                         f"{'':>9} {bound / gloo:>11.2f}  shm / bound "
+                         f"{rec['shm_vs_bound']:.2f}")
         if "ring+check" in algos and "ring" in algos:
             # What the default check costs: the checked call against the same ring unchecked,
             # timed in the same rounds.
@@ -96,7 +103,7 @@ def plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     # Means, the model's own measure (the table gives medians too).
     ax.plot(sizes, [r["gloo_mean_s"] * 1e3 for r in records], "k-o", label="gloo all_reduce")
-    for a, color in zip(algos, ("tab:blue", "tab:purple", "tab:orange", "tab:green"),
+    for a, color in zip(algos, ("tab:blue", "tab:purple", "tab:orange", "tab:green", "tab:red"),
                         strict=False):
         ax.plot(sizes, [r[f"{a}_mean_s"] * 1e3 for r in records], "-o", color=color,
                 label=f"{a} (measured)")
@@ -105,7 +112,7 @@ def plot(records: list[dict], algos: list[str], p: int, path: str) -> None:
                     alpha=0.6, label=f"{a} (model)")
     ax.set(xscale="log", yscale="log", xlabel="tensor size (bytes)",
            ylabel="mean time per call (ms, a tenth trimmed at each end)",
-           title=f"all-reduce on {p} ranks: from send/recv vs gloo")
+           title=f"all-reduce on {p} ranks: microddp's vs gloo")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

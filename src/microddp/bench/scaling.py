@@ -29,7 +29,7 @@ from ..trace import report as trace_report
 
 EPILOG = """\
 examples:
-  microddp bench scaling                            # 1, 2, 4 ranks; overlap engine vs torch
+  microddp bench scaling                            # 1, 2, 4 ranks; microddp's DDP vs torch's
   microddp bench scaling --ranks 1 2 --dim 1024 --depth 4 --repeats 30
   microddp bench scaling --engines microddp torch --out runs/scaling
 writes scaling.csv and scaling.png into a new runs/bench-scaling-DATE-TIME (or --out); a table
@@ -187,6 +187,17 @@ def verdicts(rows: list[dict], grad_mb: float, cores: int) -> list[str]:
     return out or ["data parallelism paid off at every world size measured (efficiency >= 50%)"]
 
 
+def weak_efficiency(rows: list[dict]) -> list[str]:
+    """Weak-scaling efficiency (one process's step time / the engine's step time at the same
+    batch per rank) of every engine side by side, one line per world size."""
+    out = []
+    for n in sorted({r["ranks"] for r in rows if r["mode"] == "weak" and r["ranks"] > 1}):
+        sel = [r for r in rows if r["mode"] == "weak" and r["ranks"] == n]
+        out.append(f"weak-scaling efficiency, {n} ranks: " + ", ".join(
+            f"{r['engine']} {r['efficiency']:.2f}" for r in sel))
+    return out
+
+
 def table(rows: list[dict]) -> str:
     """The scaling results as a fixed-width text table, one line per mode, world size and engine."""
     head = (f"{'mode':6} {'ranks':>5} {'engine':10} {'batch':>5} {'step ms':>8} {'samples/s':>10} "
@@ -240,9 +251,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     repetitions."""
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4],
                    help="world sizes (default 1 2 4)")
-    p.add_argument("--engines", nargs="+", default=["overlap", "torch"],
+    p.add_argument("--engines", nargs="+", default=["microddp", "torch"],
                    help="DDP engines to compare: naive hooks buckets overlap microddp torch "
-                        "(default overlap torch)")
+                        "(default microddp torch)")
     p.add_argument("--dim", type=int, default=512, help="FullMLP width (default 512)")
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth (default 8)")
     p.add_argument("--batch", type=int, default=64, help="weak: per rank; strong: global "
@@ -298,6 +309,8 @@ def _run(args: argparse.Namespace, out: Path) -> int:
             os.environ["OMP_NUM_THREADS"] = before
     add_speedup(rows)
     print(table(rows))
+    for line in weak_efficiency(rows):
+        print(line)
     for line in verdicts(rows, grad_bytes / 2**20, os.cpu_count() or 1):
         print(line)
     with outputs.atomic(out / "scaling.csv") as tmp, tmp.open("w", newline="") as f:

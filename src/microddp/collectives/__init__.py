@@ -13,14 +13,20 @@ torch.distributed does: the algorithms work on a detached view, since a collecti
 step autograd can differentiate. Unlike torch's, every write bumps the tensor's version, so
 autograd refuses a backward through a value that changed under it instead of computing a
 wrong gradient.
+
+The shm_* collectives are the exception: they move data through shared memory (shm.py), for a
+group whose ranks are all on this host, and `route.all_reduce_path` is where microddp.comms
+(and so DDP) chooses them over gloo.
 """
 
 from ..transport.peers import Traffic, traffic
 from .naive import gather, naive_all_reduce, scatter
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .shm import shm_all_gather, shm_all_reduce, shm_broadcast, shm_reduce_scatter
 from .tree import tree_all_reduce, tree_broadcast, tree_reduce
 
 __all__ = [
     "Traffic", "traffic", "gather", "naive_all_reduce", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
     "scatter", "tree_all_reduce", "tree_broadcast", "tree_reduce",
+    "shm_all_reduce", "shm_reduce_scatter", "shm_all_gather", "shm_broadcast",
 ]

@@ -96,12 +96,26 @@ class CostModel:
         """The root receives p-1 parts of n/p bytes (n = bytes of all parts together)."""
         return (p - 1) * self._msg(n / p)
 
+    def shm_all_reduce(self, n: float, p: int, slot: float = 4 << 20,
+                       small: float = 64 << 10) -> float:
+        """Through shared memory (shm_group.py), where alpha is one synchronisation (a wait
+        on the peers' counters), beta the cost of copying a byte, gamma of reducing one. Up
+        to `small` bytes: one synchronisation, one copy in, p-1 reductions of n bytes. Above:
+        per chunk of at most `slot` bytes two synchronisations; the tensor copied in and out,
+        and p-1 reductions of its n/p slice."""
+        if p <= 1:
+            return 0.0
+        if n <= small:
+            return self.alpha + n * self.beta + (p - 1) * n * self.gamma
+        return 2 * math.ceil(n / slot) * self.alpha + 2 * n * self.beta + (p - 1) * n / p * self.gamma
+
     def predict(self, algorithm: str, nbytes: float, p: int, **options) -> float:
-        """Predicted seconds for `algorithm` (a name from ALGORITHMS) on `nbytes` and `p` ranks;
-        `options` go to the algorithm's own method (the ring's `segments`)."""
-        if algorithm not in ALGORITHMS:
+        """Predicted seconds for `algorithm` (a name from ALGORITHMS, or shm_all_reduce) on
+        `nbytes` and `p` ranks; `options` go to the algorithm's own method (the ring's
+        `segments`)."""
+        if algorithm not in (*ALGORITHMS, "shm_all_reduce"):
             raise MicroDDPError(f"no cost model for {algorithm!r}; choose one of "
-                                f"{', '.join(ALGORITHMS)}")
+                                f"{', '.join(ALGORITHMS)}, shm_all_reduce")
         if p < 1 or nbytes < 0:
             raise MicroDDPError(f"need p >= 1 ranks and nbytes >= 0, got p={p}, nbytes={nbytes}")
         return getattr(self, algorithm)(float(nbytes), p, **options)

@@ -74,8 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or global batch with --strong (default 32)")
     p.add_argument("--strong", action="store_true", help="fixed global batch (strong scaling)")
     p.add_argument("--world", type=int, nargs="+", help="world sizes (default 1, 2, 4 .. 4096)")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="ring",
-                   help="all-reduce algorithm (default ring)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default=None,
+                   help="all-reduce algorithm; shm: through shared memory, ranks of one host "
+                   "(default ring; with --hardware calibrated, the one measured)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MB (default 25)")
     p.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient value (4 fp32, "
                    "2 bf16; default 4)")
@@ -235,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError("--verify needs --calibrate")
     args.hardware = args.hardware or "a100-ib"
     model, hw = _model(args), _hardware(args)
+    args.algorithm = args.algorithm or hw.algorithm or "ring"
     worlds = args.world or [2**i for i in range(13)]
     if any(n < 1 for n in worlds):
         raise MicroDDPError(f"world sizes must be at least 1, got {worlds}")

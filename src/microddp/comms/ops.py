@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..errors import MicroDDPError
 from .args import REDUCE_OPS, check_list, check_op_dtype, op_name, peer, root
 from .handle import Handle
+from .route import current as current_route
 from .world import (
     World,
     distributed,
@@ -58,6 +59,7 @@ def _done(async_op: bool, finish: Callable[[], None] | None = None,
 
 
 def _result(work, async_op: bool, finish: Callable[[], None] | None = None) -> Handle | None:
+    """A handle on `work` (None: a call that has already finished)."""
     handle = Handle(work, finish)
     if async_op:
         return handle
@@ -81,6 +83,11 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
     if _outside(group):
         return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
     finish = _divide(tensor, group_size(group)) if name == "avg" else None
+    route = current_route()
+    fast = route.all_reduce_path(tensor, name, group) if route is not None else None
+    if fast is not None:  # shared memory between the ranks of this host (collectives/route.py)
+        return _result(fast(tensor, "sum" if name == "avg" else name, group, async_op),
+                       async_op, finish)
     return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
                    async_op, finish)
 
@@ -268,5 +275,9 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
                                 f"between 0 and {world.world_size - 1}")
     kwargs = {"timeout": timedelta(seconds=timeout)} if isinstance(timeout, (int, float)) else (
         {"timeout": timeout} if timeout is not None else {})
-    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
-                          **torch_kwargs)
+    group = dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
+                           **torch_kwargs)
+    route = current_route()
+    if route is not None and not _outside(group):
+        route.prepare(group)  # its members are all here: agree on shared memory now
+    return group

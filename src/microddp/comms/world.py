@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..errors import MicroDDPError
 from .rendezvous import env_int, store_args
+from .route import current as current_route
 from .teardown import before_group, release, watch
 
 # Much shorter than PyTorch's 30 minutes: a stuck collective should surface while someone is
@@ -229,6 +230,11 @@ def init(
     except (RuntimeError, ValueError) as e:
         raise MicroDDPError(f"could not form the process group (rank {rank}): {e}") from None
     _world = World(rank, world_size, local_rank, device, chosen)
+    route = current_route()
+    if route is not None:
+        # Every rank is here: the place to agree on shared memory (a store exchange), rather
+        # than inside the first all-reduce, where a stall would escape the hang monitor.
+        route.prepare(None)
     if chosen == "gloo":
         # A script that never calls shutdown() would exit with gloo's threads still running,
         # which aborts the process at exit now and then (teardown.py). Leaving a gloo group
@@ -291,6 +297,9 @@ def shutdown() -> None:
     if _watcher is not None:
         # First: its watchdog polls the store, which the process group's end takes away.
         _watcher.stop()
+    route = current_route()
+    if route is not None:  # shared memory: its lanes joined, its segments unmapped
+        route.close()
     if dist.is_available() and dist.is_initialized():
         groups = watch()
         dist.destroy_process_group()

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from ..comms import distributed, group_size
+from .. import collectives
+from ..comms import all_reduce, distributed, group_size
 from ..errors import MicroDDPError
 from .buckets import Bucket, bucket_view
 
@@ -84,22 +84,24 @@ def done(value) -> Future:
 
 
 def sum_future(tensor: torch.Tensor, group=None) -> Future:
-    """Start an all-reduce (sum) of `tensor` in place; the future's value is the tensor."""
+    """Start an all-reduce (sum) of `tensor` in place; the future's value is the tensor.
+    Through microddp.comms: shared memory when the group's ranks share this host."""
     if group_size(group) == 1:
         return done(tensor)
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(
+    return all_reduce(tensor, group=group, async_op=True).get_future().then(
         lambda fut: fut.value()[0])
 
 
 class Summing:
     """An all-reduce (sum) in flight that, unlike a chained Future, runs no Python when it
-    completes: the default path of the reducer, where every bucket counts."""
+    completes: the default path of the reducer, where every bucket counts. Through
+    microddp.comms, so shared memory when the group's ranks share this host."""
 
     def __init__(self, tensor: torch.Tensor, group=None) -> None:
         self.tensor = tensor
         self.work = None
         if distributed(group):
-            self.work = dist.all_reduce(tensor, group=group, async_op=True)
+            self.work = all_reduce(tensor, group=group, async_op=True)
 
     def wait(self) -> torch.Tensor:
         """Wait for the sum to arrive and return the summed tensor."""
@@ -151,4 +153,27 @@ bf16_compress = _compressed(torch.bfloat16)
 bf16_compress.__doc__ = ("Send gradients as bfloat16 (half the bytes, float32's range), "
                          "averaged, then cast back.")
 
-BUILTIN = {"allreduce": allreduce, "fp16_compress": fp16_compress, "bf16_compress": bf16_compress}
+def ring(state, bucket: GradBucket) -> Future:
+    """Average the bucket with microddp's own ring all-reduce (send/recv only): the
+    from-scratch DDP over the from-scratch collective. It runs to the end before backward goes
+    on (the ring is a blocking call), so it does not overlap."""
+    flat = bucket.buffer()
+    flat.div_(group_size(state))
+    if distributed(state):
+        collectives.ring_all_reduce(flat, group=state, check=False)
+    return done(flat)
+
+
+def shm(state, bucket: GradBucket) -> Future:
+    """Average the bucket through shared memory, asynchronously (the ranks of the group must
+    all be on this host; comms' default path chooses it by itself when they are)."""
+    flat = bucket.buffer()
+    flat.div_(group_size(state))
+    if not distributed(state):
+        return done(flat)
+    work = collectives.shm_all_reduce(flat, group=state, async_op=True)
+    return work.get_future().then(lambda _: flat)
+
+
+BUILTIN = {"allreduce": allreduce, "fp16_compress": fp16_compress, "bf16_compress": bf16_compress,
+           "ring": ring, "shm": shm}

@@ -18,6 +18,7 @@ from torch.nn.parallel.scatter_gather import scatter_kwargs
 
 from ..comms import distributed, group_rank
 from ..errors import MicroDDPError
+from .comm_hooks import BUILTIN
 from .logging_data import logging_data
 from .refusals import TORCH_NAMES, refusal
 from .sync import BROADCAST_BUCKET_BYTES
@@ -162,10 +163,16 @@ class TorchDDPApi:
         self._ddp_sink_clone = bool(val)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's built-in hook types (dist.BuiltinCommHookType), or one of microddp's by
+        name ("ring", "shm": see dp/comm_hooks.py)."""
+        if isinstance(comm_hook_type, str) and comm_hook_type in BUILTIN:
+            self.register_comm_hook(None, comm_hook_type)
+            return
         name = getattr(comm_hook_type, "name", str(comm_hook_type))
         if name not in _BUILTIN_HOOKS:
             raise MicroDDPError(f"unknown built-in comm hook type {comm_hook_type!r}; torch's "
-                                f"are {', '.join(_BUILTIN_HOOKS)}")
+                                f"are {', '.join(_BUILTIN_HOOKS)}, microddp's "
+                                f"{', '.join(BUILTIN)}")
         self.register_comm_hook(None, _BUILTIN_HOOKS[name])
 
     def scatter(self, inputs, kwargs, device_ids):

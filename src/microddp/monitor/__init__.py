@@ -8,8 +8,9 @@
 microddp.init() turns it on by default (see default.py); init(monitor=False) or
 MICRODDP_MONITOR=0 leaves it off, and microddp.shutdown() stops it before the process group.
 
-Logged: torch.distributed's collectives (so mdp.comms, DDP and user calls) and microddp's
-own (microddp.collectives.ring_all_reduce, ...: called through the module, see patch.py).
+Logged: torch.distributed's collectives (so mdp.comms, DDP and user calls), mdp.comms'
+shared-memory all-reduce (as all_reduce: collectives/route.py) and microddp's own
+(microddp.collectives.ring_all_reduce, ...: called through the module, see patch.py).
 
 PyTorch's own tools for the same questions are TORCH_DISTRIBUTED_DEBUG=DETAIL (collective
 fingerprints) and, on NCCL, the flight recorder; this package gives the same answers on any

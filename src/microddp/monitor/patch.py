@@ -40,6 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
+from ..transport import shm
 from . import desync
 from .hang import Monitor
 from .log import Entry, describe_tensor
@@ -217,8 +218,10 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
                 work.wait(timedelta(seconds=mon.timeout_s))
                 return None
             return fn(*args, **kwargs)
-        except MicroDDPError:
-            raise
+        except MicroDDPError as e:
+            if not getattr(e, "timed_out", False):  # a shared-memory Work's wait ran out
+                raise
+            raise MicroDDPError(mon.collect(entry, why=_first_line(e))) from None
         except RuntimeError as e:
             raise MicroDDPError(mon.collect(entry, why=_first_line(e))) from None
         finally:
@@ -296,23 +299,34 @@ def _ours() -> list[tuple[Any, str, str]]:
     return out
 
 
+def _routes() -> list[tuple[Any, str, str]]:
+    """microddp.comms.all_reduce's shared-memory path (collectives/route.py), logged under
+    the name the caller used: all_reduce."""
+    return [(importlib.import_module("microddp.collectives.route"), "all_reduce", "all_reduce")]
+
+
 def install(mon: Monitor) -> None:
     """Route torch.distributed's and microddp.collectives' collectives through the wrappers."""
     global _active
     _active = mon
-    targets = [(dist, name, name) for name in COLLECTIVES] + _ours()
+    targets = [(dist, name, name) for name in COLLECTIVES] + _ours() + _routes()
     for module, attr, name in targets:
         fn = getattr(module, attr, None)
         if fn is None or (module, attr) in _originals:
             continue
         _originals[module, attr] = fn
-        setattr(module, attr, _wrap(name, fn, torch_own=module is dist))
+        # Like gloo's own calls, the shared-memory ones end by themselves at the group's
+        # timeout (`ends_itself`), with this monitor's report (set_reporter).
+        setattr(module, attr, _wrap(name, fn, torch_own=module is dist
+                                    or getattr(fn, "ends_itself", False)))
+    shm.set_reporter(lambda why: mon.collect(mon.log.oldest_open(), why=why))
 
 
 def uninstall() -> Monitor | None:
     """Put the original functions back."""
     global _active
     mon, _active = _active, None
+    shm.set_reporter(None)
     for (module, attr), fn in _originals.items():
         setattr(module, attr, fn)
     _originals.clear()

@@ -80,9 +80,10 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _allreduce_times(world: World, sizes: list[int], repeats: int) -> tuple[list[float], float]:
-    """Median all-reduce time per size, and the CPU-seconds this rank spent per second of
-    all-reduce at the largest size (the rest of the time it waited)."""
+def _allreduce_times(world: World, sizes: list[int],
+                     repeats: int) -> tuple[list[float], float, str]:
+    """Median all-reduce time per size, the CPU-seconds this rank spent per second of
+    all-reduce at the largest size (the rest of the time it waited), and the path it took."""
     out = []
     for n in sizes:
         t = torch.ones(n // 4)
@@ -95,7 +96,7 @@ def _allreduce_times(world: World, sizes: list[int], repeats: int) -> tuple[list
                 times.append(time.perf_counter() - t0)
                 cpu += _cpu_seconds() - c0
         out.append(statistics.median(times))
-    return out, cpu / sum(times)
+    return out, cpu / sum(times), _path(world)
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[float, float]:
@@ -105,11 +106,32 @@ def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[fl
     return max(a, 1e-7) / (2 * (world - 1)), 2 * (world - 1) / world / max(b, 1e-15)
 
 
-def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float, float]:
-    """(alpha, bandwidth, comm_cpu): the fitted link, and the CPU share of its time."""
+def fit_shm(sizes: list[int], times: list[float]) -> tuple[float, float]:
+    """Fit t = a + b n to all-reduce times through shared memory, read as CostModel's
+    shm_all_reduce with chunks of a slot: a = 2 alpha per chunk, b = 2 beta (a copy in and one
+    out; the reduction folded in). Returns (alpha seconds per synchronisation, bytes/s)."""
+    a, b = fit_line(sizes, times)
+    return max(a, 1e-7) / 2, 2 / max(b, 1e-15)
+
+
+def _path(world: World) -> str:
+    """"shm" if microddp.comms.all_reduce takes shared memory on this group, else "ring"
+    (the cost model the fit is read as)."""
+    from ..collectives import route
+
+    return "shm" if route.all_reduce_path(torch.ones(1), "sum", None) is not None else "ring"
+
+
+def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float, float, str]:
+    """(alpha, bandwidth, comm_cpu, algorithm): the fitted link, the CPU share of its time,
+    and what the fit describes: "shm" where comms' all-reduce takes shared memory (one host,
+    the default), else a ring."""
     ranks = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300, backend="gloo")
-    busy = statistics.mean(cpu for _, cpu in ranks)
-    return (*fit_alpha_beta(SIZES, ranks[0][0], world), busy)
+    busy = statistics.mean(cpu for _, cpu, _ in ranks)
+    path = ranks[0][2]
+    fit = (fit_shm(SIZES, ranks[0][0]) if path == "shm"
+           else fit_alpha_beta(SIZES, ranks[0][0], world))
+    return (*fit, busy, path)
 
 
 def _step_times(world: World, engine: str, dim: int, depth: int, batch: int,
@@ -192,7 +214,7 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
         got["flops"].append(flops)
         got["memory"].append(memory)
         got["rank_flops"].append(rank_rate(dim, depth, batch))
-        alpha, bandwidth, busy = alpha_beta(2)
+        alpha, bandwidth, busy, path = alpha_beta(2)
         got["alpha"].append(alpha)
         got["bandwidth"].append(bandwidth)
         got["busy"].append(busy)
@@ -202,11 +224,13 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     report_spread(got, rounds)
     hw = Hardware(med["flops"], med["bandwidth"], med["alpha"],
                   "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
-                  memory=med["memory"], comm_cpu=med["busy"], rank_flops=med["rank_flops"])
+                  memory=med["memory"], comm_cpu=med["busy"], rank_flops=med["rank_flops"],
+                  algorithm=path)
     save_calibration(hw, args.calibration)
     print(f"compute {hw.flops:.3g} FLOP/s ({hw.rank_flops:.3g} for one rank alone), memory "
           f"{hw.memory:.3g} B/s, latency (alpha) {1e6 * hw.latency:.1f} us, bandwidth (1/beta) "
-          f"{hw.bandwidth:.3g} B/s, all-reduce keeps {100 * hw.comm_cpu:.0f}% of a core busy; "
+          f"{hw.bandwidth:.3g} B/s ({path} all-reduce), all-reduce keeps "
+          f"{100 * hw.comm_cpu:.0f}% of a core busy; "
           f"saved to {args.calibration} "
           "(--hardware calibrated)")
     if not worlds:
@@ -216,7 +240,7 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     worst = 0.0
     for n in worlds:
         row = predict(fullmlp(dim, depth), hw, n, batch, bucket_mb=args.bucket_mb,
-                      local_ranks=n)
+                      local_ranks=n, algorithm=path)
         pred, meas = row["step_s"], statistics.median(steps[n])
         limit = "host CPU" if row["cpu_bound_s"] > row["chain_s"] else "one rank"
         err = (pred - meas) / meas

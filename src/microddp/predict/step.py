@@ -44,6 +44,9 @@ class Hardware:
     # taken as `flops`). Small matrices do not split well over threads, so one process rarely
     # reaches the rate of a rank per core.
     rank_flops: float = 0.0
+    # The all-reduce latency and bandwidth were measured on ("shm" on one host, where
+    # microddp.comms takes shared memory); predict uses it unless told another.
+    algorithm: str = ""
 
 
 # Sustained rates assume ~40% of the bf16 dense peak, a typical large-model training figure.
@@ -84,7 +87,7 @@ MODELS = {
     "gpt2-xl": _llm(1.5e9, 1024, "GPT-2 XL, 1024 tokens per sample"),
     "llama-7b": _llm(6.7e9, 4096, "a 7B decoder, 4096 tokens per sample"),
 }
-ALGORITHMS = ("ring", "tree", "naive")
+ALGORITHMS = ("ring", "tree", "naive", "shm")  # shm: through shared memory, ranks of one host
 
 
 def fullmlp(dim: int, depth: int, n_classes: int = 2) -> Model:
@@ -100,7 +103,7 @@ def allreduce_time(nbytes: float, world: int, hw: Hardware, algorithm: str = "ri
         raise MicroDDPError(f"unknown algorithm {algorithm!r}; choose one of "
                             f"{', '.join(ALGORITHMS)}")
     model = CostModel(alpha=hw.latency, beta=1.0 / hw.bandwidth)
-    return model.predict(f"{algorithm}_all_reduce", nbytes, world)
+    return model.predict(f"{algorithm}_all_reduce", nbytes, world)  # shm: shm_all_reduce
 
 
 def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str = "ring",

@@ -1,0 +1,77 @@
+"""Which way a group's all-reduce goes: the one place that chooses.
+
+`all_reduce_path(tensor, op, group)` answers for microddp.comms.all_reduce (and so for
+microddp's DDP, whose buckets go through it): shared memory when every rank of the group is on
+this host (decided once per group, collectively, transport/shm_attach.py), the call is one
+shared memory handles (a dense contiguous CPU tensor of a supported dtype, sum, avg, product,
+min or max), and its result is gloo's, bit for bit; otherwise None, and the call goes to the
+group's backend (gloo, NCCL) as before.
+
+Bit for bit: shared memory adds the ranks' values in one order, rank 0 first. On 2 ranks that
+is x0 + x1, which is gloo's result whatever its order (addition commutes); integers, min and
+max do not depend on the order at all. A float sum or product on 3 or more ranks does: gloo's
+ring starts each chunk's sum at another rank, so its last bits differ from ours (and, after
+Adam's normalisation, a DDP run's parameters by 1e-4 relative in 4 steps, measured). So by
+default that one case stays on gloo, and microddp's DDP stays equal to PyTorch's where it was;
+MICRODDP_TRANSPORT=shm sends it through shared memory too (every rank still gets the same
+bits: the same order everywhere).
+
+comms sits below this layer, so it does not import this module: `ROUTE` is handed to it
+(comms/route.py) by microddp/__init__.py, as the hang monitor is.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+from . import shm
+from .shm_group import DTYPES
+
+OPS = frozenset({"sum", "avg", "product", "min", "max"})
+ORDERED = frozenset({"sum", "avg", "product"})  # float results that depend on the order
+_this = sys.modules[__name__]
+
+
+def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | None:
+    """The all-reduce to call for this tensor on this group: shared memory's, or None for the
+    group's backend. Every rank of the group must ask at the same point (the first time,
+    the ranks agree on the group's transport through the store)."""
+    if (tensor.device.type != "cpu" or tensor.dtype not in DTYPES or op not in OPS
+            or tensor.layout != torch.strided or not tensor.is_contiguous()):
+        return None
+    state = shm.shared(group)
+    if state is None:
+        return None
+    if not state.any_order and op in ORDERED and tensor.is_floating_point():
+        return None  # 3+ ranks: gloo's order gives other last bits (above)
+    # Looked up now, not bound at import: the hang monitor wraps it while it runs.
+    return _this.all_reduce
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
+    """comms.all_reduce over shared memory (the monitor logs it as all_reduce): torch's
+    contract, a Work when async_op, else None once done."""
+    return shm.all_reduce_unversioned(tensor, op, group, async_op)
+
+
+# the monitor treats it as it treats gloo's own calls: it ends itself at the group's timeout
+all_reduce.ends_itself = True
+
+
+class Route:
+    """What microddp.comms asks (comms/route.py's protocol)."""
+
+    def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
+        return all_reduce_path(tensor, op, group)
+
+    def prepare(self, group) -> None:
+        shm.shared(group)
+
+    def close(self) -> None:
+        shm.close_all()
+
+
+ROUTE = Route()

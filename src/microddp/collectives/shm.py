@@ -1,0 +1,244 @@
+"""Collectives through shared memory, for a group whose ranks are all on this host.
+
+    from microddp import collectives as C
+    C.shm_all_reduce(t)                       # in place, like dist.all_reduce
+    work = C.shm_all_reduce(t, async_op=True)  # ... work.wait()
+
+Each group gets its own segment and lane on its first collective here (a collective step:
+every rank of the group must make it), kept as long as the group object lives or until
+microddp.shutdown(). A group whose ranks are not all on this host, or MICRODDP_TRANSPORT=gloo,
+gets none: these functions then raise, and `route.all_reduce_path` picks gloo instead.
+Results are the same bits on every rank (shm_group.py says in which order the ranks' values
+are combined); like the other collectives here, a write bumps the tensor's autograd version.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comms import args as comms_args
+from ..comms.world import group_rank, group_size
+from ..errors import MicroDDPError
+from ..transport.peers import written
+from ..transport.shm_attach import attach, wanted
+from .shm_group import DTYPES, SharedGroup, segment_bytes, sizes
+from .shm_lane import Lane, ShmWork
+
+__all__ = ["shm_all_reduce", "shm_reduce_scatter", "shm_all_gather", "shm_broadcast",
+           "shared", "close_all"]
+
+
+@dataclass
+class _State:
+    group: SharedGroup | None  # None: this group does not use shared memory
+    lane: Lane | None
+    # Whether comms may send float sums here too: on 2 ranks (x0 + x1 is gloo's result, bit
+    # for bit) or when MICRODDP_TRANSPORT=shm asks for it. On more ranks gloo adds in an order
+    # of its own (route.py), so by default those stay on gloo.
+    any_order: bool = False
+
+    def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
+        if self.group is not None:
+            self.group.close()
+
+
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_setups: dict[str, int] = {}  # set-ups per group name in this process
+
+
+def _key(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def shared(group=None) -> _State | None:
+    """The group's shared memory, set up on the first call (collective over the group); None
+    when the group talks through its backend instead (another host, a non-gloo backend,
+    MICRODDP_TRANSPORT=gloo)."""
+    key = _key(group)
+    if key is None:  # no default group after all (torch's was never formed, or is gone)
+        return None
+    try:
+        state = _states[key]
+    except KeyError:
+        state = _states[key] = _setup(key)
+        weakref.finalize(key, state.close)
+    return state if state.group is not None else None
+
+
+def _setup(key) -> _State:
+    size, rank = group_size(key), group_rank(key)
+    if size < 2 or rank < 0 or "gloo" not in str(dist.get_backend(key)):
+        return _State(None, None)
+    name = str(getattr(key, "group_name", "") or "world")
+    # A prefix of its own for every set-up: the same on every rank of the group (each sets
+    # up a group of this name as often as the others), never one used before in this job.
+    _setups[name] = _setups.get(name, -1) + 1
+    prefix = f"microddp/shm/{name}/{_setups[name]}"
+    timeout_s = group_timeout_s(key)
+    slot, small = sizes(size)
+    got = attach(dist.distributed_c10d._get_default_store(), prefix, rank, size,
+                 segment_bytes(size, slot), timeout_s, f"slot={slot} small={small}")
+    if got is None:
+        return _State(None, None)
+    return _State(SharedGroup(got.segment, rank, size, got.pids, timeout_s, slot, small),
+                  Lane(name), size == 2 or wanted() == "shm")
+
+
+def group_timeout_s(key) -> float:
+    """The group's own timeout (what its gloo calls wait at most), so a shared-memory wait
+    gives up when a gloo one would; MICRODDP_TIMEOUT (or 120 s) if torch does not say."""
+    try:
+        return key._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return float(os.environ.get("MICRODDP_TIMEOUT", 120.0))
+
+
+def close_all() -> None:
+    """Leave every group's shared memory (microddp.shutdown does, before the groups go)."""
+    for state in list(_states.values()):
+        state.close()
+    _states.clear()
+
+
+def _required(group, where: str) -> _State:
+    state = shared(group)
+    if state is None:
+        raise MicroDDPError(f"{where}: this group does not use shared memory (its ranks are not "
+                            "all on this host, its backend is not gloo, or MICRODDP_TRANSPORT="
+                            "gloo); use microddp.comms or the ring instead")
+    return state
+
+
+def _check(tensor, where: str, name: str = "tensor") -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise MicroDDPError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
+        raise MicroDDPError(f"{where}: {name} must be a dense, contiguous CPU tensor, got "
+                            f"{tensor.layout} {tensor.device} (contiguous: "
+                            f"{tensor.is_contiguous()}); pass {name}.contiguous() or use comms")
+    if tensor.dtype not in DTYPES:
+        raise MicroDDPError(f"{where}: {tensor.dtype} is not supported; use one of "
+                            f"{', '.join(sorted(str(d) for d in DTYPES))}")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.data.view(-1)  # .data: the write is not autograd's business (written() says it)
+
+
+def _run(state: _State, body: Callable[[SharedGroup], None], result: list, async_op: bool,
+         finish: Callable[[], None] | None = None) -> ShmWork | None:
+    group = state.group
+
+    def task(yielding: bool) -> None:
+        group.yielding = yielding
+        body(group)
+        if finish is not None:
+            finish()
+
+    return state.lane.submit(task, result, async_op)
+
+
+def shm_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
+                   async_op: bool = False) -> ShmWork | None:
+    """In place: op (sum, avg, product, min, max) over the group's `tensor`s."""
+    where = "shm_all_reduce"
+    name = comms_args.op_name(op)
+    _check(tensor, where)
+    comms_args.check_op_dtype(name, tensor)
+    if name not in ("sum", "avg", "product", "min", "max"):
+        raise MicroDDPError(f"{where}: op {name!r} is not supported; use comms.all_reduce")
+    state = _required(group, where)
+    flat = _flat(tensor)
+
+    def finish() -> None:
+        if name == "avg":
+            flat.div_(state.group.size)
+        written(tensor)
+
+    return _run(state, lambda g: g.all_reduce(flat, name), [tensor], async_op, finish)
+
+
+def all_reduce_unversioned(tensor: torch.Tensor, op: str, group, async_op: bool) -> ShmWork | None:
+    """shm_all_reduce as microddp.comms calls it (route.py), after its own checks: like
+    torch's collectives, it leaves autograd's version counter alone, and "avg" is its caller's
+    division."""
+    state = shared(group)
+    flat = _flat(tensor)
+    return _run(state, lambda g: g.all_reduce(flat, op), [tensor], async_op)
+
+
+def shm_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: str = "sum",
+                       group=None, async_op: bool = False) -> ShmWork | None:
+    """Group rank i ends with op over ranks of their input_list[i]."""
+    where = "shm_reduce_scatter"
+    name = comms_args.op_name(op)
+    _check(output, where, "output")
+    comms_args.check_op_dtype(name, output)
+    state = _required(group, where)
+    if len(input_list) != state.group.size:
+        raise MicroDDPError(f"{where}: input_list must hold one tensor per rank of the group "
+                            f"({state.group.size}), got {len(input_list)}")
+    for i, t in enumerate(input_list):
+        _check(t, where, f"input_list[{i}]")
+        if t.shape != output.shape or t.dtype != output.dtype:
+            raise MicroDDPError(f"{where}: input_list[{i}] is {tuple(t.shape)} {t.dtype}, but "
+                                f"output is {tuple(output.shape)} {output.dtype}; make them match")
+    flat, inputs = _flat(output), [_flat(t) for t in input_list]
+
+    def finish() -> None:
+        if name == "avg":
+            flat.div_(state.group.size)
+        written(output)
+
+    return _run(state, lambda g: g.reduce_scatter(flat, inputs, name), [output], async_op,
+                finish)
+
+
+def shm_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+                   async_op: bool = False) -> ShmWork | None:
+    """tensor_list[i] becomes group rank i's `tensor`, on every rank."""
+    where = "shm_all_gather"
+    _check(tensor, where)
+    state = _required(group, where)
+    if len(tensor_list) != state.group.size:
+        raise MicroDDPError(f"{where}: tensor_list must hold one tensor per rank of the group "
+                            f"({state.group.size}), got {len(tensor_list)}")
+    for i, t in enumerate(tensor_list):
+        _check(t, where, f"tensor_list[{i}]")
+        if t.shape != tensor.shape or t.dtype != tensor.dtype:
+            raise MicroDDPError(f"{where}: tensor_list[{i}] is {tuple(t.shape)} {t.dtype}, but "
+                                f"tensor is {tuple(tensor.shape)} {tensor.dtype}; make them match")
+    outputs = [_flat(t) for t in tensor_list]
+
+    def finish() -> None:
+        for t in tensor_list:
+            written(t)
+
+    return _run(state, lambda g: g.all_gather(outputs, _flat(tensor)), list(tensor_list),
+                async_op, finish)
+
+
+def shm_broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
+                  async_op: bool = False, group_src: int | None = None) -> ShmWork | None:
+    """Every rank's `tensor` becomes that of global rank `src` (or group rank `group_src`;
+    rank 0 if neither)."""
+    where = "shm_broadcast"
+    _check(tensor, where)
+    root = comms_args.root(src, group_src, group, "src")
+    state = _required(group, where)
+    g_src = root if group is None else dist.get_group_rank(group, root)
+    flat = _flat(tensor)
+    return _run(state, lambda g: g.broadcast(flat, g_src), [tensor], async_op,
+                lambda: written(tensor))
+
+
+for _fn in (shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_broadcast):
+    _fn.ends_itself = True  # the hang monitor: they give up at the group's timeout, as gloo does

@@ -1,0 +1,155 @@
+"""Running a group's shared-memory collectives in the order they were issued, some of them
+asynchronously, and the handle (`ShmWork`) an asynchronous one returns.
+
+A group has one lane: a thread that runs the calls made with async_op=True one after another,
+so DDP's bucket all-reduces overlap with backward as gloo's do. A blocking call runs on the
+caller's thread when nothing is queued (the fast case: no hand-over between threads), else it
+queues behind the others and waits, so calls always run in the order they were made. The
+tensor work releases the GIL, and so does the lane's waiting for its peers (transport/shm.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..errors import MicroDDPError
+
+
+class ShmWork:
+    """Like torch's Work: wait(timeout), is_completed(), get_future(), result(), exception()."""
+
+    def __init__(self, result: list) -> None:
+        self._result = result
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+        self._finished = False
+        self._lock = threading.Lock()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        with self._lock:  # a future made from here on is completed by get_future itself
+            self._finished, fut = True, self._future
+        if fut is not None:
+            self._deliver(fut)  # its callbacks run before wait() returns, as with torch's Work
+        self._done.set()
+
+    def _deliver(self, fut: torch.futures.Future) -> None:
+        if self._error is None:
+            fut.set_result(self._result)
+        else:
+            fut.set_exception(self._error)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = None if timeout is None else timeout.total_seconds()
+        if not self._done.wait(seconds):
+            late = MicroDDPError(f"a shared-memory collective did not complete within "
+                                 f"{seconds:g} s (Work.wait's timeout)")
+            late.timed_out = True  # the hang monitor answers it with its report (patch.py)
+            raise late
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._finished:
+                    self._deliver(self._future)
+            return self._future
+
+
+Task = Callable[[bool], None]  # task(yielding): run the collective
+
+
+class Lane:
+    """One group's queue of collectives and the thread that runs the asynchronous ones."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _pending and _thread
+        self._running = threading.Lock()  # one collective of the group at a time
+        self._pending = 0  # queued or running
+        self._thread: threading.Thread | None = None
+
+    def submit(self, task: Task, result: list, async_op: bool) -> ShmWork | None:
+        """Run `task`: now, on this thread, if it blocks and nothing is queued (None once it
+        is done); else behind the queued ones (a ShmWork if `async_op`, else None once done)."""
+        if not async_op:
+            with self._lock:
+                idle = self._pending == 0
+                if idle:
+                    self._pending += 1
+            if idle:
+                try:
+                    with self._running:
+                        task(False)
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+                return None
+        work = ShmWork(result)
+        with self._lock:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=f"microddp-shm-{self.name}",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put((task, work))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _run(self, task: Task, work: ShmWork, yielding: bool) -> None:
+        error = None
+        with self._running:
+            try:
+                task(yielding)
+            except BaseException as e:  # noqa: BLE001 (handed to whoever waits on the work)
+                error = e
+        with self._lock:
+            self._pending -= 1
+        work.finish(error)
+
+    def _serve(self) -> None:
+        while True:
+            item: Any = self._queue.get()
+            if item is None:
+                return
+            self._run(*item, True)
+            # Let go of the task (and the views of its tensors) now, not at the next call:
+            # DDP lends a bucket's memory to .grad only while nothing else holds it.
+            del item
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread once the calls queued before this have run."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout_s)

@@ -1,0 +1,37 @@
+"""A faster way than the group's backend for some calls, handed in from above.
+
+microddp's shared-memory transport lives in collectives/ (collectives/route.py chooses), above
+this layer, so comms does not import it: microddp/__init__.py hands it in with `route_with`,
+as it hands the hang monitor to `init`. Without one, every call goes to torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+
+class Route(Protocol):
+    def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
+        """all_reduce(tensor, op, group, async_op) to call instead of the backend's, or None."""
+
+    def prepare(self, group) -> None:
+        """Set `group`'s paths up now: a collective step, called where every rank of the group
+        is at the same point (init, new_group), so that the first call finds them ready."""
+
+    def close(self) -> None:
+        """Let go of what the paths hold (shutdown calls it before the groups go)."""
+
+
+_route: Route | None = None
+
+
+def route_with(route: Route | None) -> None:
+    global _route
+    _route = route
+
+
+def current() -> Route | None:
+    return _route

@@ -1,0 +1,282 @@
+"""Same-host shared memory between the ranks of one group: a segment, its counters, its lifecycle.
+
+A segment is a file in /dev/shm that every rank of the group maps (mmap, MAP_SHARED), seen as
+bytes (a torch tensor, for the data) and as 64-bit words (a memoryview, for the counters).
+
+Lifecycle, because a segment outlives a crashed process unless somebody removes it:
+- its name carries the creator's pid namespace and pid (`microddp-shm-<ns>-<pid>-<token>`);
+- it is unlinked as soon as every rank of the group has mapped it (`attach`), so after that
+  the kernel frees it when the last mapping goes, whatever way the processes end (SIGKILL
+  included): only a crash inside the short attach window can leave one behind, and
+- `sweep()` (run once per process, before its first segment) removes the segments of this
+  pid namespace whose creator is no longer alive.
+
+Counters: each rank writes only its own counters (one 64-byte line each, so two ranks never
+write the same cache line), and only ever increases them; the others read them. A waiting rank
+spins briefly, then sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the
+poster rings after each post), so a rank on a busy host is woken the moment its peer posts,
+as a blocked socket read is, rather than when its next time slice comes. The futex is a system
+call through ctypes and libc (no compiler). Every LIVENESS_S it checks a deadline and whether
+its peers are still alive, and raises a MicroDDPError that names the missing ranks instead of
+waiting for ever.
+
+Memory ordering: a rank writes its data (torch ops), then its counter (one aligned 8-byte
+store), then rings the bell; a reader reads the bell, then the counter, then the data (and
+sleeps only if the bell still holds what it read: the kernel checks that, so no wake-up is
+lost). That is correct on x86-64, whose
+total store order keeps stores in order and loads in order, and where each torch op is an
+opaque call the compiler cannot move a load or store across (a multi-threaded op joins its
+threads first, a full fence). Weakly ordered CPUs (ARM, POWER) need fences that Python cannot
+issue, so `supported()` is False there and microddp keeps gloo unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import secrets
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..errors import MicroDDPError
+
+SHM_DIR = "/dev/shm"
+PREFIX = "microddp-shm-"
+LINE_WORDS = 8  # 64 bytes: one cache line per counter
+SPINS = 1000  # busy reads before sleeping (~50 us): a peer a few microseconds behind
+LIVENESS_S = 0.2  # how often a sleeping wait checks its deadline and that its peers are alive
+_SYS_FUTEX = 202  # x86-64's number (supported() requires x86-64)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
+_libc = ctypes.CDLL(None, use_errno=True)  # CDLL: the GIL is released during the call
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleep until woken, `timeout_s` passes, or the word at `address` is not `expected`."""
+    ts = _Timespec(int(timeout_s), int(timeout_s % 1 * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(expected),
+                  ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(address: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1),
+                  None, None, 0)
+
+# Set by the hang monitor while it runs (it sits above this layer): turns the reason a wait
+# failed into the report of where every rank is.
+_reporter: Callable[[str], str] | None = None
+
+
+def set_reporter(reporter: Callable[[str], str] | None) -> None:
+    global _reporter
+    _reporter = reporter
+
+
+def supported() -> bool:
+    """Whether this host can run the transport as designed: /dev/shm, x86-64 ordering."""
+    return (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+            and platform.machine().lower() in ("x86_64", "amd64"))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _pid_namespace() -> str:
+    try:
+        return "".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit())
+    except OSError:
+        return "0"
+
+
+def host_identity() -> str:
+    """What ranks compare to learn that they share this host's /dev/shm: the kernel's boot id,
+    the /dev/shm file system and the pid namespace (pids are checked for liveness). Empty when
+    it cannot be told (no /proc): then no rank will choose shared memory on its own."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(SHM_DIR)
+    except OSError:
+        return ""
+    return f"{boot}/{st.st_dev}:{st.st_ino}/{_pid_namespace()}"
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` (of this pid namespace) still runs; a zombie does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def segment_name() -> str:
+    return f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def sweep(directory: str = SHM_DIR) -> list[str]:
+    """Remove this user's microddp segments left by dead processes of this pid namespace (a
+    crash between creating a segment and every rank attaching it). Returns their names."""
+    removed = []
+    ns, uid = _pid_namespace(), os.getuid()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(PREFIX):
+            continue
+        parts = entry.name[len(PREFIX):].split("-")
+        try:
+            owned = entry.stat(follow_symlinks=False).st_uid == uid
+        except OSError:
+            continue
+        if len(parts) != 3 or parts[0] != ns or not parts[1].isdigit() or not owned:
+            continue
+        if not alive(int(parts[1])):
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+            except OSError:
+                pass
+    return removed
+
+
+class Segment:
+    """One mapping of a /dev/shm file: `data` (uint8 tensor) and `words` (int64 memoryview)."""
+
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        self.name, self.size = name, size
+        self.path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                # Reserve the memory now (zero-filled: every counter starts at 0): a /dev/shm
+                # too small for it fails here, with an error, rather than with a SIGBUS on
+                # the first write past its end, as a file merely truncated to size would.
+                os.posix_fallocate(fd, 0, size)
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the name may go at once
+        self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.words = memoryview(self._mm).cast("q")
+        self.bells = memoryview(self._mm).cast("i")  # 32-bit words: what a futex watches
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.address = ctypes.addressof(self._anchor)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Let go of the mapping. It is unmapped when the last tensor viewing it goes (torch
+        holds the mmap object, not its memory: closing the mmap under a live view would
+        leave that view pointing at nothing), and the memory is freed with the last mapping
+        of any rank."""
+        self.data = self._mm = None
+
+
+class Flags:
+    """Per-rank counters in a segment: each rank posts its own, and waits for the others.
+    A counter is the first 8 bytes of its rank's 64-byte line; its bell the next 4."""
+
+    def __init__(self, segment: Segment, first_word: int, rank: int, size: int,
+                 pids: Sequence[int], gone: Flags | None = None) -> None:
+        self.words, self.bells, self.address = segment.words, segment.bells, segment.address
+        self.rank, self.size, self.pids = rank, size, list(pids)
+        self.index = [first_word + r * LINE_WORDS for r in range(size)]
+        self.others = [i for r, i in enumerate(self.index) if r != rank]
+        self.gone = gone
+        # Spinning only pays when every rank has a core: with more ranks than cores, the
+        # rank being waited for may need this very core to get there.
+        self.spins = SPINS if size <= _cores() else 0
+
+    def post(self, value: int) -> None:
+        i = self.index[self.rank]
+        self.words[i] = value
+        bell = 2 * i + 2  # the 32-bit word after the counter
+        self.bells[bell] = (self.bells[bell] + 1) & 0x7FFFFFFF
+        _futex_wake(self.address + 4 * bell)
+
+    def get(self, rank: int) -> int:
+        return self.words[self.index[rank]]
+
+    def wait(self, value: int, deadline_s: float, what: str, yielding: bool = False) -> None:
+        """Until every rank has posted `value` or more. `yielding`: release the GIL between
+        reads from the first one (on a thread beside a training loop, whose Python hooks need
+        it); otherwise spin first, as a rank with nothing else to do should."""
+        words = self.words
+        if not yielding and self.spins:  # (the lane's thread must let go of the GIL at once)
+            if len(self.others) == 1:  # two ranks: one line to watch
+                i = self.others[0]
+                for _ in range(self.spins):
+                    if words[i] >= value:
+                        return
+            else:
+                for _ in range(self.spins // len(self.others)):
+                    if min(words[i] for i in self.others) >= value:
+                        return
+        self._wait_slowly(value, deadline_s, what)
+
+    def _wait_slowly(self, value: int, deadline_s: float, what: str) -> None:
+        words, bells, others = self.words, self.bells, self.others
+        start = time.monotonic()
+        check_at = start + LIVENESS_S
+        while True:
+            late = [i for i in others if words[i] < value]
+            if not late:
+                return
+            i = late[0]
+            bell = 2 * i + 2
+            rung = bells[bell]  # the bell first, then the counter: see the module's docstring
+            if words[i] < value:
+                _futex_wait(self.address + 4 * bell, rung, LIVENESS_S)
+            now = time.monotonic()
+            if now >= check_at:
+                check_at = now + LIVENESS_S
+                # Only a rank that has not posted counts: one may post its last step, then
+                # leave, while another is merely slow.
+                lost = [r for r in self.lost() if self.get(r) < value]
+                if lost:
+                    self.fail(value, what, f"rank(s) {lost} of the group exited", lost)
+                if now - start > deadline_s:
+                    late = [r for r in range(self.size) if self.get(r) < value]
+                    self.fail(value, what, f"timed out after {deadline_s:g} s waiting for "
+                              f"rank(s) {late}", late)
+
+    def lost(self) -> list[int]:
+        """Group ranks that left (closed the transport) or whose process is gone."""
+        return [r for r, pid in enumerate(self.pids) if r != self.rank and (
+            (self.gone is not None and self.gone.get(r)) or not alive(pid))]
+
+    def fail(self, value: int, what: str, why: str, ranks: list[int]) -> None:
+        text = (f"shared-memory {what} (step {value}) on group rank {self.rank}: {why}; every "
+                "rank must call the same collectives in the same order; look at the rank(s) "
+                "named (a crash or an exit there is the cause)")
+        if _reporter is not None:
+            try:
+                text = _reporter(text) + f"\n({text})"
+            except Exception:  # noqa: BLE001 (the report is a courtesy: our own words stand)
+                pass
+        raise MicroDDPError(text)
