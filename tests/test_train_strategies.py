@@ -221,8 +221,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
 
 
 def test_strategy_examples_in_help_run_as_written(tmp_path):
-    """The --strategy lines of `microddp train --help` train to a useful model, as written."""
-    lines = [line for line in command_lines(EPILOG) if "--strategy" in line]
+    """The --strategy lines of `microddp train --help` train to a useful model, as written.
+    (The async lines run minutes of straggling workers: tests/test_train_async.py trains their
+    configurations on a small budget, and test_cli_help parses them.)"""
+    lines = [line for line in command_lines(EPILOG)
+             if "--strategy" in line and "--strategy async" not in line]
     assert {line.split("--strategy ")[1].split()[0] for line in lines} == {
         "zero2", "zero3", "pp", "dp-pp"}
     accuracy = {}
