@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, default=None,
                    help="instead of a step: flat vs hierarchical all-reduce over this many hosts "
                         "of --local-ranks ranks, --hardware inside a host, --inter-hardware "
-                        "between hosts")
+                        "between hosts (default: none, predict a step)")
     p.add_argument("--inter-hardware", default="10gbe",
                    help="with --hosts: the link between hosts, a preset (default 10gbe)")
     p.add_argument("--calibrate", action="store_true", help="measure this host's compute rate, "
