@@ -322,3 +322,17 @@ def test_a_steady_calibration_gives_no_warning(tmp_path, monkeypatch, capsys):
 def test_calibrate_refuses_another_hardware_preset(capsys):
     assert cli.main(["predict", "--calibrate", "--hardware", "a100-ib"]) == 2
     assert "drop --hardware a100-ib" in capsys.readouterr().err
+
+
+def test_across_hosts_counts_the_rounds_of_flat_and_hierarchical():
+    from microddp.predict import Hardware, across_hosts
+
+    intra, inter = Hardware(1.0, 1e9, 1e-5), Hardware(1.0, 1e8, 1e-4)
+    t = across_hosts(1e6, hosts=2, local=2, intra=intra, inter=inter)
+    # flat ring over 4 ranks, every one of its 6 steps on the link between hosts: n/4 a step
+    assert t["flat_s"] == pytest.approx(6 * (1e-4 + 2.5e5 / 1e8))
+    # reduce-scatter and all-gather of n over 2 ranks inside, 2 steps of n/2 between hosts
+    assert t["hierarchical_s"] == pytest.approx(2 * (1e-5 + 5e5 / 1e9) + 2 * (1e-4 + 5e5 / 1e8))
+    # one rank per host: the hierarchy is the flat ring
+    one = across_hosts(1e6, hosts=4, local=1, intra=intra, inter=inter)
+    assert one["flat_s"] == pytest.approx(one["hierarchical_s"])

@@ -20,13 +20,14 @@ group whose ranks are all on this host, and `route.all_reduce_path` is where mic
 """
 
 from ..transport.peers import Traffic, traffic
+from .hierarchical import Hierarchy, hierarchical_all_reduce
 from .naive import gather, naive_all_reduce, scatter
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .shm import shm_all_gather, shm_all_reduce, shm_broadcast, shm_reduce_scatter
 from .tree import tree_all_reduce, tree_broadcast, tree_reduce
 
 __all__ = [
-    "Traffic", "traffic", "gather", "naive_all_reduce", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
+    "Hierarchy", "Traffic", "traffic", "gather", "hierarchical_all_reduce", "naive_all_reduce", "ring_all_gather", "ring_all_reduce", "ring_reduce_scatter",
     "scatter", "tree_all_reduce", "tree_broadcast", "tree_reduce",
     "shm_all_reduce", "shm_reduce_scatter", "shm_all_gather", "shm_broadcast",
 ]

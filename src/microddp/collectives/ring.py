@@ -42,18 +42,20 @@ __all__ = ["PAIR_MIN_CHUNK", "PAIR_SEGMENT", "PIPELINE_MIN_CHUNK", "PIPELINE_SEG
 
 
 def reduce_scatter_flat_(peers: Peers, data: torch.Tensor, name: str,
-                         off: list[int] | None = None) -> list[int]:
+                         off: list[int] | None = None, purpose: str = "ring-incoming"
+                         ) -> list[int]:
     """In place on a 1-D tensor: afterwards chunk `me` holds op over ranks of that chunk.
 
     Returns the chunk offsets (near-equal chunks unless `off` is given). At step s a rank
     sends chunk me-s-1 (its running partial) and folds the incoming partial into chunk
-    me-s-2; after p-1 steps chunk me is complete.
+    me-s-2; after p-1 steps chunk me is complete. `purpose` names the scratch buffer for the
+    incoming partials (a caller on another thread keeps its own).
     """
     p, r = peers.size, peers.me
     off = bounds(data.numel(), p) if off is None else off
     nxt, prv = (r + 1) % p, (r - 1) % p
     combine = COMBINE[name]
-    incoming = scratch("ring-incoming", max(off[i + 1] - off[i] for i in range(p)), data.dtype,
+    incoming = scratch(purpose, max(off[i + 1] - off[i] for i in range(p)), data.dtype,
                        data.device)  # one buffer for all steps
     for s in range(p - 1):
         si, ri = (r - s - 1) % p, (r - s - 2) % p

@@ -20,6 +20,7 @@ from ..predict.step import (
     MODELS,
     Hardware,
     Model,
+    across_hosts,
     fullmlp,
     scaling,
     table,
@@ -38,6 +39,8 @@ examples:
   microddp predict --stages 4 --microbatches 8 --dim 128 --depth 16 --batch 64 --hardware cpu-loopback
   microddp predict --compare docs/measured/pipeline-sleep.json   # a `bench pipeline` run
   microddp predict --zero --params 7.5e9 --world 64  # ZeRO paper, Fig. 1: GB per rank
+  microddp predict --hosts 2 --local-ranks 2 --hardware cpu-loopback --inter-hardware 10gbe
+                                               # flat vs hierarchical all-reduce across hosts
 a sample is one input of --batch: a preset's tokens per sample are in its note (--list); with
 --params, one token unless --tokens or --flops-per-sample says otherwise.
 presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
@@ -83,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true", help="all-reduce after backward only")
     p.add_argument("--local-ranks", type=int, default=1, help="ranks sharing one host's compute "
                    "(default 1)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="instead of a step: flat vs hierarchical all-reduce over this many hosts "
+                        "of --local-ranks ranks, --hardware inside a host, --inter-hardware "
+                        "between hosts (default: none, predict a step)")
+    p.add_argument("--inter-hardware", default="10gbe",
+                   help="with --hosts: the link between hosts, a preset (default 10gbe)")
     p.add_argument("--calibrate", action="store_true", help="measure this host's compute rate, "
                    "latency and bandwidth (saved to --calibration), then predict with them")
     p.add_argument("--verify", type=int, nargs="*", help="with --calibrate: measure real step "
@@ -112,6 +121,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     zm.add_argument("--zero-bytes", choices=("mixed", "fp32"), default="mixed",
                     help="bytes per parameter: mixed = 2 + 2 + 12 (the ZeRO paper's mixed "
                     "precision Adam), fp32 = 4 + 4 + 8 (default mixed)")
+
+
+def _across_hosts(args: argparse.Namespace, hw: Hardware) -> None:
+    """Flat vs hierarchical all-reduce, --hosts hosts of --local-ranks ranks each."""
+    if args.hosts < 1 or args.local_ranks < 1:
+        raise MicroDDPError(f"--hosts and --local-ranks must be at least 1, got {args.hosts} "
+                            f"and {args.local_ranks}")
+    if args.inter_hardware not in HARDWARE:
+        raise MicroDDPError(f"unknown --inter-hardware {args.inter_hardware!r}; choose one of "
+                            f"{', '.join(HARDWARE)}")
+    inter = HARDWARE[args.inter_hardware]
+    print(f"all-reduce over {args.hosts} hosts x {args.local_ranks} ranks; inside a host: "
+          f"{hw.note} ({hw.bandwidth:.3g} B/s, {1e6 * hw.latency:.0f} us); between hosts: "
+          f"{inter.note} ({inter.bandwidth:.3g} B/s, {1e6 * inter.latency:.0f} us)")
+    print(f"{'bytes':>10} {'flat ms':>9} {'hier ms':>9} {'flat/hier':>9}")
+    for nbytes in (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):
+        t = across_hosts(nbytes, args.hosts, args.local_ranks, hw, inter)
+        print(f"{nbytes:>10} {1e3 * t['flat_s']:>9.3f} {1e3 * t['hierarchical_s']:>9.3f} "
+              f"{t['flat_s'] / t['hierarchical_s']:>9.2f}")
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
@@ -235,6 +263,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.verify is not None:
         raise MicroDDPError("--verify needs --calibrate")
     args.hardware = args.hardware or "a100-ib"
+    if args.hosts is not None:
+        _across_hosts(args, _hardware(args))
+        return 0
     model, hw = _model(args), _hardware(args)
     args.algorithm = args.algorithm or hw.algorithm or "ring"
     worlds = args.world or [2**i for i in range(13)]

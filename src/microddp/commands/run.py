@@ -6,7 +6,8 @@ repeats the failing rank's last lines, and exits non-zero (`--expendable RANKS` 
 fail while the others go on, as a parameter server's workers may). `--max-restarts K` starts the whole
 group again after a failure, unless a worker exited with 2 (a usage error: a restart would
 repeat it). SIGTERM, SIGINT, SIGHUP and SIGQUIT stop the job (exit 128 + signal); so does a
-closed output pipe, quietly (exit 141, as `| head` expects).
+closed output pipe, quietly (exit 141, as `| head` expects). With `--nnodes`, this host's
+share of a job on several hosts is started by torchrun itself (launch/hosts.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from ..flags import rank_list
+from ..launch.hosts import launch_hosts
 from ..launch.run import launch
 
 EPILOG = """\
@@ -27,8 +29,12 @@ SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
 init_process_group); the course scripts start their own ranks: run them with plain python.
 
 many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hosts
-  torchrun --nnodes 2 --nproc-per-node 4 --node-rank R \\
-           --rdzv-backend c10d --rdzv-endpoint HOST0:29400 -m microddp.commands.hello
+(NODE_RANK 0 and 1, HOST0 host 0's address; docs/many-hosts.md has c10d and SLURM)
+  torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE_RANK \\
+           --master-addr $HOST0 --master-port 29400 -m microddp.commands.hello
+or, the same torchrun command spelled by microddp run (host 0 at 10.0.0.1; --node-rank 1
+on the other host):
+  microddp run -n 4 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -m microddp.commands.hello
 """
 
 
@@ -39,7 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="restart all workers up to K times after a failure, except exit code 2 "
                         "(default 0)")
     p.add_argument("--master-port", type=int, default=0,
-                   help="rendezvous port on 127.0.0.1 (default: a free one)")
+                   help="rendezvous port on 127.0.0.1 (default: a free one); with --nnodes, "
+                        "on --master-addr (default 29400)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts in the job, as torchrun's: above 1, this host's -n workers are "
+                        "started by torchrun itself (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="with --nnodes: this host's number, 0 on the --master-addr host "
+                        "(default 0)")
+    p.add_argument("--master-addr", default=None,
+                   help="with --nnodes: the address of host 0, the same on every host "
+                        "(default: none, one host)")
     p.add_argument("--expendable", default="", metavar="RANKS",
                    help="ranks whose failure does not stop the others, e.g. 1-3 (a parameter "
                         "server's workers; default: none, any failure stops the job)")
@@ -53,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Launch the workers, restarting up to --max-restarts times; return the exit code."""
+    if args.nnodes != 1 or args.master_addr is not None:
+        return launch_hosts(args.script, args.script_args, nproc=args.nproc,
+                            nnodes=args.nnodes, node_rank=args.node_rank,
+                            master_addr=args.master_addr, master_port=args.master_port,
+                            module=args.module, max_restarts=args.max_restarts)
     return launch(args.script, args.script_args, nproc=args.nproc, module=args.module,
                   max_restarts=args.max_restarts, master_port=args.master_port,
                   expendable=rank_list("expendable", args.expendable))

@@ -7,7 +7,6 @@ or every rank under a launcher that hosts the store itself, connect to it.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -15,6 +14,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
+from .hosts import is_loopback
 
 
 def env_int(name: str, default: int | None) -> int | None:
@@ -47,13 +47,6 @@ def bind(addr: str, port: int) -> socket.socket:
     return sock
 
 
-def _is_local(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def make_store(
     addr: str, port: int, rank: int, world_size: int, timeout: timedelta
 ) -> dist.Store:
@@ -78,7 +71,7 @@ def make_store(
                 f"{timeout.total_seconds():g} s ({first}); is rank 0 running with the same "
                 "MASTER_ADDR and MASTER_PORT?"
             ) from None
-    bind_addr = addr if _is_local(addr) else "0.0.0.0"  # a named host must be reachable
+    bind_addr = addr if is_loopback(addr) else "0.0.0.0"  # a named host must be reachable
     sock = bind(bind_addr, port)
     store = dist.TCPStore(
         addr, sock.getsockname()[1], world_size, is_master=True, timeout=timeout,
@@ -94,6 +87,17 @@ def _parse_tcp(init_method: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise MicroDDPError(f"init_method {init_method!r} must look like tcp://HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def master_addr(init_method: str | None, store: dist.Store | None) -> str | None:
+    """The address the ranks meet at, if an address is how they meet (env:// or tcp://)."""
+    if store is not None:
+        return None
+    if init_method is None or init_method == "env://":
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if init_method.startswith("tcp://"):
+        return _parse_tcp(init_method)[0]
+    return None
 
 
 def store_args(

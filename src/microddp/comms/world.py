@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -17,8 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
-from .rendezvous import env_int, store_args
+from .hosts import choose_interface, is_loopback
+from .preflight import preflight
+from .rendezvous import env_int, master_addr, store_args
 from .route import current as current_route
+from .slurm import from_slurm
 from .teardown import before_group, release, watch
 
 # Much shorter than PyTorch's 30 minutes: a stuck collective should surface while someone is
@@ -206,6 +210,9 @@ def init(
     if dist.is_available() and dist.is_initialized():  # the script formed the group itself
         _world = _adopt(backend)
         return _world
+    if rank is None and world_size is None:  # started by srun, not by torchrun
+        for name, value in from_slurm().items():
+            os.environ.setdefault(name, value)
     rank = env_int("RANK", 0) if rank is None else rank
     world_size = env_int("WORLD_SIZE", 1) if world_size is None else world_size
     local_rank = env_int("LOCAL_RANK", rank)
@@ -224,6 +231,8 @@ def init(
     chosen = choose_backend(backend, local_rank, local_world_size)
     device = choose_device(chosen, local_rank)
     kwargs = store_args(init_method, store, rank, world_size, td)
+    _across_hosts(master_addr(init_method, store), kwargs.get("store"), rank, world_size, td,
+                  chosen)
     before_group()
     try:
         dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=td, **kwargs)
@@ -243,6 +252,31 @@ def init(
     if monitor_on:
         watcher.start(td.total_seconds())
     return _world
+
+
+def _across_hosts(master: str | None, store: dist.Store | None, rank: int, world_size: int,
+                  td: timedelta, backend: str) -> None:
+    """When the job may span hosts (MASTER_ADDR is not this host's loopback): talk on the
+    interface that routes to MASTER_ADDR unless the user named one, and check through the
+    store that every rank reaches every other before gloo tries (preflight.py)."""
+    if master is None or store is None or is_loopback(master):
+        return
+    chosen = choose_interface(master)
+    if backend != "gloo":  # NCCL finds its peers on its own terms (NCCL_SOCKET_IFNAME)
+        if rank == 0 and chosen:
+            print(f"microddp: NCCL_SOCKET_IFNAME={chosen[0]} ({chosen[1]}, the route to "
+                  f"MASTER_ADDR {master})", file=sys.stderr, flush=True)
+        return
+    infos = preflight(store, rank, world_size, td)
+    if rank == 0:
+        how = (f"{chosen[0]}, the route to MASTER_ADDR {master}" if chosen else
+               f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '')!r}")
+        hosts: dict[str, list[int]] = {}
+        for i in infos:
+            hosts.setdefault(f"{i['host']} {i['addr']}", []).append(i["rank"])
+        where = ", ".join(f"{h} (ranks {','.join(map(str, r))})" for h, r in hosts.items())
+        print(f"microddp: {len(hosts)} host(s) reach each other ({how}): {where}",
+              file=sys.stderr, flush=True)
 
 
 def get_world() -> World:

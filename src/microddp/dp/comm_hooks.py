@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .. import collectives
+from ..collectives.hierarchical import chosen
 from ..comms import all_reduce, distributed, group_size
 from ..errors import MicroDDPError
 from .buckets import Bucket, bucket_view
@@ -123,7 +124,8 @@ def start_reduction(bucket: Bucket, count: int, group, hook: CommHook | None,
     registered comm `hook`, whose result must be a Future. The reducer starts each bucket
     this way, and so does Join on a rank that shadows the others' collectives."""
     if hook is None:
-        return Summing(bucket.flat, group)
+        hierarchy = chosen(group)  # decided when the DDP was built (collectives.hierarchical)
+        return Summing(bucket.flat, group) if hierarchy is None else hierarchy.start(bucket.flat)
     return check_future(hook, hook(state, GradBucket(bucket, count)))
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
+from ..collectives.hierarchical import choose as choose_hierarchy
 from ..comms import distributed
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
@@ -104,6 +105,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
             buffers = init_buffers or self.forward_sync_buffers
             verify_same_model(module, process_group, buffers=buffers)
             sync_module_states(module, self.src_rank(), process_group, buffers=init_buffers)
+            choose_hierarchy(process_group)  # ranks on several hosts: all-reduce by host first
         self._build_reducer()
 
     def _build_reducer(self) -> None:

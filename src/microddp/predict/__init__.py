@@ -7,6 +7,7 @@ from .step import (
     MODELS,
     Hardware,
     Model,
+    across_hosts,
     allreduce_time,
     fullmlp,
     predict,
@@ -16,5 +17,5 @@ from .step import (
     verdict,
 )
 
-__all__ = ["ALGORITHMS", "HARDWARE", "MODELS", "Hardware", "Model", "allreduce_time", "fullmlp",
+__all__ = ["ALGORITHMS", "HARDWARE", "MODELS", "Hardware", "Model", "across_hosts", "allreduce_time", "fullmlp",
            "predict", "save_calibration", "scaling", "table", "verdict"]

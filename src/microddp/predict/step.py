@@ -106,6 +106,28 @@ def allreduce_time(nbytes: float, world: int, hw: Hardware, algorithm: str = "ri
     return model.predict(f"{algorithm}_all_reduce", nbytes, world)  # shm: shm_all_reduce
 
 
+def across_hosts(nbytes: float, hosts: int, local: int, intra: Hardware,
+                 inter: Hardware) -> dict[str, float]:
+    """Seconds to all-reduce nbytes over `hosts` hosts of `local` ranks each, flat and
+    hierarchical (collectives/hierarchical.py).
+
+    Flat: one ring over all ranks, host by host; each of its 2(p-1) steps waits for the link
+    between hosts, which carries n/p bytes a step. Hierarchical: a reduce-scatter and an
+    all-gather of n over `local` ranks inside the host, and between them the rails' rings over
+    `hosts`: 2(h-1) steps, in each of which a host's `local` rails together send n/h bytes over
+    its link."""
+    if hosts < 1 or local < 1:
+        raise MicroDDPError(f"need at least one host and one rank per host, got {hosts}, {local}")
+    inside = CostModel(alpha=intra.latency, beta=1.0 / intra.bandwidth)
+    between = CostModel(alpha=inter.latency, beta=1.0 / inter.bandwidth)
+    flat = between.predict("ring_all_reduce", nbytes, hosts * local) if hosts > 1 else \
+        inside.predict("ring_all_reduce", nbytes, local)
+    hier = (inside.predict("ring_reduce_scatter", nbytes, local)
+            + between.predict("ring_all_reduce", nbytes, hosts)
+            + inside.predict("ring_all_gather", nbytes, local))
+    return {"flat_s": flat, "hierarchical_s": hier}
+
+
 def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str = "ring",
             bucket_mb: float = 25.0, grad_bytes: int = 4, overlap: bool = True,
             local_ranks: int = 1) -> dict:

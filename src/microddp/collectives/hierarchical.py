@@ -1,0 +1,191 @@
+"""Hierarchical all-reduce: inside each host, then across hosts, then inside each host again.
+
+A flat ring over ranks on several hosts sends every byte of the tensor across the slow link
+between hosts about twice, and pays that link's latency at each of its 2(p-1) steps. Ranks
+of one host talk over memory or the loopback, much faster, so:
+
+1. inside each host, a reduce-scatter: local rank j ends with the host's sum of chunk j;
+2. across hosts, local rank j of every host (a "rail") all-reduces chunk j, all rails at once;
+3. inside each host, an all-gather: every rank ends with every chunk.
+
+Only step 2 crosses hosts: each host sends 2(h-1)/h of the tensor in all, split over its
+rails, in 2(h-1) steps. With hosts of unequal size the tensor is cut into as many chunks as
+the smallest host has ranks; the extra ranks of a bigger host take part in steps 1 and 3
+with empty chunks. Every step is written against transport's point-to-point calls.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comms.hosts import host_id
+from ..comms.world import distributed, uses_nccl
+from ..errors import MicroDDPError
+from ..transport.peers import Flat, Peers, bounds
+from .agree import agree, describe_tensor, home
+from .checks import try_op, try_tensor
+from .ring import all_gather_flat_, reduce_scatter_flat_
+
+OPS = ("sum", "avg", "product", "min", "max")
+SETTING = "MICRODDP_HIERARCHICAL"  # "auto" (default), "1" (whenever possible), "0" (never)
+
+
+class Hierarchy:
+    """The world's ranks grouped by host (`hosts[r]` names rank r's host), and the process
+    groups the three steps talk through. Forming one is collective: every rank of the world
+    builds it with the same `hosts`."""
+
+    def __init__(self, hosts: Sequence[str]) -> None:
+        world = dist.get_world_size()
+        if len(hosts) != world:
+            raise MicroDDPError(f"Hierarchy needs one host per rank: {len(hosts)} for {world}")
+        ids = list(dict.fromkeys(hosts))  # hosts in the order of their first rank
+        self.members = [[r for r, h in enumerate(hosts) if h == i] for i in ids]
+        self.rails = min(len(m) for m in self.members)
+        self.world = world
+        me = dist.get_rank()
+        self.host = ids.index(hosts[me])
+        self.local = self.members[self.host].index(me)
+        # new_group is collective over the world: every rank forms every group, in one order.
+        self.intra = self.rail = None
+        for ranks in self.members:
+            group = dist.new_group(ranks)
+            if me in ranks:
+                self.intra = group
+        for j in range(self.rails):
+            ranks = [m[j] for m in self.members]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                self.rail = group
+        self._jobs: queue.SimpleQueue | None = None
+
+    @property
+    def hosts(self) -> int:
+        return len(self.members)
+
+    def offsets(self, numel: int) -> list[int]:
+        """Chunk boundaries for this host: one chunk per rail, then an empty one for each
+        rank beyond the smallest host's count."""
+        return bounds(numel, self.rails) + [numel] * (len(self.members[self.host]) - self.rails)
+
+    def all_reduce_(self, data: torch.Tensor, name: str = "sum") -> None:
+        """The three steps, in place on a 1-D contiguous tensor (avg: summed, then divided)."""
+        intra = Peers(self.intra)
+        off = self.offsets(data.numel())
+        reduce_scatter_flat_(intra, data, name, off, purpose="hierarchical")
+        if self.rail is not None and self.hosts > 1:
+            chunk = data[off[self.local]:off[self.local + 1]]
+            if chunk.numel():
+                rail = Peers(self.rail)
+                rail_off = reduce_scatter_flat_(rail, chunk, name, purpose="hierarchical")
+                all_gather_flat_(rail, chunk, rail_off)
+        all_gather_flat_(intra, data, off)
+        if name == "avg":
+            data.div_(self.world)
+
+    def start(self, data: torch.Tensor, name: str = "sum") -> torch.futures.Future:
+        """all_reduce_ on this hierarchy's own thread; the future's value is `data`. Calls run
+        one at a time in the order they were started, the same on every rank, so each group's
+        messages match; the caller's thread goes on (DDP's backward keeps computing)."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
+                             name="microddp-hierarchical").start()
+            weakref.finalize(self, self._jobs.put, None)
+        fut: torch.futures.Future = torch.futures.Future()
+        self._jobs.put((self, data, name, fut))
+        return fut
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        hierarchy, data, name, fut = job
+        del job
+        try:
+            hierarchy.all_reduce_(data, name)
+        except BaseException as e:  # the waiting caller raises it
+            fut.set_exception(e)
+        else:
+            fut.set_result(data)
+        del hierarchy, data, fut
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, op: str = "sum",
+                            hierarchy: Hierarchy | None = None, *,
+                            check: bool = True) -> torch.Tensor:
+    """In place on the default group, every rank ends with op over all ranks' `tensor` (as
+    ring_all_reduce), through the hosts of `hierarchy` (default: the real ones, `discover()`);
+    returns `tensor`."""
+    where = "hierarchical_all_reduce"
+    problem = try_tensor(tensor, where)
+    name = str(op)
+    if problem is None:
+        name, problem = try_op(op, tensor, where)
+        if problem is None and name not in OPS:
+            problem = MicroDDPError(f"{where}: op {name!r} is not one of {', '.join(OPS)}")
+    peers = Peers()
+    agree(peers, where, home(tensor, peers), problem, check, **describe_tensor(tensor), op=name)
+    if peers.size <= 1:
+        return tensor
+    hierarchy = discover() if hierarchy is None else hierarchy
+    flat = Flat(tensor)
+    hierarchy.all_reduce_(flat.data, name)
+    return flat.done()
+
+
+_found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -> Hierarchy
+
+
+def discover() -> Hierarchy:
+    """The real hosts of the world's ranks (comms.hosts.host_id), gathered from every rank;
+    kept per process group. Collective the first time."""
+    world = dist.group.WORLD
+    if world not in _found:
+        hosts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, host_id())
+        _found[world] = Hierarchy(hosts)
+    return _found[world]
+
+
+_chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -> decision
+
+
+def choose(group=None) -> Hierarchy | None:
+    """Decide, once per world and on every rank alike, whether DDP over `group` all-reduces
+    hierarchically: only over the whole world, when its ranks span several hosts and some share
+    one (MICRODDP_HIERARCHICAL=0 never; =1 also with one rank per host). Collective the first
+    time: every rank must call it, as DDP's constructor does."""
+    if not distributed() or (group is not None and group is not dist.group.WORLD) or uses_nccl():
+        return None  # NCCL is topology-aware already: its rings and trees go by host
+    world = dist.group.WORLD
+    if world in _chosen:
+        return _chosen[world]
+    setting = os.environ.get(SETTING, "auto")
+    if setting not in ("auto", "0", "1"):
+        raise MicroDDPError(f"{SETTING}={setting!r}; use 0 (flat), 1 or auto (the default)")
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (host_id(), setting))
+    if len({s for _, s in seen}) > 1:
+        raise MicroDDPError(f"{SETTING} differs between ranks ({sorted({s for _, s in seen})}); "
+                            "set it alike on every host, or not at all")
+    hosts = [h for h, _ in seen]
+    counts = [hosts.count(h) for h in dict.fromkeys(hosts)]
+    worth = len(counts) > 1 and (max(counts) > 1 or setting == "1")
+    if world not in _found and worth and setting != "0":
+        _found[world] = Hierarchy(hosts)
+    _chosen[world] = _found.get(world) if worth and setting != "0" else None
+    return _chosen[world]
+
+
+def chosen(group=None) -> Hierarchy | None:
+    """What `choose` decided for `group`, without any communication (None if never asked)."""
+    if not distributed() or (group is not None and group is not dist.group.WORLD):
+        return None
+    return _chosen.get(dist.group.WORLD)

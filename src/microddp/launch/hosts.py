@@ -1,0 +1,49 @@
+"""`microddp run --nnodes N --node-rank R --master-addr HOST0`: a job on several hosts, started
+by torchrun itself (its static rendezvous), with torchrun's meaning for every flag.
+
+microddp has no multi-host launcher of its own: starting, watching and restarting workers
+across machines is torchrun's job. This only spells the torchrun command from `microddp run`'s
+flags and hands over to it (exec: signals and the exit code are torchrun's).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from ..errors import MicroDDPError
+
+DEFAULT_PORT = 29400  # the same on every host: a free port cannot be picked independently
+
+
+def torchrun_argv(script: str, script_args: Sequence[str], *, nproc: int, nnodes: int,
+                  node_rank: int, master_addr: str | None, master_port: int = 0,
+                  module: bool = False, max_restarts: int = 0) -> list[str]:
+    """The torchrun command line that runs `script` as this host's share of the job."""
+    if nnodes < 1 or nproc < 1:
+        raise MicroDDPError(f"--nnodes and --nproc must be at least 1, got {nnodes} and {nproc}")
+    if not 0 <= node_rank < nnodes:
+        raise MicroDDPError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes "
+                            f"{nnodes}); give each host its own number, 0 on the host of "
+                            "--master-addr")
+    if not master_addr:
+        raise MicroDDPError("--nnodes above 1 needs --master-addr: the address of the host with "
+                            "--node-rank 0, the same on every host")
+    port = master_port or DEFAULT_PORT
+    if not 0 < port < 65536:
+        raise MicroDDPError(f"--master-port must be between 1 and 65535, got {port}")
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", str(nproc), "--node-rank", str(node_rank),
+            "--master-addr", master_addr, "--master-port", str(port),
+            "--max-restarts", str(max_restarts), *(["-m"] if module else []), script,
+            *script_args]
+
+
+def launch_hosts(script: str, script_args: Sequence[str], **kw) -> int:
+    """Become torchrun for this host's share of the job (never returns unless exec fails)."""
+    argv = torchrun_argv(script, script_args, **kw)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return 1  # not reached
