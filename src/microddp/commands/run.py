@@ -29,7 +29,7 @@ SCRIPT is any Python file that calls microddp.init() (or torch.distributed's
 init_process_group); the course scripts start their own ranks: run them with plain python.
 
 many hosts: microddp scripts run unchanged under torchrun, e.g. on each of 2 hosts
-(NODE_RANK 0 and 1, HOST0 host 0's address; docs/many-hosts.md has c10d and SLURM)
+(NODE_RANK 0 and 1, HOST0 host 0's address; docs/11-many-hosts.md has c10d and SLURM)
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE_RANK \\
            --master-addr $HOST0 --master-port 29400 -m microddp.commands.hello
 or, the same torchrun command spelled by microddp run (host 0 at 10.0.0.1; --node-rank 1

@@ -39,7 +39,7 @@ asynchronous, with a parameter server (rank 0) and --nproc - 1 workers:
 one host, under torchrun instead of the built-in launcher:
   torchrun --nproc-per-node 4 --max-restarts 2 -m microddp.train --out runs/b
 many hosts (the run folder on a shared file system), on each host (NODE_RANK 0, 1, ...;
-HOST0 host 0's address; docs/many-hosts.md has c10d and SLURM):
+HOST0 host 0's address; docs/11-many-hosts.md has c10d and SLURM):
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE_RANK \\
            --master-addr $HOST0 --master-port 29400 -m microddp.train --out /shared/runs/c
 """
