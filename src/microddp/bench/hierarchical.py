@@ -26,6 +26,7 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The benchmark's flags."""
     p = argparse.ArgumentParser(prog="python -m microddp.bench.hierarchical",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
@@ -44,6 +45,7 @@ def _slowest(times: list[float]) -> list[float]:
 
 
 def measure(sizes: list[int], repeats: int, warmup: int, control: bool) -> list[dict]:
+    """Flat (gloo) against hierarchical all-reduce per size, interleaved; the slowest rank's medians."""
     hierarchy = discover()
     rows = []
     for nbytes in sizes:
@@ -66,6 +68,7 @@ def measure(sizes: list[int], repeats: int, warmup: int, control: bool) -> list[
 
 
 def table(rows: list[dict], hosts: int, world: int) -> str:
+    """The printed table: flat and hierarchical time per size, their ratio and its interval."""
     head = f"{'bytes':>10} {'flat ms':>9} {'hier ms':>9} {'flat/hier':>9} {'90% interval':>14}"
     control = "aa" in rows[0]
     out = [f"all-reduce over {world} ranks on {hosts} hosts (slowest rank, median)",
@@ -78,6 +81,7 @@ def table(rows: list[dict], hosts: int, world: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on every rank of a torchrun job; rank 0 prints the table."""
     args = parse(argv)
     world = comms.init()
     try:

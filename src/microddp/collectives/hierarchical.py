@@ -68,6 +68,7 @@ class Hierarchy:
 
     @property
     def hosts(self) -> int:
+        """How many hosts the group spans."""
         return len(self.members)
 
     def offsets(self, numel: int) -> list[int]:

@@ -65,12 +65,15 @@ class Route:
     """What microddp.comms asks (comms/route.py's protocol)."""
 
     def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
+        """See the module's all_reduce_path."""
         return all_reduce_path(tensor, op, group)
 
     def prepare(self, group) -> None:
+        """Decide now, collectively, whether `group` uses shared memory (and attach it)."""
         shm.shared(group)
 
     def close(self) -> None:
+        """Let go of every group's shared memory (at shutdown)."""
         shm.close_all()
 
 

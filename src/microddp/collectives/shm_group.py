@@ -60,6 +60,7 @@ DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
 
 
 def segment_bytes(size: int, slot: int) -> int:
+    """Bytes of a group's segment: its control lines, then 2 x (ranks + 1) data slots of `slot` bytes."""
     return _control_bytes(size) + 2 * (size + 1) * slot
 
 
@@ -95,6 +96,7 @@ class SharedGroup:
         self.failed: str | None = None
 
     def views(self, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """The slots viewed as `dtype`, per call and rank (made once per dtype)."""
         v = self._typed.get(dtype)
         if v is None:
             v = self._typed[dtype] = [[s.view(dtype) for s in row] for row in self.slots]
@@ -116,6 +118,7 @@ class SharedGroup:
         return self.seq, self.views(dtype)[self.seq & 1]
 
     def all_reduce(self, flat: torch.Tensor, op: str) -> None:
+        """`flat` reduced over the group with `op`, in place: one synchronisation for small tensors, reduce-scatter then gather for large ones, in slot-sized pieces."""
         n, r = self.size, self.rank
         cap = self.slot // flat.element_size()
         total = flat.numel()
@@ -148,6 +151,7 @@ class SharedGroup:
             fold(op, [s[r * c:(r + 1) * c] for s in slots[:n]], out[start:start + c])
 
     def all_gather(self, outputs: list[torch.Tensor], flat: torch.Tensor) -> None:
+        """Every rank's `flat` into `outputs`, through the slots, in pieces of at most a slot."""
         r = self.rank
         k = flat.numel()
         cap = self.slot // flat.element_size()

@@ -33,6 +33,7 @@ class ShmWork:
         self._lock = threading.Lock()
 
     def finish(self, error: BaseException | None = None) -> None:
+        """Mark the call finished (with `error`, if it failed): complete its future, wake waiters."""
         self._error = error
         with self._lock:  # a future made from here on is completed by get_future itself
             self._finished, fut = True, self._future
@@ -47,6 +48,7 @@ class ShmWork:
             fut.set_exception(self._error)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the call finishes (or `timeout` passes); raise its error, if any."""
         seconds = None if timeout is None else timeout.total_seconds()
         if not self._done.wait(seconds):
             late = MicroDDPError(f"a shared-memory collective did not complete within "
@@ -58,22 +60,28 @@ class ShmWork:
         return True
 
     def is_completed(self) -> bool:
+        """Whether the call has finished (with or without an error)."""
         return self._done.is_set()
 
     def is_success(self) -> bool:
+        """Whether the call finished without an error."""
         return self._done.is_set() and self._error is None
 
     def exception(self) -> BaseException | None:
+        """The error the call ended with, or None."""
         return self._error
 
     def result(self) -> list:
+        """The call's output tensors, after waiting for it."""
         self.wait()
         return self._result
 
     def synchronize(self) -> None:
+        """Wait for the call (torch's Work API: CPU work has nothing else to synchronise)."""
         self.wait()
 
     def get_future(self) -> torch.futures.Future:
+        """A Future completed when the call is (torch's Work.get_future), for DDP's callbacks."""
         with self._lock:
             if self._future is None:
                 self._future = torch.futures.Future()

@@ -14,6 +14,7 @@ import torch
 
 
 class Route(Protocol):
+    """What comms asks the layer above about a group's collectives (collectives/route.py answers)."""
     def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
         """all_reduce(tensor, op, group, async_op) to call instead of the backend's, or None."""
 
@@ -29,9 +30,11 @@ _route: Route | None = None
 
 
 def route_with(route: Route | None) -> None:
+    """Install `route` (microddp/__init__.py hands collectives.route.ROUTE in), or None."""
     global _route
     _route = route
 
 
 def current() -> Route | None:
+    """The route installed for comms, or None (every call goes to the backend)."""
     return _route

@@ -75,6 +75,7 @@ _reporter: Callable[[str], str] | None = None
 
 
 def set_reporter(reporter: Callable[[str], str] | None) -> None:
+    """Install the function that turns a failed wait's message into the hang report (the monitor's), or None."""
     global _reporter
     _reporter = reporter
 
@@ -129,6 +130,7 @@ def alive(pid: int) -> bool:
 
 
 def segment_name() -> str:
+    """A fresh segment name: our prefix, the pid namespace and pid (so a sweep can tell a dead owner), and random bits."""
     return f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
@@ -184,6 +186,7 @@ class Segment:
         self.address = ctypes.addressof(self._anchor)
 
     def unlink(self) -> None:
+        """Remove the segment's name from /dev/shm (the mappings stay valid); a second unlink is a no-op."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -213,6 +216,7 @@ class Flags:
         self.spins = SPINS if size <= _cores() else 0
 
     def post(self, value: int) -> None:
+        """Post this rank's step `value` and wake any rank sleeping on it."""
         i = self.index[self.rank]
         self.words[i] = value
         bell = 2 * i + 2  # the 32-bit word after the counter
@@ -220,6 +224,7 @@ class Flags:
         _futex_wake(self.address + 4 * bell)
 
     def get(self, rank: int) -> int:
+        """The last step `rank` posted."""
         return self.words[self.index[rank]]
 
     def wait(self, value: int, deadline_s: float, what: str, yielding: bool = False) -> None:
@@ -271,6 +276,7 @@ class Flags:
             (self.gone is not None and self.gone.get(r)) or not alive(pid))]
 
     def fail(self, value: int, what: str, why: str, ranks: list[int]) -> None:
+        """Raise (on this rank) the error for a wait that failed: which step, why, which ranks; with the hang report when one is installed."""
         text = (f"shared-memory {what} (step {value}) on group rank {self.rank}: {why}; every "
                 "rank must call the same collectives in the same order; look at the rank(s) "
                 "named (a crash or an exit there is the cause)")

@@ -35,6 +35,7 @@ def wanted() -> str:
 
 @dataclass
 class Attached:
+    """A group's segment once every rank has attached it, with the ranks' pids (to tell a dead peer)."""
     segment: shm.Segment
     pids: list[int]
 
