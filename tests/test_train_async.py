@@ -206,10 +206,13 @@ def test_fully_async_with_a_straggler_reports_its_staleness(tmp_path):
     assert "staleness of the" in log and "trace: mean over" in log
 
 
-def test_dp_straggler_sleeps_only_on_its_rank(tmp_path):
-    out = tmp_path / "dp"
-    _run("--nproc", "2", *SMALL, "--epochs", "1", "--max-steps", "4", "--straggler", "1:3",
-         "--trace", "--out", str(out))
+@pytest.mark.parametrize("strategy", ["dp", "zero2", "pp"])
+def test_a_straggler_sleeps_only_on_its_rank_in_every_strategy(strategy, tmp_path):
+    """--straggler works for the synchronous strategies too (the issue: "for every strategy,
+    dp included"): the slowed rank, and only it, records straggle spans in training."""
+    out = tmp_path / strategy
+    _run("--strategy", strategy, "--nproc", "2", *SMALL, "--depth", "2", "--epochs", "1",
+         "--max-steps", "4", "--straggler", "1:3", "--trace", "--out", str(out))
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     straggles = [e for e in events if e.get("name") == "straggle"]
     assert straggles and {e["pid"] for e in straggles} == {1}

@@ -338,10 +338,6 @@ def _check_sync(cfg: TrainConfig, n: int) -> None:
         if not 0 <= rank < n or not factor >= 1:
             raise MicroDDPError(f"--straggler {rank}:{factor:g}: the rank must be one of 0.."
                                 f"{n - 1} and the factor >= 1 (how many times slower)")
-    if cfg.straggler and cfg.strategy in PIPELINES:
-        raise MicroDDPError(f"--straggler slows one rank's data-parallel micro-step, which "
-                            f"--strategy {cfg.strategy} replaces with a pipeline schedule; use "
-                            "it with dp, zero1-3 or async")
     if cfg.staleness != "0" or cfg.staleness_lr or cfg.backup_workers:
         parse_staleness(cfg.staleness)
         raise MicroDDPError("--staleness, --staleness-lr and --backup-workers belong to a "

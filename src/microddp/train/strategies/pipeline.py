@@ -15,6 +15,7 @@ for evaluation and for model.pt.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from ... import spans as trace
 from ...comms.mesh import Mesh
 from ...comms.world import World
 from ...data import Split, evaluate
+from ...timing import straggle_after_forward
 from ...zero.memory import measure
 from .. import sharded
 from ..build import Precision, build_optimizer
@@ -66,6 +68,29 @@ class Pipeline(Strategy):
         self.last_stage = self.schedule.stages - 1 in self.mine
         self._memory: dict[str, int] = {}
         self._sent: list[int] = []
+        self._straggling = False  # True inside micro_step: evaluation is never slowed
+        if self.slow > 1:
+            for stage in self.mine.values():
+                self._slow_down(stage)
+
+    def _slow_down(self, stage: nn.Module) -> None:
+        """--straggler for a pipeline rank: after each forward of its stage in a training step,
+        sleep so that the stage's forward and backward (counted as two forwards, as for data
+        parallelism: the schedule's waits for other stages are no computing of its own) take
+        `slow` times as long."""
+        started: list[float] = []
+
+        def before(module, args) -> None:
+            started.append(time.perf_counter())
+
+        def after(module, args, output) -> None:
+            t0 = started.pop()
+            if self._straggling:
+                with trace.span("straggle"):
+                    straggle_after_forward(time.perf_counter() - t0, self.slow)
+
+        stage.register_forward_pre_hook(before)
+        stage.register_forward_hook(after)
 
     def _build(self, m: int) -> pipeline.Schedule:
         schedule = pipeline.build(self.cfg.schedule, self.mesh.pp, m, self.virtual)
@@ -97,10 +122,14 @@ class Pipeline(Strategy):
                 return F.cross_entropy(out.float(), target) * (k * scale)
 
             record = [] if trace.enabled() else None
-            with self.replicated.no_sync():
-                loss = pipeline.run_schedule(schedule, self.replicated.modules, x, y, loss_fn,
-                                             group=self.groups.pp_group, record=record,
-                                             sent=self._sent)
+            self._straggling = True
+            try:
+                with self.replicated.no_sync():
+                    loss = pipeline.run_schedule(schedule, self.replicated.modules, x, y,
+                                                 loss_fn, group=self.groups.pp_group,
+                                                 record=record, sent=self._sent)
+            finally:
+                self._straggling = False
             for a, start, end in record or ():  # the schedule's compute, on the timeline
                 trace.add_span("forward" if a.kind == "F" else "backward", start, end,
                                action=str(a))
