@@ -16,6 +16,11 @@ default that one case stays on gloo, and microddp's DDP stays equal to PyTorch's
 MICRODDP_TRANSPORT=shm sends it through shared memory too (every rank still gets the same
 bits: the same order everywhere).
 
+Across hosts, microddp's DDP may take the hierarchical all-reduce instead (chosen once, when
+the DDP is built: collectives/hierarchical.py, dp/comm_hooks.py's start_reduction). That one
+is a choice of DDP's, not of this route: its sums run in another order than gloo's, so a
+plain comms.all_reduce never takes it by itself.
+
 comms sits below this layer, so it does not import this module: `ROUTE` is handed to it
 (comms/route.py) by microddp/__init__.py, as the hang monitor is.
 """
