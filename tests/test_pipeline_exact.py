@@ -1,7 +1,8 @@
 """Every schedule, run for real on 2, 3 and 4 ranks, trains exactly as one process does: the
 same gradients at the last of 3 SGD steps and the same parameters after them, for 1, 2, 3 and
 5 micro-batches of a batch of 11 (which none of 2, 3, 5 divides; m = 1 and 2 are fewer
-micro-batches than stages on 3 and 4 ranks).
+micro-batches than stages on 3 and 4 ranks). And the runtime posts its receives ahead, in the
+order its docstring gives.
 
 Tolerance: float32 with atol 1e-6 and rtol 1e-5. The pipeline sums each micro-batch's share
 of the loss's gradient, where one process sums all samples in one matmul, so the two
@@ -43,3 +44,37 @@ def test_every_schedule_equals_one_process(p, reference):
         last = [r[case][2] for r in ranks][p - 1]  # the last stage's rank reports the loss
         assert last == pytest.approx(losses, rel=1e-5), case
         assert all(loss is None for r in ranks[:p - 1] for loss in r[case][2]), case
+
+
+def _order_of_posts_and_forwards(world):
+    """This rank's GPipe step (3 micro-batches) as a list of events: ('post', kind, mb) when a
+    receive is posted, ('F', mb) when a forward starts."""
+    from microddp import comms
+    from microddp.pipeline import runtime
+
+    events, real_irecv = [], comms.irecv
+    m = 3
+
+    def irecv(tensor, *args, tag=0, **kwargs):
+        kind, mb = ("GRAD" if (tag // m) % 2 else "ACT"), tag % m  # runtime._tag's layout
+        events.append(("post", kind, mb))
+        return real_irecv(tensor, *args, tag=tag, **kwargs)
+
+    runtime.comms.irecv = irecv  # the module the runtime calls through; this process only
+    schedule = pipeline.build("gpipe", 2, m)
+    model = mdp.FullMLP(4, 2)
+    stage = pipeline.split_model(model, 2)[world.rank]
+    calls = iter(range(m))
+    stage.register_forward_pre_hook(lambda *_: events.append(("F", next(calls))))
+    x, y = torch.randn(6, 4), torch.zeros(6, dtype=torch.long)
+    pipeline.run_schedule(schedule, {world.rank: stage}, x, y, torch.nn.functional.cross_entropy)
+    return events
+
+
+def test_receives_are_posted_ahead_activations_first_gradients_after_their_forward():
+    # gloo moves a message only once its receive is posted: the runtime posts every
+    # activation's receive before the first forward, a gradient's right after its forward
+    first, last = mdp.launch.spawn(_order_of_posts_and_forwards, 2, timeout=120)
+    assert last[:4] == [("post", "ACT", 0), ("post", "ACT", 1), ("post", "ACT", 2), ("F", 0)]
+    assert first == [("F", 0), ("post", "GRAD", 0), ("F", 1), ("post", "GRAD", 1),
+                     ("F", 2), ("post", "GRAD", 2)]

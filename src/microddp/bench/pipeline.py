@@ -83,8 +83,13 @@ def _batch(dim: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ours(world: World, name: str, cfg: dict, log: dict):
-    """A training step of schedule `name` on this rank; each call appends its compute spans
-    (kind, stage, mb, start, end) and its peak activation bytes to log[name]."""
+    """A training step of schedule `name` on this rank, and a function that runs one more with
+    the activation meter on and returns its peak bytes. Each timed call appends its compute
+    spans (kind, stage, mb, start, end) to log[name].
+
+    The meter's saved-tensor hooks run Python for every tensor autograd saves, which torch's
+    contenders do not pay, so timed steps run without them; the peak is the same in any step
+    (the program's order of forwards and backwards fixes it), so one metered step gives it."""
     schedule = pipeline.build(name, world.world_size, cfg["microbatches"], cfg["virtual"])
     torch.manual_seed(0)
     stages = pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), schedule.stages)
@@ -101,13 +106,19 @@ def _ours(world: World, name: str, cfg: dict, log: dict):
     def step() -> None:
         opt.zero_grad()
         record: list = []
+        pipeline.run_schedule(schedule, mine, x, y, loss_fn, record=record)
+        opt.step()
+        log[name].append([(a.kind, a.stage, a.mb, s, e) for a, s, e in record])
+
+    def measure() -> int:
+        opt.zero_grad()
         meter.reset_peak()
         with meter:
-            pipeline.run_schedule(schedule, mine, x, y, loss_fn, record=record)
+            pipeline.run_schedule(schedule, mine, x, y, loss_fn)
         opt.step()
-        log[name].append(([(a.kind, a.stage, a.mb, s, e) for a, s, e in record], meter.peak))
+        return meter.peak
 
-    return step
+    return step, measure
 
 
 def _torchs(world: World, name: str, cfg: dict):
@@ -140,7 +151,8 @@ def _torchs(world: World, name: str, cfg: dict):
 def _job(world: World, cfg: dict) -> dict:
     torch.set_num_threads(1)  # one core's worth per rank for every contender alike
     log: dict = {}
-    contenders = {name: _ours(world, name, cfg, log) for name in cfg["schedules"]}
+    ours = {name: _ours(world, name, cfg, log) for name in cfg["schedules"]}
+    contenders = {name: step for name, (step, _) in ours.items()}
     for name in cfg["torch"]:
         contenders[f"torch-{name}"] = _torchs(world, name, cfg)
     times = interleaved(contenders, cfg["repeats"], cfg["warmup"], sync=dist.barrier)
@@ -148,8 +160,12 @@ def _job(world: World, cfg: dict) -> dict:
     names = list(contenders)
     table = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    peaks = {}
+    for name, (_, measure) in ours.items():  # untimed: the meter's hooks cost time
+        dist.barrier()
+        peaks[name] = measure()
     return {"times": {n: table[k].tolist() for k, n in enumerate(names)},
-            "log": {n: steps[cfg["warmup"]:] for n, steps in log.items()}}
+            "log": {n: steps[cfg["warmup"]:] for n, steps in log.items()}, "peak": peaks}
 
 
 def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:

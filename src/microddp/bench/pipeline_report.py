@@ -36,7 +36,7 @@ def summarize(cfg: dict, ranks: list[dict], load: tuple[float, float, float]) ->
     for name in cfg["schedules"]:
         schedule = pipeline.build(name, p, m, cfg["virtual"])
         steps = len(ranks[0]["log"][name])
-        timelines = [measured_timeline([r["log"][name][k][0] for r in ranks], p)
+        timelines = [measured_timeline([r["log"][name][k] for r in ranks], p)
                      for k in range(steps)]
         bubbles = [t.bubble for t in timelines]
         median_step = sorted(range(steps), key=lambda k: bubbles[k])[steps // 2]
@@ -44,7 +44,7 @@ def summarize(cfg: dict, ranks: list[dict], load: tuple[float, float, float]) ->
             "bubble_measured": round(statistics.median(bubbles), 4),
             "bubble_theory": round(pipeline.theory_bubble(schedule), 4),
             "bubble_on_paper": round(pipeline.simulate(schedule).bubble, 4),
-            "peak_activation_bytes": [max(peak for _, peak in r["log"][name]) for r in ranks],
+            "peak_activation_bytes": [r["peak"][name] for r in ranks],
             "step_ms": round(1e3 * statistics.median(times[name]), 3),
             "timed_steps": steps,
             "drawn_step": median_step,
@@ -136,7 +136,7 @@ def chrome_spans(ranks: list[dict], schedules: list[str]) -> dict[int, list[Span
         out[r] = [Span(f"{name} {kind}{mb}", s + shift, e + shift, "compute", k,
                        {"schedule": name, "stage": stage, "micro_batch": mb})
                   for name in schedules
-                  for k, (spans, _) in enumerate(rank["log"][name])
+                  for k, spans in enumerate(rank["log"][name])
                   for kind, stage, mb, s, e in spans]
     return out
 
@@ -147,7 +147,7 @@ def write(result: dict, ranks: list[dict], out: Path) -> list[Path]:
     for name in cfg["schedules"]:
         r = result[name]
         k = r["drawn_step"]
-        timeline = measured_timeline([rank["log"][name][k][0] for rank in ranks],
+        timeline = measured_timeline([rank["log"][name][k] for rank in ranks],
                                      cfg["stages"])
         path = out / f"timeline-{name}.png"
         plot(timeline, f"{name}, p={cfg['stages']}, m={cfg['microbatches']}, compute "

@@ -206,6 +206,10 @@ def _pipeline(args: argparse.Namespace) -> int:
         if args.hardware is None:
             saved = Path(args.calibration).is_file()
             args.hardware = "calibrated" if saved else "cpu-loopback"
+            if not saved:  # a preset is another machine: its errors say nothing about this one
+                print(f"note: no calibration of this host at {args.calibration}; predicting "
+                      "with the cpu-loopback preset (an 8-core host), not the host the "
+                      "benchmark ran on: run `microddp predict --calibrate` first")
     else:
         for name in ("stages", "microbatches", "virtual", "dim", "depth"):
             if getattr(args, name) < 1:

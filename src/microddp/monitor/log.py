@@ -24,13 +24,15 @@ _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
     os.path.dirname(__file__),
     sysconfig.get_paths()["stdlib"],
 })
-_COMMS = os.path.normcase(os.path.join(os.path.dirname(os.path.dirname(__file__)), "comms", "ops.py"))
+# comms' typed wrappers and the handle of an async call: where a wait sits, never worth naming
+_COMMS = {os.path.normcase(os.path.join(os.path.dirname(os.path.dirname(__file__)), "comms", f))
+          for f in ("ops.py", "handle.py")}
 
 
 @functools.lru_cache(maxsize=4096)  # once per function (see _kind), and by tests
 def _is_plumbing(filename: str) -> bool:
     f = os.path.normcase(os.path.abspath(filename))
-    return f.startswith(_PLUMBING) or f == _COMMS or filename.startswith("<")
+    return f.startswith(_PLUMBING) or f in _COMMS or filename.startswith("<")
 
 
 _PACKAGE = os.path.normcase(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep

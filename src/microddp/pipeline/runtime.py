@@ -1,9 +1,18 @@
 """The interpreter: run any schedule's program for this rank's stages, with send and recv.
 
-Sends are posted with isend and waited for at the end of the step, receives block: exactly
-the model under which `validate` proved the schedule free of deadlock. Messages carry a tag
-made from (ACT or GRAD, boundary, micro-batch), so two messages between the same two ranks
-(interleaving sends both ways) can never be mistaken for each other.
+Sends are posted with isend and waited for at the end of the step; a receive is waited for
+where the program says, so a rank blocks exactly where `validate`'s model (receives block,
+sends do not) proved the schedule free of deadlock. But a receive is *posted* (irecv) ahead,
+as soon as its buffer's shape is known: gloo moves a message only once both sides have posted
+it, so a receive posted when the program reaches it costs a round trip between the two ranks
+(two more wake-ups of busy processes), and one posted ahead lets the data flow the moment it
+is sent. Posting never blocks, so it adds no wait the validator did not see. The price is
+memory: a rank holds the buffers of all the activations it will receive in the step from its
+start (one batch's width at each boundary it receives; GPipe holds them anyway, 1F1B would
+hold only p - r of them), besides the activations autograd saves, which the meter counts.
+Messages carry a tag made from (ACT or GRAD, boundary, micro-batch), so two messages between
+the same two ranks (interleaving sends both ways, or receives posted early) can never be
+mistaken for each other.
 
 The loss is the whole batch's: micro-batch i's loss is `loss_fn(out_i, y_i) * n_i / n`, the
 mean over its n_i samples turned into their sum over the whole batch's n samples, so the
@@ -60,6 +69,10 @@ class _Step:
         self.sends: list = []
         self.sent_bytes = 0
         self.loss = 0.0
+        self.posted: dict = {}     # (kind, stage, mb) -> (handle, buffer) of a posted receive
+        # the gradients this rank receives, each posted once its output exists (after its F)
+        self.grads_to_receive = {(a.stage, a.mb): a for a in schedule.actions[rank]
+                                 if a.kind == "RECV_GRAD"}
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
         peer = self.schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
@@ -69,12 +82,19 @@ class _Step:
         self.sends.append(comms.isend(tensor, group=self.group, tag=tag, **where))
         self.sent_bytes += tensor.nbytes
 
-    def recv(self, a: Action, like: torch.Tensor) -> torch.Tensor:
+    def post_receive(self, a: Action, like: torch.Tensor) -> None:
+        """Post receive `a` (irecv) into a buffer shaped like `like`; `recv` waits for it."""
         peer = self.schedule.rank_of(a.stage + (-1 if a.kind == "RECV_ACT" else 1))
         where = {"src": peer} if self.group is None else {"group_src": peer}
         buf = torch.empty_like(like)
-        comms.recv(buf, group=self.group, tag=_tag(message_key(a), self.schedule.microbatches),
-                   **where)
+        handle = comms.irecv(buf, group=self.group,
+                             tag=_tag(message_key(a), self.schedule.microbatches), **where)
+        self.posted[(a.kind, a.stage, a.mb)] = (handle, buf)
+
+    def recv(self, a: Action) -> torch.Tensor:
+        """Wait for receive `a`, posted earlier, and return its tensor."""
+        handle, buf = self.posted.pop((a.kind, a.stage, a.mb))
+        handle.wait()
         return buf
 
     def input_grad(self, key: tuple[int, int]) -> None:
@@ -120,6 +140,11 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     st = _Step(schedule, stages, group, rank)
     try:
         for a in schedule.actions[rank]:
+            if a.kind == "RECV_ACT":  # every activation's shape is known: post them all now
+                module = stages[a.stage]
+                st.post_receive(a, xs[a.mb].new_empty(
+                    len(xs[a.mb]), _input_width(module), dtype=next(module.parameters()).dtype))
+        for a in schedule.actions[rank]:
             note(a)  # a hang report names the action a stuck rank waits in
             start = time.perf_counter()
             _perform(st, a, xs, ys, loss_fn, n)
@@ -141,8 +166,7 @@ def _perform(st: _Step, a: Action, xs, ys, loss_fn, n: int) -> None:
     key = (a.stage, a.mb)
     module = st.stages[a.stage]
     if a.kind == "RECV_ACT":
-        like = xs[a.mb].new_empty(len(xs[a.mb]), _input_width(module))
-        st.inputs[key] = st.recv(a, like.to(next(module.parameters()).dtype))
+        st.inputs[key] = st.recv(a)
     elif a.kind == "F":
         inp = xs[a.mb] if a.stage == 0 else st.inputs[key].requires_grad_()
         out = module(inp)
@@ -153,10 +177,12 @@ def _perform(st: _Step, a: Action, xs, ys, loss_fn, n: int) -> None:
             # the next stage starts its own graph, so that B runs stage by stage
             st.inputs[(a.stage + 1, a.mb)] = out.detach()
         st.outputs[key] = out
+        if key in st.grads_to_receive:  # its gradient's shape is known now: post it
+            st.post_receive(st.grads_to_receive[key], out)
     elif a.kind == "SEND_ACT":
         st.send(a, st.outputs[key])
     elif a.kind == "RECV_GRAD":
-        st.out_grads[key] = st.recv(a, st.outputs[key])
+        st.out_grads[key] = st.recv(a)
     elif a.kind == "B":
         torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None))
         st.input_grad(key)
