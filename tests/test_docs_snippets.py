@@ -23,7 +23,7 @@ import pytest
 
 from cli_examples import ROOT, RUN_DEADLINE, check_parses, command_lines, run_command
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # guides/ too
 # A fence may be indented (inside a tab or an admonition); its body is read dedented.
 FENCE = re.compile(r"(?:<!--\s*(?P<mark>[^>]*?)\s*-->\s*\n)?^(?P<indent>[ \t]*)```(?P<lang>\w*)"
                    r"[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)

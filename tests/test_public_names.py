@@ -10,7 +10,7 @@ NAME = re.compile(r"\b(?:microddp|mdp)\.([A-Za-z_]\w*)")
 
 
 def _named() -> list[str]:
-    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     return sorted({m for p in texts for m in NAME.findall(p.read_text())})
 
 

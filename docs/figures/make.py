@@ -36,6 +36,10 @@ COMMANDS = {
     "scaling": (["bench", "scaling", "--ranks", "1", "2", "4", "--repeats", "12",
                  "--rounds", "2"], "scaling.png"),
     "curves": (["train", "--nproc", "2"], "curves.png"),
+    # memory is counted, not timed, so a small model and few steps draw the same bars
+    "zero": (["bench", "zero", "--ranks", "2", "4", "--dim", "256", "--depth", "4",
+              "--repeats", "5"], "zero.png"),
+    "async": (["bench", "async", "--steps", "100", "--rounds", "2"], "async.png"),
 }
 DRAWN = ("pipeline", "notebook")  # drawn here from microddp's data, no ranks
 NOTEBOOK = HERE.parent / "04b-ring-vs-gloo-notebook.md"
