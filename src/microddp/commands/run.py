@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..launch.hosts import launch_hosts
+from ..launch.hosts import DEFAULT_JOIN_TIMEOUT_S, launch_hosts
 from ..launch.run import launch
 
 EPILOG = """\
@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr", default=None,
                    help="with --nnodes: the address of host 0, the same on every host "
                         "(default: none, one host)")
+    p.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
+                   help="with --nnodes: seconds to wait for every host before torchrun starts; "
+                        "then the node ranks that never came are named "
+                        f"(default {DEFAULT_JOIN_TIMEOUT_S:g})")
     p.add_argument("-m", dest="module", action="store_true",
                    help="treat SCRIPT as a module name, as `python -m` does")
     p.add_argument("script", help="the Python script (or module, with -m) each worker runs")
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return launch_hosts(args.script, args.script_args, nproc=args.nproc,
                             nnodes=args.nnodes, node_rank=args.node_rank,
                             master_addr=args.master_addr, master_port=args.master_port,
-                            module=args.module, max_restarts=args.max_restarts)
+                            module=args.module, max_restarts=args.max_restarts,
+                            join_timeout=args.join_timeout)
     return launch(args.script, args.script_args, nproc=args.nproc, module=args.module,
                   max_restarts=args.max_restarts, master_port=args.master_port)
