@@ -139,6 +139,49 @@ def test_a_lost_host_rejoins_and_the_run_ends_as_if_never_interrupted(two_hosts,
     assert all(torch.equal(got[k], uninterrupted[k]) for k in got)
 
 
+SINK = ("import socket; s = socket.create_server(('{addr}', 5201)); c = s.accept()[0]\n"
+        "n = 0\nwhile (b := c.recv(1 << 16)): n += len(b)\nprint(n)")
+SEND = ("import socket, time\nfor _ in range(200):\n    try: c = socket.create_connection("
+        "('{addr}', 5201)); break\n    except OSError: time.sleep(0.1)\n"
+        "c.sendall(bytes(4 << 20)); c.close()")
+
+
+def _qdisc_stats(net, host: int) -> str:
+    done = subprocess.run(net.command(host, ["tc", "-s", "qdisc", "show", "dev",
+                                             netns_helpers.IFNAME]),
+                          capture_output=True, text=True, timeout=30)
+    return done.stdout
+
+
+def test_a_shaped_link_holds_traffic_to_its_rate():
+    """`rate` puts a token bucket (tbf) on each host's link: 4 MiB sent at 20 Mbit/s arrive
+    whole, and the bucket's counters show it held packets back (overlimits), a count rather
+    than a timing."""
+    with netns_helpers.Fabric(2, rate="20mbit") as net:
+        sink = net.popen(1, [sys.executable, "-c", SINK.format(addr=net.addrs[1])],
+                         stdout=subprocess.PIPE, text=True)
+        send = net.popen(0, [sys.executable, "-c", SEND.format(addr=net.addrs[1])])
+        assert send.wait(timeout=120) == 0
+        assert int(sink.communicate(timeout=60)[0]) == 4 << 20
+        stats = _qdisc_stats(net, 0)
+    assert "qdisc tbf" in stats and "rate 20Mbit" in stats, stats
+    sent = int(re.search(r"Sent (\d+) bytes", stats).group(1))
+    overlimits = int(re.search(r"overlimits (\d+)", stats).group(1))
+    assert sent >= 4 << 20 and overlimits > 0, stats
+
+
+def test_a_delay_needs_netem_in_the_kernel():
+    """`delay` needs tc netem; where the kernel lacks it, Fabric says so in one sentence."""
+    try:
+        net = netns_helpers.Fabric(2, delay="50us")
+    except RuntimeError as e:
+        assert str(e) == netns_helpers.NO_NETEM
+        pytest.skip(netns_helpers.NO_NETEM)
+    with net:
+        stats = _qdisc_stats(net, 0)
+    assert "qdisc netem" in stats and "delay 50us" in stats, stats
+
+
 HELLO = ("torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE_RANK --master-addr $HOST0 "
          "--master-port 29400 -m microddp.commands.hello")
 
