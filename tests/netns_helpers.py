@@ -31,6 +31,8 @@ import sys
 import uuid
 
 SUBNET = "10.213.0"
+NO_NETEM = ("this kernel has no tc netem qdisc (CONFIG_NET_SCH_NETEM), so a link cannot be "
+            "given a delay here; --rate alone shapes it with tbf")
 IFNAME = "mddp0"
 
 
@@ -90,8 +92,13 @@ class Fabric:
             _ip("ip", "link", "set", IFNAME, "up", ns=ns)
             if delay:  # netem adds the delay (and the rate with it)
                 netem = ["delay", delay] + (["rate", rate] if rate else [])
-                _ip("tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "limit", "100000",
-                    *netem, ns=ns)
+                try:
+                    _ip("tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "limit", "100000",
+                        *netem, ns=ns)
+                except RuntimeError as e:
+                    if "unknown" not in str(e):
+                        raise
+                    raise RuntimeError(NO_NETEM) from None
             elif rate:  # a token bucket: in every kernel, where netem often is not
                 _ip("tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate,
                     "burst", "512kb", "latency", "50ms", ns=ns)
@@ -165,7 +172,12 @@ def main() -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
-    with Fabric(args.hosts, args.rate, args.delay) as net:
+    try:
+        net = Fabric(args.hosts, args.rate, args.delay)
+    except RuntimeError as e:
+        print(f"cannot run: {e}", file=sys.stderr)
+        return 2
+    with net:
         env = {k: v for k, v in os.environ.items()
                if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
         env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"

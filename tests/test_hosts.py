@@ -137,3 +137,43 @@ def test_microddp_run_nnodes_spells_torchruns_command():
         torchrun_argv("x.py", [], nproc=1, nnodes=2, node_rank=0, master_addr=None)
     with pytest.raises(MicroDDPError, match="--node-rank 2 is outside 0..1"):
         torchrun_argv("x.py", [], nproc=1, nnodes=2, node_rank=2, master_addr="h")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_roll_call_returns_when_every_host_answers():
+    """Two "hosts" on the loopback, in two threads: both return (host 0 keeps the store up
+    until host 1 has seen the full roll)."""
+    import threading
+
+    from microddp.launch.rollcall import roll_call
+
+    port, errors = _free_port(), []
+
+    def host(rank: int) -> None:
+        try:
+            roll_call("127.0.0.1", port, 2, rank, timeout_s=60)
+        except Exception as e:  # reported below: a thread's exception would be lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=host, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and errors == []
+
+
+def test_the_roll_call_names_the_node_ranks_that_never_came():
+    from microddp.launch.rollcall import roll_call
+
+    port = _free_port()
+    with pytest.raises(MicroDDPError) as e:
+        roll_call("127.0.0.1", port, 3, 0, timeout_s=1)
+    assert str(e.value).startswith(f"node rank(s) 1, 2 of 3 never joined the rendezvous at "
+                                   f"127.0.0.1:{port} within 1 s; start `microddp run` on that "
+                                   "host with its --node-rank")

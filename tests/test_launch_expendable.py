@@ -57,3 +57,13 @@ def test_bad_expendable_lists_are_one_line(tmp_path, ranks, message):
     assert out.returncode == 2
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_expendable_with_several_hosts_is_one_line(tmp_path):
+    """Across hosts torchrun runs the workers and stops all on a failure: refused, not ignored."""
+    script = write(tmp_path, "job.py", SCRIPT)
+    out = microddp("run", "-n", "2", "--nnodes", "2", "--master-addr", "10.0.0.1",
+                   "--expendable", "1", script)
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and "--expendable works on one host only" in lines[0], out.stderr

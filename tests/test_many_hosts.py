@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import netns_helpers
+from microddp import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = netns_helpers.unavailable()
@@ -35,7 +36,7 @@ def readme_commands() -> list[str]:
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
         joined = block.replace("\\\n", " ")
         commands += [" ".join(line.split()) for line in joined.splitlines()
-                     if line.strip().startswith("torchrun")]
+                     if re.match(r"\s*([A-Z_]+=\S+ )*torchrun ", line)]
     return commands
 
 
@@ -78,6 +79,8 @@ def test_the_readme_has_the_commands_these_tests_run():
     assert "--master-addr $HOST0" in static and "--node-rank $NODE_RANK" in static
     assert "--rdzv-conf is_host=1" in c10d_host0 and "is_host" not in c10d_other
     assert "--local-addr $HOST0" in c10d_host0 and "--local-addr $THIS_HOST" in c10d_other
+    assert all(c.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ")
+               for c in (c10d_host0, c10d_other))
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,77 @@ def test_two_hosts_by_the_readme_match_one_host(two_hosts):
     for k in got:
         assert torch.allclose(got[k], reference[k], rtol=0, atol=2e-5), \
             (k, (got[k] - reference[k]).abs().max())
+
+
+def test_a_lost_host_rejoins_and_the_run_ends_as_if_never_interrupted(two_hosts, tmp_path):
+    """The README's elastic commands; once the first checkpoint is written, every process of
+    host 1 is killed (as if the machine died) and the same command is started there again.
+    Host 0's torchrun restarts its workers, both hosts meet in the next rendezvous round, and
+    the job resumes from the checkpoint to the same parameters as the uninterrupted run of the
+    static command across the same two hosts, bit for bit."""
+    _, c10d_host0, c10d_other = readme_commands()
+    ckpts = tmp_path / "runs" / "elastic" / "checkpoints"
+    with netns_helpers.Fabric(2) as net:
+        first = [_start(net, 0, c10d_host0, tmp_path), _start(net, 1, c10d_other, tmp_path)]
+        deadline = time.monotonic() + DEADLINE
+        while not checkpoint.list_checkpoints(ckpts):
+            assert time.monotonic() < deadline and first[0].poll() is None, \
+                "\n".join(_finish(first, timeout=30))
+            time.sleep(0.1)
+        assert net.kill_host(1), "host 1 had no process to kill"
+        lost = first[1].communicate(timeout=60)[0]
+        again = _start(net, 1, c10d_other, tmp_path)
+        logs = _finish([first[0], again])
+    assert first[1].returncode == -9, lost  # bash itself was killed
+    assert [first[0].returncode, again.returncode] == [0, 0], "\n".join(logs)
+    assert "resuming from ckpt-" in logs[0]
+    got = _params(tmp_path / "runs" / "elastic" / "model.pt")
+    uninterrupted = _params(two_hosts[0] / "runs" / "two-hosts" / "model.pt")
+    assert got.keys() == uninterrupted.keys()
+    assert all(torch.equal(got[k], uninterrupted[k]) for k in got)
+
+
+SINK = ("import socket; s = socket.create_server(('{addr}', 5201)); c = s.accept()[0]\n"
+        "n = 0\nwhile (b := c.recv(1 << 16)): n += len(b)\nprint(n)")
+SEND = ("import socket, time\nfor _ in range(200):\n    try: c = socket.create_connection("
+        "('{addr}', 5201)); break\n    except OSError: time.sleep(0.1)\n"
+        "c.sendall(bytes(4 << 20)); c.close()")
+
+
+def _qdisc_stats(net, host: int) -> str:
+    done = subprocess.run(net.command(host, ["tc", "-s", "qdisc", "show", "dev",
+                                             netns_helpers.IFNAME]),
+                          capture_output=True, text=True, timeout=30)
+    return done.stdout
+
+
+def test_a_shaped_link_holds_traffic_to_its_rate():
+    """`rate` puts a token bucket (tbf) on each host's link: 4 MiB sent at 20 Mbit/s arrive
+    whole, and the bucket's counters show it held packets back (overlimits), a count rather
+    than a timing."""
+    with netns_helpers.Fabric(2, rate="20mbit") as net:
+        sink = net.popen(1, [sys.executable, "-c", SINK.format(addr=net.addrs[1])],
+                         stdout=subprocess.PIPE, text=True)
+        send = net.popen(0, [sys.executable, "-c", SEND.format(addr=net.addrs[1])])
+        assert send.wait(timeout=120) == 0
+        assert int(sink.communicate(timeout=60)[0]) == 4 << 20
+        stats = _qdisc_stats(net, 0)
+    assert "qdisc tbf" in stats and "rate 20Mbit" in stats, stats
+    sent = int(re.search(r"Sent (\d+) bytes", stats).group(1))
+    overlimits = int(re.search(r"overlimits (\d+)", stats).group(1))
+    assert sent >= 4 << 20 and overlimits > 0, stats
+
+
+def test_a_delay_needs_netem_in_the_kernel():
+    """`delay` needs tc netem; where the kernel lacks it, Fabric says so in one sentence."""
+    try:
+        net = netns_helpers.Fabric(2, delay="50us")
+    except RuntimeError as e:
+        assert str(e) == netns_helpers.NO_NETEM
+        pytest.skip(netns_helpers.NO_NETEM)
+    with net:
+        stats = _qdisc_stats(net, 0)
+    assert "qdisc netem" in stats and "delay 50us" in stats, stats
 
 
 HELLO = ("torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE_RANK --master-addr $HOST0 "
@@ -137,3 +211,46 @@ def test_microddp_run_nnodes_is_torchrun_on_every_host(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], logs
     assert "all_reduce(sum of ranks) = 6 (expected 6)" in logs[0]
     assert "hello from rank 3 of 4 (local rank 1" in logs[1]
+
+
+RUN = ("microddp run -n 2 --nnodes {n} --node-rank $NODE_RANK --master-addr {addr} "
+       "--join-timeout {t} -m microddp.commands.hello")
+
+
+def test_a_host_that_never_joins_is_named_by_the_others_at_the_deadline(tmp_path):
+    """3 hosts in the job, host 2 never started: hosts 0 and 1 stop at --join-timeout with
+    the same one line, before torchrun (whose own rendezvous would only say it timed out)."""
+    command = RUN.format(n=3, addr="$HOST0", t=20)
+    with netns_helpers.Fabric(3) as net:
+        procs = [_start(net, h, command, tmp_path) for h in range(2)]
+        logs = _finish(procs, timeout=240)
+    line = ("microddp run: error: node rank(s) 2 of 3 never joined the rendezvous at "
+            "$HOST0:29400 within 20 s; start `microddp run` on that host with its --node-rank "
+            "and the same --nnodes, --master-addr and --master-port, and check that it can "
+            "reach 10.213.0.1:29400 (`ip route get 10.213.0.1`, firewall)")
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 2, log
+        *before, last = log.strip().splitlines()
+        assert last == line.replace("$HOST0", "10.213.0.1"), log
+        # beside it, at most torch's C++ warning that the namespace has no reverse DNS
+        assert all(x.startswith("[W") and "socket.cpp" in x for x in before), log
+
+
+def test_an_address_nobody_has_fails_fast_with_one_line(tmp_path):
+    """--master-addr inside the hosts' subnet but held by no one: host 1 stops as soon as the
+    kernel finds no machine there (ARP), not at the 600 s join timeout; host 0, told to serve
+    the rendezvous at an address that is not its own, stops at once."""
+    nobody = f"{netns_helpers.SUBNET}.99"
+    command = RUN.format(n=2, addr=nobody, t=600)
+    with netns_helpers.Fabric(2) as net:
+        procs = [_start(net, h, command, tmp_path) for h in range(2)]
+        logs = _finish(procs, timeout=180)  # well under --join-timeout: a fast failure
+    assert [p.returncode for p in procs] == [2, 2], logs
+    assert logs[0].strip() == (
+        f"microddp run: error: --master-addr {nobody} is not an address of this host, but "
+        "--node-rank 0 serves the rendezvous there (port 29400); give host 0's own address "
+        "(`hostname -I` lists them), or run this host with its own --node-rank")
+    assert logs[1].strip() == (
+        f"microddp run: error: cannot reach --master-addr {nobody} (No route to host): no "
+        "machine answers at that address from this host; check the address of host 0 "
+        f"(`hostname -I` there) and that this host has a route to it (`ip route get {nobody}`)")

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import MicroDDPError
 from ..flags import rank_list
-from ..launch.hosts import launch_hosts
+from ..launch.hosts import DEFAULT_JOIN_TIMEOUT_S, launch_hosts
 from ..launch.run import launch
 
 EPILOG = """\
@@ -59,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expendable", default="", metavar="RANKS",
                    help="ranks whose failure does not stop the others, e.g. 1-3 (a parameter "
                         "server's workers; default: none, any failure stops the job)")
+    p.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
+                   help="with --nnodes: seconds to wait for every host before torchrun starts; "
+                        "then the node ranks that never came are named "
+                        f"(default {DEFAULT_JOIN_TIMEOUT_S:g})")
     p.add_argument("-m", dest="module", action="store_true",
                    help="treat SCRIPT as a module name, as `python -m` does")
     p.add_argument("script", help="the Python script (or module, with -m) each worker runs")
@@ -70,10 +75,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Launch the workers, restarting up to --max-restarts times; return the exit code."""
     if args.nnodes != 1 or args.master_addr is not None:
+        if args.expendable:  # torchrun, which runs the hosts' workers, stops all on any failure
+            raise MicroDDPError("--expendable works on one host only: with --nnodes, torchrun "
+                                "starts the workers and stops them all when one fails; drop "
+                                "--expendable (a parameter server's run then restarts from its "
+                                "checkpoint with --max-restarts)")
         return launch_hosts(args.script, args.script_args, nproc=args.nproc,
                             nnodes=args.nnodes, node_rank=args.node_rank,
                             master_addr=args.master_addr, master_port=args.master_port,
-                            module=args.module, max_restarts=args.max_restarts)
+                            module=args.module, max_restarts=args.max_restarts,
+                            join_timeout=args.join_timeout)
     return launch(args.script, args.script_args, nproc=args.nproc, module=args.module,
                   max_restarts=args.max_restarts, master_port=args.master_port,
                   expendable=rank_list("expendable", args.expendable))

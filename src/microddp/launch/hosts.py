@@ -3,7 +3,8 @@ by torchrun itself (its static rendezvous), with torchrun's meaning for every fl
 
 microddp has no multi-host launcher of its own: starting, watching and restarting workers
 across machines is torchrun's job. This only spells the torchrun command from `microddp run`'s
-flags and hands over to it (exec: signals and the exit code are torchrun's).
+flags and hands over to it (exec: signals and the exit code are torchrun's), after a roll call
+of the hosts (rollcall.py) so that a host that never comes is named.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import MicroDDPError
+from .rollcall import roll_call
 
 DEFAULT_PORT = 29400  # the same on every host: a free port cannot be picked independently
+DEFAULT_JOIN_TIMEOUT_S = 600.0  # as torchrun's c10d join timeout: hosts may boot at their pace
 
 
 def torchrun_argv(script: str, script_args: Sequence[str], *, nproc: int, nnodes: int,
@@ -40,9 +43,17 @@ def torchrun_argv(script: str, script_args: Sequence[str], *, nproc: int, nnodes
             *script_args]
 
 
-def launch_hosts(script: str, script_args: Sequence[str], **kw) -> int:
-    """Become torchrun for this host's share of the job (never returns unless exec fails)."""
+def launch_hosts(script: str, script_args: Sequence[str], *,
+                 join_timeout: float = DEFAULT_JOIN_TIMEOUT_S, **kw) -> int:
+    """Wait until every host answers the roll call (rollcall.py: one clear line, not a silent
+    rendezvous timeout, for a host that never comes), then become torchrun for this host's
+    share of the job (never returns unless exec fails)."""
     argv = torchrun_argv(script, script_args, **kw)
+    if join_timeout <= 0:
+        raise MicroDDPError(f"--join-timeout must be positive, got {join_timeout:g} seconds")
+    if kw["nnodes"] > 1:
+        roll_call(kw["master_addr"], kw.get("master_port") or DEFAULT_PORT, kw["nnodes"],
+                  kw["node_rank"], join_timeout)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)
