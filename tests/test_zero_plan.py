@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microddp import MicroDDPError, zero
-from microddp.zero.flat import from_slots, padded, take_own, to_slots
+from microddp.zero.flat import flat_views, padded, take_own, to_slots
 
 
 def owners(plan):
@@ -65,14 +65,20 @@ def test_slots_round_trip_and_padding_is_zero():
     slots = padded(b, tensors[0])
     to_slots(b, tensors, slots)
     assert slots.numel() == 4 * b.cap == 12
-    back = [torch.zeros_like(t) for t in tensors]
-    from_slots(b, slots, back)
-    assert all(torch.equal(x, y) for x, y in zip(tensors, back, strict=True))
+    # the flat buffer the parameters become views of holds rank r's elements from start(r):
+    # what rank r broadcasts is what its slot carries
+    params = [t.clone() for t in tensors]
+    flat = flat_views(b, params)
+    assert all(torch.equal(x, y) for x, y in zip(tensors, params, strict=True))
+    assert flat.data_ptr() == params[2].data_ptr()  # bucket order: param 2 first
     for r in range(4):  # padding after each rank's real elements stays zero
         assert slots[r * b.cap + b.sizes[r]:(r + 1) * b.cap].abs().sum() == 0
         mine = torch.empty(b.sizes[r])
         take_own(b, r, tensors, mine)
         assert torch.equal(mine, slots[r * b.cap:r * b.cap + b.sizes[r]])
+        assert torch.equal(mine, flat[b.start(r):b.start(r) + b.sizes[r]])
+    flat.fill_(7)  # writing the buffer writes the parameters
+    assert all(bool((t == 7).all()) for t in params)
     missing = padded(b, slots)
     missing += 1
     to_slots(b, [None, None, None], missing)  # a gradient backward never made counts as zero
@@ -84,6 +90,8 @@ def test_buckets_follow_backward_order_and_split_at_the_cap_and_at_groups():
     assert zero.by_size([4, 4, 4, 4], [0, 0, 0, 0], 8) == [[3, 2], [1, 0]]
     assert zero.by_size([4, 4, 4, 4], [0, 0, 1, 1], 100) == [[3, 2], [1, 0]]
     assert zero.by_size([50, 1], [0, 0], 8) == [[1], [0]]  # a big tensor gets its own bucket
+    # a small first bucket (DDP's 1 MiB), then the usual cap
+    assert zero.by_size([4, 4, 4, 4, 4], [0] * 5, 100, first_cap_elements=4) == [[4], [3, 2, 1, 0]]
 
 
 def test_a_bad_plan_is_one_clear_error():

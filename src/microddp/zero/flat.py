@@ -14,8 +14,28 @@ from .plan import Bucket
 
 
 def padded(bucket: Bucket, like: torch.Tensor) -> torch.Tensor:
-    """The bucket on the wire: `world_size` slots of `cap` elements, padding zeroed."""
-    return torch.zeros(bucket.world_size * bucket.cap, dtype=like.dtype, device=like.device)
+    """The bucket on the wire: `world_size` slots of `cap` elements, padding zeroed (only the
+    padding: the rest is about to be overwritten, and zeroing it would be one more pass over
+    the whole bucket)."""
+    out = torch.empty(bucket.world_size * bucket.cap, dtype=like.dtype, device=like.device)
+    for r, size in enumerate(bucket.sizes):
+        out.narrow(0, r * bucket.cap + size, bucket.cap - size).zero_()
+    return out
+
+
+def flat_views(bucket: Bucket, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat buffer holding the bucket's parameters end to end, their values copied in;
+    each parameter becomes a view of it for good, so a collective into the buffer updates
+    the parameters themselves, with no copy back."""
+    like = params[bucket.params[0]]
+    flat = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+    at = 0
+    for i, n in zip(bucket.params, bucket.numels, strict=True):
+        view = flat.narrow(0, at, n).view_as(params[i])
+        view.copy_(params[i].detach())
+        params[i].data = view
+        at += n
+    return flat
 
 
 def to_slots(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
@@ -28,13 +48,6 @@ def to_slots(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.
             dst.zero_()
         else:
             dst.copy_(src.detach().reshape(-1).narrow(0, piece.start, piece.length))
-
-
-def from_slots(bucket: Bucket, slots: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy every slot's real elements back into `tensors` (written through `.data`)."""
-    for piece in bucket.pieces:
-        src = slots.narrow(0, piece.rank * bucket.cap + piece.offset, piece.length)
-        tensors[piece.param].data.view(-1).narrow(0, piece.start, piece.length).copy_(src)
 
 
 def take_own(bucket: Bucket, rank: int, tensors: Sequence[torch.Tensor],

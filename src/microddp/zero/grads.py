@@ -1,11 +1,11 @@
 """Gradient sharding: each bucket's gradients are reduce-scattered into the owners' shards.
 
-ZeRO-1 calls `reduce_all()` at the optimizer step. ZeRO-2 and ZeRO-3 call `attach_hooks()`:
-a post-accumulate-grad hook counts each bucket's ready gradients and starts the bucket's
-reduce-scatter as soon as the last one arrives, asynchronously, so the communication runs
-while backward computes the earlier layers (as DDP's buckets do). The full gradients of a
-bucket are dropped as soon as they are copied out, so no rank ever holds the whole model's
-gradient. One end-of-backward callback waits for every bucket.
+Every stage reduces during backward: a post-accumulate-grad hook counts each bucket's ready
+gradients and starts the bucket's reduce-scatter as soon as the last one arrives,
+asynchronously, so the communication runs while backward computes the earlier layers (as
+DDP's buckets do). ZeRO-2 and ZeRO-3 drop a bucket's full gradients as soon as they are copied
+out, so no rank ever holds the whole model's gradient; ZeRO-1 keeps them (its gradients are
+not sharded, only its optimizer state). One end-of-backward callback waits for every bucket.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ class GradReducer:
     """Reduce-scatters buckets of `params`' gradients into `shards`."""
 
     def __init__(self, plan: ShardPlan, params: Sequence[torch.Tensor], shards: Shards,
-                 sent: Sent, on_reduced: Callable[[Bucket], None] | None = None) -> None:
+                 sent: Sent, on_reduced: Callable[[Bucket], None] | None = None,
+                 keep_grads: bool = False) -> None:
         self.plan, self.params, self.shards, self.sent = plan, list(params), shards, sent
+        self.keep_grads = keep_grads  # ZeRO-1: the full gradients stay in .grad
         self.on_reduced = on_reduced  # ZeRO-3 frees a layer once its gradients are sent
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.on_end: Callable[[], None] | None = None  # ZeRO-3 frees what is still gathered
@@ -39,7 +41,8 @@ class GradReducer:
         self._queued = False
 
     def launch(self, bucket: Bucket) -> None:
-        """Start reducing `bucket`; its parameters' full gradients are freed at once."""
+        """Start reducing `bucket`; its parameters' full gradients are freed at once (unless
+        kept: ZeRO-1)."""
         self._launched[bucket.index] = True
         grads = [None] * len(self.params)
         for i in bucket.params:
@@ -49,8 +52,9 @@ class GradReducer:
             to_slots(bucket, grads, slots)
             handle, out = reduce_scatter(bucket, slots, self.sent)
             self._pending.append((bucket, handle, out))
-        for i in bucket.params:
-            self.params[i].grad = None
+        if not self.keep_grads:
+            for i in bucket.params:
+                self.params[i].grad = None
         if self.on_reduced is not None:
             self.on_reduced(bucket)
 
@@ -61,15 +65,8 @@ class GradReducer:
             self.shards.add_grad(bucket, out)
         self._pending.clear()
 
-    def reduce_all(self) -> None:
-        """ZeRO-1: reduce every bucket now (gradients made by a plain backward)."""
-        for bucket in self.plan.buckets:
-            self.launch(bucket)
-        self.wait()
-        self._reset()
-
     def attach_hooks(self) -> list:
-        """ZeRO-2/3: reduce each bucket during backward, as soon as it is complete."""
+        """Reduce each bucket during backward, as soon as it is complete."""
         return [p.register_post_accumulate_grad_hook(self._make_hook(i))
                 for i, p in enumerate(self.params)]
 

@@ -55,6 +55,10 @@ class Bucket:
         """Elements in the bucket, over all its parameters."""
         return sum(self.numels)
 
+    def start(self, rank: int) -> int:
+        """Where rank `rank`'s elements begin in the bucket's parameters laid end to end."""
+        return sum(self.sizes[:rank])
+
     @property
     def world_size(self) -> int:
         """Ranks the bucket is sharded over."""
@@ -143,14 +147,17 @@ def build(numels: Sequence[int], groups: Sequence[int], bucket_params: Sequence[
                      buckets=tuple(buckets), shard_numel=tuple(map(tuple, shard_numel)))
 
 
-def by_size(numels: Sequence[int], groups: Sequence[int], cap_elements: int) -> list[list[int]]:
+def by_size(numels: Sequence[int], groups: Sequence[int], cap_elements: int,
+            first_cap_elements: int | None = None) -> list[list[int]]:
     """Buckets for gradient reduction: parameters in reverse order (the order backward makes
-    their gradients ready, as DDP assumes), a new bucket when one would pass `cap_elements`
-    or the parameter group changes."""
+    their gradients ready, as DDP assumes), a new bucket when one would pass its cap or the
+    parameter group changes. The first bucket's cap is `first_cap_elements` if given: a small
+    first bucket (DDP's 1 MiB) starts communicating while most of backward is still to run."""
     buckets: list[list[int]] = []
     size = 0
     for i in reversed(range(len(numels))):
-        if (not buckets or size + numels[i] > cap_elements and buckets[-1]
+        cap = first_cap_elements if len(buckets) == 1 and first_cap_elements else cap_elements
+        if (not buckets or size + numels[i] > cap and buckets[-1]
                 or groups[buckets[-1][0]] != groups[i]):
             buckets.append([])
             size = 0

@@ -92,12 +92,10 @@ class Shards:
         shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank]).add_(
             reduced.narrow(0, 0, bucket.sizes[self.rank]))
 
-    def slot(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's slot of `bucket` for an all-gather: its elements, then padding."""
-        out = torch.zeros(bucket.cap, dtype=self.params[bucket.group].dtype,
-                          device=self.params[bucket.group].device)
-        out.narrow(0, 0, bucket.sizes[self.rank]).copy_(self.view(bucket))
-        return out
+    def put_own(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Copy this rank's elements of `bucket` into `flat` (the bucket's parameters end to
+        end), where the broadcast of them starts from."""
+        flat.narrow(0, bucket.start(self.rank), bucket.sizes[self.rank]).copy_(self.view(bucket))
 
     def zero_grad(self) -> None:
         """Drop the shards' gradients (set to None, as torch's optimizers do)."""
