@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .. import comms
-from ..errors import MicroDDPError
 from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
+from ..errors import MicroDDPError
 from .comm import Sent, broadcast_shards
 from .flat import flat_views
 from .grads import GradReducer

@@ -1,7 +1,8 @@
-"""Copies between parameters (or their gradients) and a bucket's padded slots.
+"""Copies between parameters (or their gradients) and a bucket's flat buffer.
 
-Each copy follows the plan's pieces, so a parameter that straddles two ranks is split without
-first building one flat copy of the whole bucket.
+On the wire a bucket is its parameters end to end, rank r's elements from `bucket.start(r)`:
+each rank's part is reduced to it and broadcast from it, so parts need not be equal and the
+bucket needs no padding.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ import torch
 from .plan import Bucket
 
 
-def padded(bucket: Bucket, like: torch.Tensor) -> torch.Tensor:
-    """The bucket on the wire: `world_size` slots of `cap` elements, padding zeroed (only the
-    padding: the rest is about to be overwritten, and zeroing it would be one more pass over
-    the whole bucket)."""
-    out = torch.empty(bucket.world_size * bucket.cap, dtype=like.dtype, device=like.device)
-    for r, size in enumerate(bucket.sizes):
-        out.narrow(0, r * bucket.cap + size, bucket.cap - size).zero_()
-    return out
+def pack(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.Tensor,
+         scale: float = 1.0) -> None:
+    """Copy `tensors` (one per bucket parameter, indexed like the plan's parameters) end to
+    end into `out`, times `scale` in the same pass; a missing tensor (a gradient backward
+    never made) counts as zeros."""
+    at = 0
+    for i, n in zip(bucket.params, bucket.numels, strict=True):
+        dst, src = out.narrow(0, at, n), tensors[i]
+        if src is None:
+            dst.zero_()
+        else:
+            torch.mul(src.detach().reshape(-1), scale, out=dst)
+        at += n
 
 
 def flat_views(bucket: Bucket, params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -36,18 +42,6 @@ def flat_views(bucket: Bucket, params: Sequence[torch.Tensor]) -> torch.Tensor:
         params[i].data = view
         at += n
     return flat
-
-
-def to_slots(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
-    """Copy `tensors` (one per bucket parameter, indexed like the plan's parameters) into
-    `out`'s slots; a missing tensor (a gradient backward never made) counts as zeros."""
-    for piece in bucket.pieces:
-        src = tensors[piece.param]
-        dst = out.narrow(0, piece.rank * bucket.cap + piece.offset, piece.length)
-        if src is None:
-            dst.zero_()
-        else:
-            dst.copy_(src.detach().reshape(-1).narrow(0, piece.start, piece.length))
 
 
 def take_own(bucket: Bucket, rank: int, tensors: Sequence[torch.Tensor],

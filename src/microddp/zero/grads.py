@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .comm import Sent, reduce_scatter
-from .flat import padded, to_slots
+from .comm import Sent, reduce_to_owners
+from .flat import pack
 from .plan import Bucket, ShardPlan
 from .shards import Shards
 
@@ -32,7 +32,7 @@ class GradReducer:
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.on_end: Callable[[], None] | None = None  # ZeRO-3 frees what is still gathered
         self._bucket_of = {p: b.index for b in plan.buckets for p in b.params}
-        self._pending: list[tuple[Bucket, object, torch.Tensor]] = []
+        self._pending: list[tuple[Bucket, list, torch.Tensor]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -47,11 +47,13 @@ class GradReducer:
         grads = [None] * len(self.params)
         for i in bucket.params:
             grads[i] = self.params[i].grad
-        if bucket.cap:
-            slots = padded(bucket, self.params[bucket.params[0]])
-            to_slots(bucket, grads, slots)
-            handle, out = reduce_scatter(bucket, slots, self.sent)
-            self._pending.append((bucket, handle, out))
+        if bucket.numel:
+            like = self.params[bucket.params[0]]
+            flat = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+            # Divided before the sum, as DDP does: one pass, and no division after the wait.
+            pack(bucket, grads, flat, 1.0 / self.plan.world_size)
+            handles = reduce_to_owners(bucket, flat, self.shards.rank, self.sent)
+            self._pending.append((bucket, handles, flat))
         if not self.keep_grads:
             for i in bucket.params:
                 self.params[i].grad = None
@@ -59,10 +61,12 @@ class GradReducer:
             self.on_reduced(bucket)
 
     def wait(self) -> None:
-        """Wait for every started bucket and add its averaged slot to the shard gradient."""
-        for bucket, handle, out in self._pending:
-            handle.wait()
-            self.shards.add_grad(bucket, out)
+        """Wait for every started bucket and add its averaged part to the shard gradient."""
+        rank = self.shards.rank
+        for bucket, handles, flat in self._pending:
+            for handle in handles:
+                handle.wait()
+            self.shards.add_grad(bucket, flat.narrow(0, bucket.start(rank), bucket.sizes[rank]))
         self._pending.clear()
 
     def attach_hooks(self) -> list:

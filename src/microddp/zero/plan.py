@@ -7,9 +7,10 @@ parameters greedily, so one large tensor can leave a rank with most of the state
 that gets a bucket's spare element rotates from bucket to bucket, so the totals over the whole
 model are balanced to within one element too.
 
-Collectives want equal chunks, so on the wire a bucket is `N` slots of `cap = ceil(numel / N)`
-elements: rank r's elements fill the start of slot r, the rest of the slot is padding. A
-parameter may straddle two ranks; `pieces` says which part of it lands in which slot. The plan
+On the wire a bucket is its parameters end to end, rank r's part from element `start(r)`
+(collectives per rank, so parts need not be equal). `cap` is the largest part: what an
+equal-chunk collective would pad every part to. A parameter may straddle two ranks; `pieces`
+says which part of it each rank owns, and where in its part. The plan
 is plain data: it can be built, printed and tested without any process group.
 """
 
@@ -24,7 +25,7 @@ from ..errors import MicroDDPError
 @dataclass(frozen=True)
 class Piece:
     """`length` elements of parameter `param` (from element `start` of its flat view) live in
-    rank `rank`'s slot, from element `offset` of that slot."""
+    rank `rank`'s part, from element `offset` of that part."""
 
     param: int
     start: int
@@ -35,7 +36,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Parameters flattened together and cut into one slot per rank.
+    """Parameters flattened together and cut into one part per rank.
 
     `params` index the plan's parameter list; `sizes[r]` is how many real elements rank r owns;
     `shard_offset[r]` is where they sit in rank r's shard of the bucket's parameter group.

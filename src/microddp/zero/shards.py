@@ -85,12 +85,13 @@ class Shards:
                                                      bucket.sizes[self.rank])
 
     def add_grad(self, bucket: Bucket, reduced: torch.Tensor) -> None:
-        """Accumulate a bucket's averaged slot into this rank's shard gradient."""
+        """Accumulate a bucket's averaged part (this rank's `sizes[rank]` elements) into this
+        rank's shard gradient."""
         shard = self.params[bucket.group]
         if shard.grad is None:
             shard.grad = torch.zeros_like(shard)
         shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank]).add_(
-            reduced.narrow(0, 0, bucket.sizes[self.rank]))
+            reduced)
 
     def put_own(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """Copy this rank's elements of `bucket` into `flat` (the bucket's parameters end to
