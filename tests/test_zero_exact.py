@@ -38,6 +38,10 @@ def every_case(world):
     for stage in zero.STAGES:
         out["accumulate x2", stage] = max_diff(zero_run(world, "adam", stage, micro=2),
                                                single("adam"))
+        # accumulating with a reduction in every backward: each must add only its own share
+        # (ZeRO-1 keeps .grad, which by the second backward holds the first one's too)
+        out["accumulate x2, reduced each time", stage] = max_diff(
+            zero_run(world, "adam", stage, micro=2, sync_each=True), single("adam"))
     dp_bf16 = plain_dp(world, "adam", amp=True)
     for stage in zero.STAGES:
         out["bf16", stage] = max_diff(zero_run(world, "adam", stage, amp=True), dp_bf16)

@@ -66,7 +66,8 @@ class GradReducer:
         for bucket, handles, flat in self._pending:
             for handle in handles:
                 handle.wait()
-            self.shards.add_grad(bucket, flat.narrow(0, bucket.start(rank), bucket.sizes[rank]))
+            self.shards.add_grad(bucket, flat.narrow(0, bucket.start(rank), bucket.sizes[rank]),
+                                 replace=self.keep_grads)
         self._pending.clear()
 
     def attach_hooks(self) -> list:

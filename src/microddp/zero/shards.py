@@ -84,14 +84,15 @@ class Shards:
         return self.params[bucket.group].data.narrow(0, bucket.shard_offset[self.rank],
                                                      bucket.sizes[self.rank])
 
-    def add_grad(self, bucket: Bucket, reduced: torch.Tensor) -> None:
+    def add_grad(self, bucket: Bucket, reduced: torch.Tensor, replace: bool = False) -> None:
         """Accumulate a bucket's averaged part (this rank's `sizes[rank]` elements) into this
-        rank's shard gradient."""
+        rank's shard gradient; with `replace`, overwrite it instead (ZeRO-1, whose reduction
+        is of the full gradient accumulated since zero_grad, earlier reductions included)."""
         shard = self.params[bucket.group]
         if shard.grad is None:
             shard.grad = torch.zeros_like(shard)
-        shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank]).add_(
-            reduced)
+        part = shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank])
+        part.copy_(reduced) if replace else part.add_(reduced)
 
     def put_own(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """Copy this rank's elements of `bucket` into `flat` (the bucket's parameters end to
