@@ -38,6 +38,10 @@ def every_case(world):
     for stage in zero.STAGES:
         out["accumulate x2", stage] = max_diff(zero_run(world, "adam", stage, micro=2),
                                                single("adam"))
+        # accumulating with a reduction in every backward: each must add only its own share
+        # (ZeRO-1 keeps .grad, which by the second backward holds the first one's too)
+        out["accumulate x2, reduced each time", stage] = max_diff(
+            zero_run(world, "adam", stage, micro=2, sync_each=True), single("adam"))
     dp_bf16 = plain_dp(world, "adam", amp=True)
     for stage in zero.STAGES:
         out["bf16", stage] = max_diff(zero_run(world, "adam", stage, amp=True), dp_bf16)
@@ -89,8 +93,7 @@ def test_accumulation_sends_nothing_until_the_last_micro_step():
     for out in mdp.spawn(accumulation_traffic, 2, backend="gloo", timeout=120):
         for stage in (1, 2):
             assert out[stage][0][:2] == [0, 0], stage
-        assert out[2][0][2] > 0  # the last backward reduce-scatters
-        assert out[1][0][2] == 0  # ZeRO-1 reduces at step()
+            assert out[stage][0][2] > 0, stage  # the last backward reduce-scatters
         # ZeRO-3 gathers the parameters once, at the first micro-step's forward, then keeps them
         first, second, last = out[3][0]
         assert first > 0 and second == 0 and last > 0

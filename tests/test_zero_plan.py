@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microddp import MicroDDPError, zero
-from microddp.zero.flat import from_slots, padded, take_own, to_slots
+from microddp.zero.flat import flat_views, pack, take_own
 
 
 def owners(plan):
@@ -57,33 +57,38 @@ def test_the_spare_element_rotates_so_the_totals_stay_balanced():
     assert "slot 2 -> r0:2 r1:1 r2:1" in plan.describe()
 
 
-def test_slots_round_trip_and_padding_is_zero():
+def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
     torch.manual_seed(0)
     tensors = [torch.randn(2, 3), torch.randn(0), torch.randn(5)]
     plan = zero.build([6, 0, 5], [0, 0, 0], [[2, 0, 1]], 4)
     (b,) = plan.buckets
-    slots = padded(b, tensors[0])
-    to_slots(b, tensors, slots)
-    assert slots.numel() == 4 * b.cap == 12
-    back = [torch.zeros_like(t) for t in tensors]
-    from_slots(b, slots, back)
-    assert all(torch.equal(x, y) for x, y in zip(tensors, back, strict=True))
-    for r in range(4):  # padding after each rank's real elements stays zero
-        assert slots[r * b.cap + b.sizes[r]:(r + 1) * b.cap].abs().sum() == 0
+    flat = torch.empty(b.numel)
+    pack(b, tensors, flat, 0.5)  # gradients, halved on the way in
+    assert torch.equal(flat, torch.cat([tensors[2], tensors[0].reshape(-1)]) * 0.5)
+    # the flat buffer the parameters become views of holds rank r's elements from start(r):
+    # what rank r is reduced to and broadcasts from
+    params = [t.clone() for t in tensors]
+    flat = flat_views(b, params)
+    assert all(torch.equal(x, y) for x, y in zip(tensors, params, strict=True))
+    assert flat.data_ptr() == params[2].data_ptr()  # bucket order: param 2 first
+    assert [b.start(r) for r in range(4)] == [0, 3, 6, 9] and b.sizes == (3, 3, 3, 2)
+    for r in range(4):
         mine = torch.empty(b.sizes[r])
         take_own(b, r, tensors, mine)
-        assert torch.equal(mine, slots[r * b.cap:r * b.cap + b.sizes[r]])
-    missing = padded(b, slots)
-    missing += 1
-    to_slots(b, [None, None, None], missing)  # a gradient backward never made counts as zero
-    for r in range(4):
-        assert missing[r * b.cap:r * b.cap + b.sizes[r]].abs().sum() == 0
+        assert torch.equal(mine, flat[b.start(r):b.start(r) + b.sizes[r]])
+    flat.fill_(7)  # writing the buffer writes the parameters
+    assert all(bool((t == 7).all()) for t in params)
+    missing = torch.ones(b.numel)
+    pack(b, [None, None, None], missing)  # a gradient backward never made counts as zero
+    assert missing.abs().sum() == 0
 
 
 def test_buckets_follow_backward_order_and_split_at_the_cap_and_at_groups():
     assert zero.by_size([4, 4, 4, 4], [0, 0, 0, 0], 8) == [[3, 2], [1, 0]]
     assert zero.by_size([4, 4, 4, 4], [0, 0, 1, 1], 100) == [[3, 2], [1, 0]]
     assert zero.by_size([50, 1], [0, 0], 8) == [[1], [0]]  # a big tensor gets its own bucket
+    # a small first bucket (DDP's 1 MiB), then the usual cap
+    assert zero.by_size([4, 4, 4, 4, 4], [0] * 5, 100, first_cap_elements=4) == [[4], [3, 2, 1, 0]]
 
 
 def test_a_bad_plan_is_one_clear_error():

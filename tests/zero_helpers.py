@@ -91,8 +91,10 @@ def plain_dp(world, name: str, amp: bool = False) -> list[torch.Tensor]:
 
 
 def zero_run(world, name: str, stage: int, micro: int = 1, amp: bool = False,
-             bucket_cap_mb: float = 40 / 2**20, with_empty: bool = True) -> list[torch.Tensor]:
-    """ZeRO `stage`, with `micro` micro-batches per step under no_sync (accumulation)."""
+             bucket_cap_mb: float = 40 / 2**20, with_empty: bool = True,
+             sync_each: bool = False) -> list[torch.Tensor]:
+    """ZeRO `stage`, with `micro` micro-batches per step under no_sync (accumulation); with
+    `sync_each`, every micro-step's backward reduces (no no_sync), as DDP allows."""
     model = fresh(with_empty)
     cls, kw = OPTIMIZERS[name]
     z = zero.Zero(model, cls, stage=stage, param_groups=groups(model),
@@ -100,7 +102,7 @@ def zero_run(world, name: str, stage: int, micro: int = 1, amp: bool = False,
     for step in range(STEPS):
         for k in range(micro):
             x, y = local(world, step, micro, k)
-            with z.no_sync() if k < micro - 1 else _nothing():
+            with z.no_sync() if k < micro - 1 and not sync_each else _nothing():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                     out = z(x)
                 (loss_fn(out.float(), y) / micro).backward()

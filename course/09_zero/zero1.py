@@ -1,7 +1,8 @@
-"""Chapter 9: ZeRO-1, the optimizer state is sharded. Each rank still computes the full gradient; at the
-step the gradients are reduce-scattered (each rank receives the average of its shard only),
-each rank steps its shard with Adam (so Adam's moments exist for 1/N of the parameters), and
-the updated shards are all-gathered into every rank's full copy of the parameters.
+"""Chapter 9: ZeRO-1, the optimizer state is sharded. Each rank still computes and keeps the full
+gradient; during backward each bucket of gradients is reduce-scattered as soon as it is ready
+(each rank receives the average of its shard only), each rank steps its shard with Adam (so
+Adam's moments exist for 1/N of the parameters), and the updated shards are all-gathered into
+every rank's full copy of the parameters.
 
     python course/09_zero/zero1.py          # 2 ranks
     python course/09_zero/zero1.py -n 4

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from .. import comms
+from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from ..errors import MicroDDPError
-from .comm import Sent, all_gather
-from .flat import from_slots, padded
+from .comm import Sent, broadcast_shards
+from .flat import flat_views
 from .grads import GradReducer
 from .memory import measure
 from .params import FREE, ParamSharder
@@ -37,13 +38,16 @@ class Zero(nn.Module):
     shard. `param_groups` are torch's (lists or dicts of the module's parameters, with their
     own options); by default every parameter is in one group.
 
-    Parameters and buffers start as rank 0's, as with DDP. Gradients are averaged over ranks.
-    `bucket_cap_mb` sizes the gradient buckets of stages 1 and 2; stage 3 uses one bucket
-    per module (per parameter group within it).
+    Parameters and buffers start as rank 0's, as with DDP. Gradients are averaged over ranks,
+    bucket by bucket during backward. `bucket_cap_mb` sizes the buckets of stages 1 and 2 as
+    DDP's does: by default 25 MiB after a first bucket of 1 MiB (so communication starts
+    early in backward); given, every bucket gets that cap. Stage 3 uses one bucket per module
+    (per parameter group within it). In stages 1 and 2 each bucket's parameters become views
+    of one flat buffer, which the updated shards are broadcast into.
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type, stage: int = 1,
-                 param_groups: Iterable[Any] | None = None, bucket_cap_mb: float = 25.0,
+                 param_groups: Iterable[Any] | None = None, bucket_cap_mb: float | None = None,
                  **defaults: Any) -> None:
         super().__init__()
         if stage not in STAGES:
@@ -68,8 +72,11 @@ class Zero(nn.Module):
         if stage == 3:
             units, bucket_params = self._units(module, params, groups)
         else:
-            cap = max(1, int(bucket_cap_mb * 2**20) // params[0].element_size())
-            bucket_params = by_size(numels, groups, cap)
+            size = params[0].element_size()
+            cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+            cap = max(1, int(cap_mb * MiB) // size)
+            first = FIRST_BUCKET_BYTES // size if bucket_cap_mb is None else None
+            bucket_params = by_size(numels, groups, cap, first)
         self.plan = build(numels, groups, bucket_params, self.world_size)
         self.shards = Shards(self.plan, self.rank, params, options, optimizer_class, defaults)
         self.optimizer = self.shards.optimizer
@@ -81,9 +88,12 @@ class Zero(nn.Module):
         if stage == 3:
             self.sharder = ParamSharder(self.plan, params, units, self.shards, self.sent)
             on_reduced = self.sharder.after_reduce
-        self.reducer = GradReducer(self.plan, params, self.shards, self.sent, on_reduced)
-        if stage >= 2:
-            self._hooks = self.reducer.attach_hooks()
+        self.reducer = GradReducer(self.plan, params, self.shards, self.sent, on_reduced,
+                                   keep_grads=stage == 1)
+        self._hooks = self.reducer.attach_hooks()
+        # Stages 1 and 2: each bucket's parameters live in one flat buffer (ZeRO-3's sharder
+        # makes its own, emptied between uses).
+        self.flats = ([flat_views(b, params) for b in self.plan.buckets] if stage < 3 else [])
         if self.sharder is not None:
             self.reducer.on_end = self.sharder.free_all
 
@@ -129,29 +139,27 @@ class Zero(nn.Module):
                 self.sharder.keep = self._in_no_sync
 
     def step(self) -> None:
-        """Average the gradients into the shards (stage 1), step the shards, and (stages 1
-        and 2) all-gather the updated parameters into every rank's full copy."""
+        """Step the shards (their gradients were averaged during backward), and (stages 1
+        and 2) broadcast the updated elements into every rank's full parameters."""
         if self._in_no_sync:
             raise MicroDDPError("step() was called inside no_sync(): the gradients are not "
                                 "averaged yet; run the last micro-step's forward and backward "
                                 "after the block, then call step()")
         self._memory = self.measure_now()
-        if self.stage == 1:
-            self.reducer.reduce_all()
         self.optimizer.step()
         if self.stage < 3:
-            self._all_gather_params()
+            self._gather_params()
         self.sent.end_step()
 
-    def _all_gather_params(self) -> None:
-        pending = []
-        for b in self.plan.buckets:
-            if b.cap:
-                slots = padded(b, self.sharded[b.params[0]])
-                pending.append((b, all_gather(b, self.shards.slot(b), slots, self.sent), slots))
-        for b, handle, slots in pending:
+    def _gather_params(self) -> None:
+        """Every rank's updated elements into every rank's flat parameter buffers: all the
+        broadcasts start before the first wait, so they travel together."""
+        handles = []
+        for b, flat in zip(self.plan.buckets, self.flats, strict=True):
+            self.shards.put_own(b, flat)
+            handles += broadcast_shards(b, flat, self.rank, self.sent)
+        for handle in handles:
             handle.wait()
-            from_slots(b, slots, self.sharded)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shard gradients and any full gradients still held."""
@@ -209,10 +217,10 @@ class Zero(nn.Module):
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 
     def refresh_from_shards(self) -> None:
-        """The shards were overwritten (a checkpoint loaded): stages 1 and 2 all-gather them
+        """The shards were overwritten (a checkpoint loaded): stages 1 and 2 broadcast them
         into every rank's full parameters (stage 3 gathers from the shards at each use)."""
         if self.stage < 3:
-            self._all_gather_params()
+            self._gather_params()
         self.sent.end_step()  # not a training step's traffic
 
     def measure_now(self) -> dict[str, int]:

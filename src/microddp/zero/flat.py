@@ -1,7 +1,8 @@
-"""Copies between parameters (or their gradients) and a bucket's padded slots.
+"""Copies between parameters (or their gradients) and a bucket's flat buffer.
 
-Each copy follows the plan's pieces, so a parameter that straddles two ranks is split without
-first building one flat copy of the whole bucket.
+On the wire a bucket is its parameters end to end, rank r's elements from `bucket.start(r)`:
+each rank's part is reduced to it and broadcast from it, so parts need not be equal and the
+bucket needs no padding.
 """
 
 from __future__ import annotations
@@ -13,28 +14,34 @@ import torch
 from .plan import Bucket
 
 
-def padded(bucket: Bucket, like: torch.Tensor) -> torch.Tensor:
-    """The bucket on the wire: `world_size` slots of `cap` elements, padding zeroed."""
-    return torch.zeros(bucket.world_size * bucket.cap, dtype=like.dtype, device=like.device)
-
-
-def to_slots(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
-    """Copy `tensors` (one per bucket parameter, indexed like the plan's parameters) into
-    `out`'s slots; a missing tensor (a gradient backward never made) counts as zeros."""
-    for piece in bucket.pieces:
-        src = tensors[piece.param]
-        dst = out.narrow(0, piece.rank * bucket.cap + piece.offset, piece.length)
+def pack(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.Tensor,
+         scale: float = 1.0) -> None:
+    """Copy `tensors` (one per bucket parameter, indexed like the plan's parameters) end to
+    end into `out`, times `scale` in the same pass; a missing tensor (a gradient backward
+    never made) counts as zeros."""
+    at = 0
+    for i, n in zip(bucket.params, bucket.numels, strict=True):
+        dst, src = out.narrow(0, at, n), tensors[i]
         if src is None:
             dst.zero_()
         else:
-            dst.copy_(src.detach().reshape(-1).narrow(0, piece.start, piece.length))
+            torch.mul(src.detach().reshape(-1), scale, out=dst)
+        at += n
 
 
-def from_slots(bucket: Bucket, slots: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy every slot's real elements back into `tensors` (written through `.data`)."""
-    for piece in bucket.pieces:
-        src = slots.narrow(0, piece.rank * bucket.cap + piece.offset, piece.length)
-        tensors[piece.param].data.view(-1).narrow(0, piece.start, piece.length).copy_(src)
+def flat_views(bucket: Bucket, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat buffer holding the bucket's parameters end to end, their values copied in;
+    each parameter becomes a view of it for good, so a collective into the buffer updates
+    the parameters themselves, with no copy back."""
+    like = params[bucket.params[0]]
+    flat = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+    at = 0
+    for i, n in zip(bucket.params, bucket.numels, strict=True):
+        view = flat.narrow(0, at, n).view_as(params[i])
+        view.copy_(params[i].detach())
+        params[i].data = view
+        at += n
+    return flat
 
 
 def take_own(bucket: Bucket, rank: int, tensors: Sequence[torch.Tensor],

@@ -1,11 +1,11 @@
 """Gradient sharding: each bucket's gradients are reduce-scattered into the owners' shards.
 
-ZeRO-1 calls `reduce_all()` at the optimizer step. ZeRO-2 and ZeRO-3 call `attach_hooks()`:
-a post-accumulate-grad hook counts each bucket's ready gradients and starts the bucket's
-reduce-scatter as soon as the last one arrives, asynchronously, so the communication runs
-while backward computes the earlier layers (as DDP's buckets do). The full gradients of a
-bucket are dropped as soon as they are copied out, so no rank ever holds the whole model's
-gradient. One end-of-backward callback waits for every bucket.
+Every stage reduces during backward: a post-accumulate-grad hook counts each bucket's ready
+gradients and starts the bucket's reduce-scatter as soon as the last one arrives,
+asynchronously, so the communication runs while backward computes the earlier layers (as
+DDP's buckets do). ZeRO-2 and ZeRO-3 drop a bucket's full gradients as soon as they are copied
+out, so no rank ever holds the whole model's gradient; ZeRO-1 keeps them (its gradients are
+not sharded, only its optimizer state). One end-of-backward callback waits for every bucket.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .comm import Sent, reduce_scatter
-from .flat import padded, to_slots
+from .comm import Sent, reduce_to_owners
+from .flat import pack
 from .plan import Bucket, ShardPlan
 from .shards import Shards
 
@@ -24,13 +24,15 @@ class GradReducer:
     """Reduce-scatters buckets of `params`' gradients into `shards`."""
 
     def __init__(self, plan: ShardPlan, params: Sequence[torch.Tensor], shards: Shards,
-                 sent: Sent, on_reduced: Callable[[Bucket], None] | None = None) -> None:
+                 sent: Sent, on_reduced: Callable[[Bucket], None] | None = None,
+                 keep_grads: bool = False) -> None:
         self.plan, self.params, self.shards, self.sent = plan, list(params), shards, sent
+        self.keep_grads = keep_grads  # ZeRO-1: the full gradients stay in .grad
         self.on_reduced = on_reduced  # ZeRO-3 frees a layer once its gradients are sent
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.on_end: Callable[[], None] | None = None  # ZeRO-3 frees what is still gathered
         self._bucket_of = {p: b.index for b in plan.buckets for p in b.params}
-        self._pending: list[tuple[Bucket, object, torch.Tensor]] = []
+        self._pending: list[tuple[Bucket, list, torch.Tensor]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -39,37 +41,37 @@ class GradReducer:
         self._queued = False
 
     def launch(self, bucket: Bucket) -> None:
-        """Start reducing `bucket`; its parameters' full gradients are freed at once."""
+        """Start reducing `bucket`; its parameters' full gradients are freed at once (unless
+        kept: ZeRO-1)."""
         self._launched[bucket.index] = True
         grads = [None] * len(self.params)
         for i in bucket.params:
             grads[i] = self.params[i].grad
-        if bucket.cap:
-            slots = padded(bucket, self.params[bucket.params[0]])
-            to_slots(bucket, grads, slots)
-            handle, out = reduce_scatter(bucket, slots, self.sent)
-            self._pending.append((bucket, handle, out))
-        for i in bucket.params:
-            self.params[i].grad = None
+        if bucket.numel:
+            like = self.params[bucket.params[0]]
+            flat = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+            # Divided before the sum, as DDP does: one pass, and no division after the wait.
+            pack(bucket, grads, flat, 1.0 / self.plan.world_size)
+            handles = reduce_to_owners(bucket, flat, self.shards.rank, self.sent)
+            self._pending.append((bucket, handles, flat))
+        if not self.keep_grads:
+            for i in bucket.params:
+                self.params[i].grad = None
         if self.on_reduced is not None:
             self.on_reduced(bucket)
 
     def wait(self) -> None:
-        """Wait for every started bucket and add its averaged slot to the shard gradient."""
-        for bucket, handle, out in self._pending:
-            handle.wait()
-            self.shards.add_grad(bucket, out)
+        """Wait for every started bucket and add its averaged part to the shard gradient."""
+        rank = self.shards.rank
+        for bucket, handles, flat in self._pending:
+            for handle in handles:
+                handle.wait()
+            self.shards.add_grad(bucket, flat.narrow(0, bucket.start(rank), bucket.sizes[rank]),
+                                 replace=self.keep_grads)
         self._pending.clear()
 
-    def reduce_all(self) -> None:
-        """ZeRO-1: reduce every bucket now (gradients made by a plain backward)."""
-        for bucket in self.plan.buckets:
-            self.launch(bucket)
-        self.wait()
-        self._reset()
-
     def attach_hooks(self) -> list:
-        """ZeRO-2/3: reduce each bucket during backward, as soon as it is complete."""
+        """Reduce each bucket during backward, as soon as it is complete."""
         return [p.register_post_accumulate_grad_hook(self._make_hook(i))
                 for i, p in enumerate(self.params)]
 

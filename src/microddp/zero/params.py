@@ -2,8 +2,8 @@
 
 Each module that owns parameters is a unit. Its parameters become views of one flat buffer per
 bucket whose storage is emptied (resized to zero bytes) between uses, so between steps a rank
-holds only its shard. A forward pre-hook all-gathers the unit's parameters just before its
-forward and a forward hook frees them after; a hook on the unit's output gathers them again
+holds only its shard. A forward pre-hook gathers the unit's parameters (one broadcast per
+rank of its elements, straight into the flat buffer) just before its forward and a forward hook frees them after; a hook on the unit's output gathers them again
 just before its backward, and the gradient reducer frees them once their gradients are sent.
 Each gather also starts the next unit's gather (in the order the first forward ran them, and
 in reverse for backward), so communication overlaps the current unit's compute.
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .comm import Sent, all_gather
-from .flat import from_slots, padded
+from .comm import Sent, broadcast_shards
+from .flat import flat_views
 from .plan import Bucket, ShardPlan
 from .shards import Shards
 
@@ -51,15 +51,7 @@ class ParamSharder:
         for index, (module, bucket_ids) in enumerate(units):
             unit = Unit(index, module, [plan.buckets[b] for b in bucket_ids])
             for b in unit.buckets:
-                flat = torch.zeros(b.numel, dtype=self.params[b.params[0]].dtype,
-                                   device=self.params[b.params[0]].device)
-                at = 0
-                for i, n in zip(b.params, b.numels, strict=True):
-                    p = self.params[i]
-                    # The parameter becomes a view of the flat buffer, for good.
-                    p.data = flat.narrow(0, at, n).view_as(p)
-                    at += n
-                unit.flats.append(flat)
+                unit.flats.append(flat_views(b, self.params))
                 self._unit_of_bucket[b.index] = unit
             self._free(unit)
             self.units.append(unit)
@@ -84,19 +76,16 @@ class ParamSharder:
         unit.pending = []
         for b, flat in zip(unit.buckets, unit.flats, strict=True):
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            if b.cap:
-                slots = padded(b, flat)
-                handle = all_gather(b, self.shards.slot(b), slots, self.sent)
-                unit.pending.append((b, handle, slots))
+            self.shards.put_own(b, flat)
+            unit.pending += broadcast_shards(b, flat, self.shards.rank, self.sent)
         unit.state = GATHERING
 
     def ensure_full(self, unit: Unit) -> None:
         """Make a unit's parameters whole, waiting for a gather in flight."""
         self.start_gather(unit)
         if unit.state == GATHERING:
-            for b, handle, slots in unit.pending:
+            for handle in unit.pending:
                 handle.wait()
-                from_slots(b, slots, self.params)
             unit.pending = []
             unit.state = FULL
 

@@ -7,9 +7,10 @@ parameters greedily, so one large tensor can leave a rank with most of the state
 that gets a bucket's spare element rotates from bucket to bucket, so the totals over the whole
 model are balanced to within one element too.
 
-Collectives want equal chunks, so on the wire a bucket is `N` slots of `cap = ceil(numel / N)`
-elements: rank r's elements fill the start of slot r, the rest of the slot is padding. A
-parameter may straddle two ranks; `pieces` says which part of it lands in which slot. The plan
+On the wire a bucket is its parameters end to end, rank r's part from element `start(r)`
+(collectives per rank, so parts need not be equal). `cap` is the largest part: what an
+equal-chunk collective would pad every part to. A parameter may straddle two ranks; `pieces`
+says which part of it each rank owns, and where in its part. The plan
 is plain data: it can be built, printed and tested without any process group.
 """
 
@@ -24,7 +25,7 @@ from ..errors import MicroDDPError
 @dataclass(frozen=True)
 class Piece:
     """`length` elements of parameter `param` (from element `start` of its flat view) live in
-    rank `rank`'s slot, from element `offset` of that slot."""
+    rank `rank`'s part, from element `offset` of that part."""
 
     param: int
     start: int
@@ -35,7 +36,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Parameters flattened together and cut into one slot per rank.
+    """Parameters flattened together and cut into one part per rank.
 
     `params` index the plan's parameter list; `sizes[r]` is how many real elements rank r owns;
     `shard_offset[r]` is where they sit in rank r's shard of the bucket's parameter group.
@@ -54,6 +55,10 @@ class Bucket:
     def numel(self) -> int:
         """Elements in the bucket, over all its parameters."""
         return sum(self.numels)
+
+    def start(self, rank: int) -> int:
+        """Where rank `rank`'s elements begin in the bucket's parameters laid end to end."""
+        return sum(self.sizes[:rank])
 
     @property
     def world_size(self) -> int:
@@ -143,14 +148,17 @@ def build(numels: Sequence[int], groups: Sequence[int], bucket_params: Sequence[
                      buckets=tuple(buckets), shard_numel=tuple(map(tuple, shard_numel)))
 
 
-def by_size(numels: Sequence[int], groups: Sequence[int], cap_elements: int) -> list[list[int]]:
+def by_size(numels: Sequence[int], groups: Sequence[int], cap_elements: int,
+            first_cap_elements: int | None = None) -> list[list[int]]:
     """Buckets for gradient reduction: parameters in reverse order (the order backward makes
-    their gradients ready, as DDP assumes), a new bucket when one would pass `cap_elements`
-    or the parameter group changes."""
+    their gradients ready, as DDP assumes), a new bucket when one would pass its cap or the
+    parameter group changes. The first bucket's cap is `first_cap_elements` if given: a small
+    first bucket (DDP's 1 MiB) starts communicating while most of backward is still to run."""
     buckets: list[list[int]] = []
     size = 0
     for i in reversed(range(len(numels))):
-        if (not buckets or size + numels[i] > cap_elements and buckets[-1]
+        cap = first_cap_elements if len(buckets) == 1 and first_cap_elements else cap_elements
+        if (not buckets or size + numels[i] > cap and buckets[-1]
                 or groups[buckets[-1][0]] != groups[i]):
             buckets.append([])
             size = 0

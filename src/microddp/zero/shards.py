@@ -84,20 +84,20 @@ class Shards:
         return self.params[bucket.group].data.narrow(0, bucket.shard_offset[self.rank],
                                                      bucket.sizes[self.rank])
 
-    def add_grad(self, bucket: Bucket, reduced: torch.Tensor) -> None:
-        """Accumulate a bucket's averaged slot into this rank's shard gradient."""
+    def add_grad(self, bucket: Bucket, reduced: torch.Tensor, replace: bool = False) -> None:
+        """Accumulate a bucket's averaged part (this rank's `sizes[rank]` elements) into this
+        rank's shard gradient; with `replace`, overwrite it instead (ZeRO-1, whose reduction
+        is of the full gradient accumulated since zero_grad, earlier reductions included)."""
         shard = self.params[bucket.group]
         if shard.grad is None:
             shard.grad = torch.zeros_like(shard)
-        shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank]).add_(
-            reduced.narrow(0, 0, bucket.sizes[self.rank]))
+        part = shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank])
+        part.copy_(reduced) if replace else part.add_(reduced)
 
-    def slot(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's slot of `bucket` for an all-gather: its elements, then padding."""
-        out = torch.zeros(bucket.cap, dtype=self.params[bucket.group].dtype,
-                          device=self.params[bucket.group].device)
-        out.narrow(0, 0, bucket.sizes[self.rank]).copy_(self.view(bucket))
-        return out
+    def put_own(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Copy this rank's elements of `bucket` into `flat` (the bucket's parameters end to
+        end), where the broadcast of them starts from."""
+        flat.narrow(0, bucket.start(self.rank), bucket.sizes[self.rank]).copy_(self.view(bucket))
 
     def zero_grad(self) -> None:
         """Drop the shards' gradients (set to None, as torch's optimizers do)."""
