@@ -133,26 +133,28 @@ class Lane:
         work.wait()
         return None
 
-    def _run(self, task: Task, work: ShmWork, yielding: bool) -> None:
-        error = None
-        with self._running:
-            try:
-                task(yielding)
-            except BaseException as e:  # noqa: BLE001 (handed to whoever waits on the work)
-                error = e
-        with self._lock:
-            self._pending -= 1
-        work.finish(error)
-
     def _serve(self) -> None:
         while True:
             item: Any = self._queue.get()
             if item is None:
                 return
-            self._run(*item, True)
-            # Let go of the task (and the views of its tensors) now, not at the next call:
-            # DDP lends a bucket's memory to .grad only while nothing else holds it.
+            task, work = item
             del item
+            error = None
+            with self._running:
+                try:
+                    task(True)
+                except BaseException as e:  # noqa: BLE001 (handed to whoever waits on the work)
+                    error = e
+            # Let go of the task (and the views of its tensors) BEFORE the call is reported
+            # done: DDP lends a bucket's memory to .grad only while nothing else holds it, and
+            # the waiting thread may look as soon as finish() wakes it (a reference kept until
+            # this loop came round again made the bucket move to fresh memory, under load).
+            del task
+            with self._lock:
+                self._pending -= 1
+            work.finish(error)
+            del work
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread once the calls queued before this have run."""
