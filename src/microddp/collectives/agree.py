@@ -77,6 +77,9 @@ INLINE_MAX_CHUNK = 4096
 PAIR_WORDS = 2 * SLOTS + INLINE_MAX_CHUNK // 8
 
 
+_PAD = array.array("q", bytes(8 * (PAIR_WORDS - 2 * SLOTS)))
+
+
 def message_words(peers: Peers) -> int:
     """How many int64 an agreement (or a ring's header, ring_carried.py) sends in `peers`."""
     return PAIR_WORDS if peers.size == 2 and not peers.nccl else 2 * SLOTS
@@ -125,16 +128,16 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     # Everything before the first send delays the other ranks too, so this is built and read
     # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
     # list, slicing and negating tensors cost 25 us more per call, measured).
-    words = encode(fields)
-    words += [0] * (message_words(peers) - len(words))
-    buf = torch.frombuffer(array.array("q", words), dtype=torch.int64)
+    words = array.array("q", encode(fields))
+    if message_words(peers) > len(words):
+        words += _PAD  # before torch.frombuffer: an array with a view of it cannot grow
+    buf = torch.frombuffer(words, dtype=torch.int64)
     if place.type != "cpu":  # where the group's backend can send it
         buf = buf.to(place)
-    # Only the numbers are combined and read: past them is padding, or another rank's data.
-    n = 2 * SLOTS
-    butterfly_(peers, buf, torch.empty_like(buf),
-               lambda a, b: torch.maximum(a[:n], b[:n], out=a[:n]))
-    judge(where, peers.me, fields, settings, buf[:n].tolist(), problem)
+    butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
+    # Only the numbers are read: past them is padding, or another rank's data (a header's).
+    combined = words[:2 * SLOTS].tolist() if place.type == "cpu" else buf[:2 * SLOTS].tolist()
+    judge(where, peers.me, fields, settings, combined, problem)
 
 
 def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:

@@ -69,8 +69,8 @@ class Header:
         self.fields = described(where, None, fields, settings)
         self.k = len(self.fields)
         # PAIR_WORDS long, as every message on the agreement's tag between 2 ranks (agree.py).
-        numbers = encode(self.fields)
-        self.mine = array.array("q", numbers + [0] * (PAIR_WORDS - len(numbers)))
+        self.mine = array.array("q", encode(self.fields))
+        self.mine += array.array("q", bytes(8 * (PAIR_WORDS - len(self.mine))))
         self.theirs = array.array("q", bytes(8 * PAIR_WORDS))
         # Tensors over the arrays' memory: what goes on the wire is read and written there.
         self.mine_t = torch.frombuffer(self.mine, dtype=torch.int64)
