@@ -134,3 +134,41 @@ def test_every_message_on_the_agreement_tag_has_one_size():
     assert mine.numel() * 8 == INLINE_MAX_CHUNK  # the largest chunk fits exactly
     assert mine.data_ptr() - header.mine_t.data_ptr() == 8 * 2 * SLOTS
     assert theirs.data_ptr() - header.theirs_t.data_ptr() == 8 * 2 * SLOTS
+
+
+def _sub_group(world) -> dict:
+    """Ranks 1 and 2 of 3 as a group of 2: the inline path runs there too (rank 0, off the
+    group, is skipped), equal to torch's, and a mismatch is named on both of its ranks."""
+    group = dist.new_group([1, 2])
+    out: dict = {}
+    if world.rank != 0:
+        _in_sub_group(world.rank, group, out)
+    dist.barrier()  # rank 0 stays until the group is done with its connections
+    return out
+
+
+def _in_sub_group(rank: int, group, out: dict) -> None:
+    r = rank - 1
+    C.ring_all_reduce(torch.ones(2), group=group)  # settles this group's connections
+    calls: list = []
+    real = _counting(ring, "inline_ring_all_reduce_", calls)
+    x = torch.arange(1001, dtype=torch.float32) * rank
+    ref = x.clone()
+    dist.all_reduce(ref, group=group)
+    C.ring_all_reduce(x, group=group)
+    out["equal"], out["inline"] = torch.equal(x, ref), len(calls)
+    ring.inline_ring_all_reduce_ = real
+    out["shape"] = message(lambda: C.ring_all_reduce(torch.ones(10 + r), group=group))
+    after = torch.full((5,), float(rank))
+    C.ring_all_reduce(after, group=group)
+    out["after"] = after.tolist()
+
+
+def test_a_two_rank_sub_group_goes_inline_too():
+    out = microddp.launch.spawn(_sub_group, 3, timeout=120)
+    assert out[0] == {}
+    for rank in (1, 2):
+        r = out[rank]
+        assert r["equal"] and r["inline"] == 1, (rank, r)
+        assert "ranks disagree on shape" in r["shape"], (rank, r["shape"])
+        assert r["after"] == [3.0] * 5, (rank, r)
