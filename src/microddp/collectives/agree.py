@@ -68,6 +68,21 @@ def _ordered(combine: Callable[[torch.Tensor, torch.Tensor], object], buf: torch
 # different ones (a ring here, a tree there) then still exchange equal messages, and learn
 # that they disagree, instead of gloo aborting the process on mismatched sizes.
 SLOTS = 10
+# On 2 ranks (not NCCL) the ring may send its header together with its first chunk of data, up
+# to INLINE_MAX_CHUNK bytes of it, in one message (ring_carried.py). Every message on the
+# agreement's tag between 2 such ranks is then PAIR_WORDS long, an agreement's or a header's
+# too, padded: the numbers first, then the data or zeros. A mismatched pair still exchanges
+# messages of one size, whatever either rank called.
+INLINE_MAX_CHUNK = 4096
+PAIR_WORDS = 2 * SLOTS + INLINE_MAX_CHUNK // 8
+
+
+_PAD = array.array("q", bytes(8 * (PAIR_WORDS - 2 * SLOTS)))
+
+
+def message_words(peers: Peers) -> int:
+    """How many int64 an agreement (or a ring's header, ring_carried.py) sends in `peers`."""
+    return PAIR_WORDS if peers.size == 2 and not peers.nccl else 2 * SLOTS
 
 
 def _code(value) -> int:
@@ -113,11 +128,16 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     # Everything before the first send delays the other ranks too, so this is built and read
     # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
     # list, slicing and negating tensors cost 25 us more per call, measured).
-    buf = torch.frombuffer(array.array("q", encode(fields)), dtype=torch.int64)
+    words = array.array("q", encode(fields))
+    if message_words(peers) > len(words):
+        words += _PAD  # before torch.frombuffer: an array with a view of it cannot grow
+    buf = torch.frombuffer(words, dtype=torch.int64)
     if place.type != "cpu":  # where the group's backend can send it
         buf = buf.to(place)
     butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
-    judge(where, peers.me, fields, settings, buf.tolist(), problem)
+    # Only the numbers are read: past them is padding, or another rank's data (a header's).
+    combined = words[:2 * SLOTS].tolist() if place.type == "cpu" else buf[:2 * SLOTS].tolist()
+    judge(where, peers.me, fields, settings, combined, problem)
 
 
 def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:

@@ -15,9 +15,9 @@ import torch
 from ..errors import MicroDDPError
 from ..transport.duplex import duplex, duplex_decided, duplex_enabled
 from ..transport.peers import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
-from .agree import agree, check_all_reduce, describe_tensor, home
+from .agree import INLINE_MAX_CHUNK, agree, check_all_reduce, describe_tensor, home
 from .checks import check_tensor, try_layout, try_list, try_op, try_tensor
-from .ring_carried import Header, carried_ring_all_reduce_
+from .ring_carried import Header, carried_ring_all_reduce_, inline_ring_all_reduce_
 from .ring_loops import (
     PAIR_MIN_CHUNK,
     PAIR_SEGMENT,
@@ -184,7 +184,8 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     """In place, every rank ends with op over all ranks' `tensor`; returns `tensor`.
 
     `check=False` skips the metadata agreement (one small exchange per round of log2 p; on 2
-    gloo ranks, after the group's first call, one header sent beside the data: ring_carried.py)
+    gloo ranks, after the group's first call, one header sent beside the data, or with the
+    first chunk for tensors up to 2 * INLINE_MAX_CHUNK bytes: ring_carried.py)
     when the caller already knows every rank passes the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
     through the ring independently (a pipeline, see ring_loops.py; gloo only: NCCL pipelines
@@ -247,7 +248,13 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
             if flat.in_place else make_plan(flat.data, peers.size, peers.me, preposted))
     if carried:  # receive-first, with the header (posting picks it for 2 duplex ranks)
         header = Header(where, {**describe_tensor(tensor), "op": name}, settings)
-        loop = partial(carried_ring_all_reduce_, plan=plan, name=name, header=header)
+        if chunk_bytes <= INLINE_MAX_CHUNK:  # the header and the first chunk in one message
+            (send0, _, into0, _) = plan.steps[0]
+            inline = header.payloads(flat.data.dtype, send0.numel(), into0.numel())
+            loop = partial(inline_ring_all_reduce_, plan=plan, name=name, header=header,
+                           inline=inline)
+        else:
+            loop = partial(carried_ring_all_reduce_, plan=plan, name=name, header=header)
     elif preposted:
         loop = partial(preposted_ring_all_reduce_, plan=plan, name=name)
     else:

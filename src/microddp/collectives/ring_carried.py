@@ -20,6 +20,17 @@ So the only thing in front of the data is one small message that travels while t
 receives are being announced; with the repeat-call memo (ring_plan.py) nothing else is either.
 This takes only 2 ranks: on more, a rank hears from one neighbour only, and a rank whose
 neighbour agrees with it would send on to one that gave up (the butterfly is kept there).
+
+For a small tensor that message is a whole round of latency out of three (header, then the
+ring's two steps): a 4 KiB call took 1.5x the unchecked ring's time. So where the first step's
+chunk fits in INLINE_MAX_CHUNK bytes, the header *is* the first step: the chunk travels in the
+header's message, after the numbers (inline_ring_all_reduce_). That is safe because the
+message's size does not depend on the data: on 2 such ranks every message on the agreement's
+tag, an agreement's, a header's with its chunk or a header alone, is PAIR_WORDS long (agree.py).
+Whatever the other rank called (a small or a large tensor, another dtype or op, another
+collective's agreement), the two messages that meet are of one size, each rank compares the
+numbers before it uses a byte of the data, and on a mismatch both raise with nothing else
+sent (the second step's receive stays posted on a tag no later call uses, as above).
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import itertools
 import torch
 
 from ..transport.peers import COMBINE, Peers
-from .agree import FIRST_TAG, SLOTS, described, encode, judge
+from .agree import FIRST_TAG, PAIR_WORDS, SLOTS, described, encode, judge
 from .ring_plan import RingPlan
 
 # Where a header carries its sender's tag base. It is past every field an agreement compares
@@ -57,11 +68,25 @@ class Header:
         self.where, self.settings = where, settings
         self.fields = described(where, None, fields, settings)
         self.k = len(self.fields)
+        # PAIR_WORDS long, as every message on the agreement's tag between 2 ranks (agree.py).
         self.mine = array.array("q", encode(self.fields))
-        self.theirs = array.array("q", bytes(8 * 2 * SLOTS))
+        self.mine += array.array("q", bytes(8 * (PAIR_WORDS - len(self.mine))))
+        self.theirs = array.array("q", bytes(8 * PAIR_WORDS))
         # Tensors over the arrays' memory: what goes on the wire is read and written there.
         self.mine_t = torch.frombuffer(self.mine, dtype=torch.int64)
         self.theirs_t = torch.frombuffer(self.theirs, dtype=torch.int64)
+
+    def payloads(self, dtype: torch.dtype, mine: int, theirs: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views, past the numbers, of `mine` elements of `dtype` in this rank's message and
+        `theirs` in the other's: where a first chunk travels inline (it must fit)."""
+        start = 8 * 2 * SLOTS  # a multiple of every element size
+
+        def view(t: torch.Tensor, n: int) -> torch.Tensor:
+            size = torch.empty(0, dtype=dtype).element_size()
+            return t.view(torch.uint8)[start:start + n * size].view(dtype)
+
+        return view(self.mine_t, mine), view(self.theirs_t, theirs)
 
     def stamp(self, base: int) -> None:
         """Write this call's tag base into the header: as a field, and negated in the second half
@@ -74,7 +99,8 @@ class Header:
 
     def refuse(self, me: int) -> None:
         """Raise the error an agreement would have raised on these two headers."""
-        combined = [max(a, b) for a, b in zip(self.mine, self.theirs, strict=True)]
+        n = 2 * SLOTS
+        combined = [max(a, b) for a, b in zip(self.mine[:n], self.theirs[:n], strict=True)]
         judge(self.where, me, self.fields, self.settings, combined, None)
 
 
@@ -105,5 +131,41 @@ def carried_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: He
         plan.mine.div_(2)
     sent1 = peers.isend(send1, other, to + tag1) if send1.numel() else None
     for work in (got1, sent0, sent1, told):
+        if work is not None:
+            work.wait()
+
+
+def inline_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: Header,
+                            inline: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The ring on 2 gloo ranks for a first chunk of at most INLINE_MAX_CHUNK bytes: the
+    header and that chunk in one message (module docstring), then the gather step. `inline`:
+    header.payloads() for this plan's first step (what this rank sends, what it adds in).
+    Raises the agreement's MicroDDPError, on both ranks, if the headers differ."""
+    other = 1 - peers.me
+    (send0, _, into0, _), (send1, recv1, into1, tag1) = plan.steps
+    out, came = inline
+    base = _next_base()
+    # The gather's receive first: it lands in the chunk this rank sends in the first step,
+    # which is copied into the header's message before that message leaves, and the other
+    # rank sends into it only once it has that message.
+    got1 = peers.irecv(recv1, other, base + tag1) if recv1.numel() else None
+    heard = peers.irecv_main(header.theirs_t, other, FIRST_TAG)
+    header.stamp(base)
+    out.copy_(send0)
+    told = peers.isend_main(header.mine_t, other, FIRST_TAG)
+    heard.wait()
+    if not header.matches():
+        told.wait()
+        header.refuse(peers.me)
+    if into0.numel():
+        COMBINE[name](into0, came)
+    if name == "avg":
+        plan.mine.div_(2)
+    sent1 = peers.isend(send1, other, header.theirs[TAG_SLOT] + tag1) if send1.numel() else None
+    if got1 is not None:
+        got1.wait()
+        if into1 is not None:
+            into1.copy_(recv1)
+    for work in (sent1, told):
         if work is not None:
             work.wait()

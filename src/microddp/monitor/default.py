@@ -1,9 +1,10 @@
 """The monitor that microddp.init() starts on its own: whether, and with what stall threshold.
 
 On by default because a hang is where a distributed job is hardest to debug and the monitor is
-cheap: about a microsecond per collective, since this monitor leaves the waits to the process
-group (interrupt_pays; docs/07-observability.md has the measured overhead). Off with init(monitor=False) or
-MICRODDP_MONITOR=0; the argument wins over the variable.
+cheap where it matters: some Python per collective, since this monitor leaves the waits to the
+process group (interrupt_pays); nothing measurable on a DDP step, though on a loaded machine a
+tiny all-reduce pays far more (docs/07-observability.md has the runs). Off with
+init(monitor=False) or MICRODDP_MONITOR=0; the argument wins over the variable.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Two ways to wait. By default a call runs as it would without the monitor: the wr
 asks) and the watchdog thread reports a call that takes longer than the monitor's timeout. A
 blocking gloo call then ends on the process group's own timeout, in a MicroDDPError carrying
 the report; anything else (NCCL, an async op, microddp's own collectives) is ended by the
-watchdog after the report (`abort`). That costs about a microsecond per call. With
+watchdog after the report (`abort`). That costs some Python per call (tens of
+microseconds under a profiler; docs/07-observability.md: what it does to a small collective). With
 `interrupt`, a blocking gloo call is launched async and waited on with the monitor's timeout,
 so a stall raises the report in the caller after the monitor's timeout, however long the
 process group's is; that costs a hand-over to gloo's thread and back on every call (~0.1-0.2
