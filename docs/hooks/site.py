@@ -9,7 +9,9 @@
   (`microddp.commands.all_parsers`), so it shows what `--help` shows;
 - heading ids that are valid CSS selectors (never starting with a digit: "1. The monolith"
   becomes `#the-monolith`), because scripts look headings up with `querySelector`;
-- under every included course or library source, a link to that file in the repository.
+- under every included course or library source, a link to that file in the repository;
+- inline code that breaks only between its words: `--flops` stays whole, and a whole command
+  written inline wraps at its spaces instead of running past the text column.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ CHAPTER = re.compile(r"^\d\d[a-z]?-.*\.md$")
 NUMBERED = re.compile(r"^\s*\d+[a-z]?\.\s+")
 FIGURE = re.compile(r"^(?P<indent>[ \t]*)!\[[^\]]*\]\((?:\.\./)*figures/(?P<name>[\w-]+)\.png\)")
 FIGURES = ROOT / "docs" / "figures" / "figures.json"
+PRE = re.compile(r"(<pre[\s>].*?</pre>)", re.S)
+INLINE_CODE = re.compile(r"<code>([^<]*\s[^<]*)</code>")
 INCLUDE = re.compile(r'^(?P<indent>[ \t]*)--8<-- "(?P<path>(?:course|src)/[^":]+)(?::\w+)?"\s*$')
 
 
@@ -202,3 +206,25 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
                     ""]
             pending = None
     return "\n".join(out) + "\n"
+
+
+# --- inline code: whole words, wrapped at spaces ------------------------------------------
+
+def on_page_content(html: str, page, config, files) -> str:
+    return words_unbroken(html)
+
+
+def words_unbroken(html: str) -> str:
+    """Inline code with spaces (a command, a signature) as one span per word: docs/assets/
+    extra.css keeps each word on one line and lets the code wrap between them. Code blocks
+    (inside <pre>) are left alone; the text, and so what a reader copies, is unchanged."""
+    parts = PRE.split(html)
+    for i in range(0, len(parts), 2):  # the even parts are outside <pre>
+        parts[i] = INLINE_CODE.sub(_words, parts[i])
+    return "".join(parts)
+
+
+def _words(m: re.Match) -> str:
+    words = re.split(r"(\s+)", m[1])
+    spans = "".join(w if not w or w.isspace() else f"<span>{w}</span>" for w in words)
+    return f'<code class="words">{spans}</code>'
