@@ -20,7 +20,7 @@ COMMANDS = {
     "hello": ("microddp.commands.hello", "start N processes that introduce themselves and talk"),
     "run": ("microddp.commands.run", "start N local workers of a script, as torchrun does"),
     "train": ("microddp.commands.train", "train a model data-parallel on real data (the main job)"),
-    "bench": ("microddp.commands.bench", "benchmarks against PyTorch: allreduce, ddp, scaling, pipeline, zero"),
+    "bench": ("microddp.commands.bench", "benchmarks against PyTorch: allreduce, ddp, scaling, pipeline, zero, async"),
     "trace": ("microddp.commands.trace", "record and summarise a timeline of DDP steps"),
     "predict": ("microddp.commands.predict", "predict step time and scaling with a cost model"),
 }

@@ -1,4 +1,4 @@
-"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|async`."""
+"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|pipeline|zero|async`."""
 
 from __future__ import annotations
 
