@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from launch_helpers import rank_pid
 from microddp import checkpoint
 from microddp.commands import main
 
@@ -116,16 +117,6 @@ def test_resume_continues_the_server_to_the_same_parameters(sync_run, tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
-def _rank_pid(launcher: psutil.Process, rank: int) -> int | None:
-    for child in launcher.children(recursive=True):
-        try:
-            if child.environ().get("RANK") == str(rank):
-                return child.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
-
-
 def _kill_after_first_checkpoint(args, out, rank):
     """Start `microddp train ARGS`, SIGKILL `rank` once a checkpoint exists; (log, killed)."""
     job = subprocess.Popen(_train(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -134,7 +125,7 @@ def _kill_after_first_checkpoint(args, out, rank):
         deadline, killed = time.monotonic() + DEADLINE_S, None
         while killed is None and time.monotonic() < deadline and job.poll() is None:
             if checkpoint.list_checkpoints(out / "checkpoints"):
-                killed = _rank_pid(psutil.Process(job.pid), rank)
+                killed = rank_pid(psutil.Process(job.pid), rank)
                 if killed:
                     os.kill(killed, signal.SIGKILL)
             time.sleep(0.01)

@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 
+from launch_helpers import rank_pid
 from microddp import checkpoint
 from microddp.commands import main
 from microddp.train import resume
@@ -128,16 +129,6 @@ def _train(*args):
     return [sys.executable, "-m", "microddp", "train", *args]
 
 
-def _rank_pid(launcher: psutil.Process, rank: int) -> int | None:
-    for child in launcher.children(recursive=True):
-        try:
-            if child.environ().get("RANK") == str(rank):
-                return child.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
-
-
 @pytest.mark.slow  # a full job, a killed rank and a restart: a stress test, for CI's slow run
 def test_default_job_learns_and_survives_a_killed_rank(tmp_path):
     ref = subprocess.run(_train("--out", str(tmp_path / "ref")), capture_output=True,
@@ -158,7 +149,7 @@ def test_default_job_learns_and_survives_a_killed_rank(tmp_path):
         deadline, killed = time.monotonic() + 180, None
         while killed is None and time.monotonic() < deadline and job.poll() is None:
             if checkpoint.list_checkpoints(out / "checkpoints"):
-                killed = _rank_pid(psutil.Process(job.pid), 1)
+                killed = rank_pid(psutil.Process(job.pid), 1)
                 if killed:
                     os.kill(killed, signal.SIGKILL)
             time.sleep(0.01)

@@ -129,6 +129,20 @@ def _check(tensor, where: str, name: str = "tensor") -> None:
                             f"{', '.join(sorted(str(d) for d in DTYPES))}")
 
 
+def _check_list(tensors: list, name: str, like: torch.Tensor, like_name: str, size: int,
+                where: str) -> None:
+    """One tensor per rank of the group, each checked and shaped and typed as `like`."""
+    if len(tensors) != size:
+        raise MicroDDPError(f"{where}: {name} must hold one tensor per rank of the group "
+                            f"({size}), got {len(tensors)}")
+    for i, t in enumerate(tensors):
+        _check(t, where, f"{name}[{i}]")
+        if t.shape != like.shape or t.dtype != like.dtype:
+            raise MicroDDPError(f"{where}: {name}[{i}] is {tuple(t.shape)} {t.dtype}, but "
+                                f"{like_name} is {tuple(like.shape)} {like.dtype}; make them "
+                                "match")
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.data.view(-1)  # .data: the write is not autograd's business (written() says it)
 
@@ -183,14 +197,7 @@ def shm_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op:
     _check(output, where, "output")
     comms_args.check_op_dtype(name, output)
     state = _required(group, where)
-    if len(input_list) != state.group.size:
-        raise MicroDDPError(f"{where}: input_list must hold one tensor per rank of the group "
-                            f"({state.group.size}), got {len(input_list)}")
-    for i, t in enumerate(input_list):
-        _check(t, where, f"input_list[{i}]")
-        if t.shape != output.shape or t.dtype != output.dtype:
-            raise MicroDDPError(f"{where}: input_list[{i}] is {tuple(t.shape)} {t.dtype}, but "
-                                f"output is {tuple(output.shape)} {output.dtype}; make them match")
+    _check_list(input_list, "input_list", output, "output", state.group.size, where)
     flat, inputs = _flat(output), [_flat(t) for t in input_list]
 
     def finish() -> None:
@@ -208,14 +215,7 @@ def shm_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=
     where = "shm_all_gather"
     _check(tensor, where)
     state = _required(group, where)
-    if len(tensor_list) != state.group.size:
-        raise MicroDDPError(f"{where}: tensor_list must hold one tensor per rank of the group "
-                            f"({state.group.size}), got {len(tensor_list)}")
-    for i, t in enumerate(tensor_list):
-        _check(t, where, f"tensor_list[{i}]")
-        if t.shape != tensor.shape or t.dtype != tensor.dtype:
-            raise MicroDDPError(f"{where}: tensor_list[{i}] is {tuple(t.shape)} {t.dtype}, but "
-                                f"tensor is {tuple(tensor.shape)} {tensor.dtype}; make them match")
+    _check_list(tensor_list, "tensor_list", tensor, "tensor", state.group.size, where)
     outputs = [_flat(t) for t in tensor_list]
 
     def finish() -> None:
