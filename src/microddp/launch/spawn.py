@@ -126,7 +126,13 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
         w = world.init(backend=backend, timeout=timeout) if join else rank
         # Plain pickle copies tensors; torch's queue reducers would share memory through file
         # descriptors that vanish when this process exits before the parent reads them.
-        results.put((rank, "ok", pickle.dumps(fn(w, *args))))
+        out = pickle.dumps(fn(w, *args))
+        # What the rank printed must be out before the parent hears it finished: the parent
+        # may stop the ranks as soon as every result is in, and a block-buffered stdout (any
+        # shell without PYTHONUNBUFFERED) would lose the rank's last lines with the process.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        results.put((rank, "ok", out))
     except BaseException as e:  # report anything, including SystemExit, to the parent
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{text}"))
