@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -100,6 +101,8 @@ def die_with_parent(parent: int | None = None) -> None:
         return
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:
+        sys.stdout.flush()  # os._exit skips it: what was printed so far still goes out
+        sys.stderr.flush()
         os._exit(1)
 
 
