@@ -104,11 +104,7 @@ def draw_pipeline(target: Path) -> str:
     fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=7,
                title="F forward, B backward, I/W input/weight gradient", title_fontsize=7)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "pipeline.png"
-        fig.savefig(raw, dpi=100)
-        plt.close(fig)
-        shrink(raw, target)
+    save_figure(fig, target)
     return "python docs/figures/make.py pipeline (microddp.pipeline.build + simulate, p=4, m=8)"
 
 
@@ -172,12 +168,19 @@ def draw_notebook(target: Path) -> str:
                   frameon=False, title="oldest (pale) to newest (dark)", title_fontsize=7)
     axes[0].set_ylabel("ring time / gloo time (lower is faster)")
     fig.tight_layout()
+    save_figure(fig, target)
+    return "python docs/figures/make.py notebook (the tables of this page)"
+
+
+def save_figure(fig, target: Path) -> None:
+    """Write a matplotlib figure drawn here to `target`, through `shrink`."""
+    import matplotlib.pyplot as plt
+
     with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "notebook.png"
+        raw = Path(tmp) / target.name
         fig.savefig(raw, dpi=100)
         plt.close(fig)
         shrink(raw, target)
-    return "python docs/figures/make.py notebook (the tables of this page)"
 
 
 def shrink(src: Path, dst: Path) -> None:
