@@ -13,6 +13,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from microddp import pipeline
+from microddp.bench.pipeline import torch_schedule_step
 from pipeline_helpers import LR, data, fresh_model, loss_fn, pipelined
 
 BATCH = 12
@@ -32,12 +33,7 @@ def torchs(world, name: str, m: int):
     named = dict(model.named_parameters())
     for x, y in zip(xs, ys, strict=True):
         opt.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        elif rank == p - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
+        torch_schedule_step(schedule, rank, p, x, y)
         grads = {n: named[n].grad.clone() for n in names}
         opt.step()
     return {n: named[n].detach().clone() for n in names}, grads

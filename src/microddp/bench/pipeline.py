@@ -137,15 +137,21 @@ def _torchs(world: World, name: str, cfg: dict):
 
     def step() -> None:
         opt.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        elif rank == p - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
+        torch_schedule_step(schedule, rank, p, x, y)
         opt.step()
 
     return step
+
+
+def torch_schedule_step(schedule, rank: int, p: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a torch.distributed.pipelining schedule on `rank` of `p`: the first stage
+    feeds the batch, the last the targets, the ones between neither (torch's contract)."""
+    if rank == 0:
+        schedule.step(x)
+    elif rank == p - 1:
+        schedule.step(target=y)
+    else:
+        schedule.step()
 
 
 def _job(world: World, cfg: dict) -> dict:
