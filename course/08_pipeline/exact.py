@@ -9,23 +9,12 @@ then the largest difference from one process's parameters.
 import argparse
 
 import torch
-from problem import DEPTH, LR, batch, fresh_model, loss_fn
+from problem import DEPTH, LR, batch, fresh_model, loss_fn, one_process
 
 import microddp as mdp
 from microddp import pipeline
 
 STEPS, SIZE = 3, 23
-
-
-def one_process() -> dict[str, torch.Tensor]:
-    model = fresh_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = batch(SIZE, step)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()  # the mean over the whole batch
-        opt.step()
-    return {n: q.detach() for n, q in model.named_parameters()}
 
 
 def pipelined(world: mdp.World, m: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -57,7 +46,7 @@ if __name__ == "__main__":
     if not 1 <= 2 * args.world_size <= DEPTH or not 1 <= args.microbatches <= SIZE:
         p.error(f"use 1 to {DEPTH // 2} ranks (interleaving puts 2 stages on each) and 1 to "
                 f"{SIZE} micro-batches")
-    reference = one_process()
+    reference = one_process(STEPS, SIZE)
     ranks = mdp.spawn(pipelined, args.world_size, args=(args.microbatches,), backend="gloo")
     sizes = pipeline.microbatch_sizes(SIZE, args.microbatches)
     print(f"{args.world_size} ranks, micro-batches of {sizes} samples, {STEPS} SGD steps")

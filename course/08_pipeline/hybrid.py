@@ -10,7 +10,7 @@ step, however many micro-batches ran. Then the largest difference from one proce
 import argparse
 
 import torch
-from problem import BATCH, DEPTH, LR, batch, fresh_model, loss_fn
+from problem import BATCH, DEPTH, LR, batch, fresh_model, loss_fn, one_process
 
 import microddp as mdp
 from microddp import pipeline
@@ -18,17 +18,6 @@ from microddp.comms.mesh import Mesh
 from microddp.dp.comm_hooks import allreduce
 
 STEPS = 3
-
-
-def one_process() -> dict[str, torch.Tensor]:
-    model = fresh_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = batch(BATCH, step)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    return {n: q.detach() for n, q in model.named_parameters()}
 
 
 def hybrid(world: mdp.World, dp: int, pp: int, m: int):
@@ -70,7 +59,7 @@ if __name__ == "__main__":
                 "at most 8 ranks in all")
     if not 1 <= args.microbatches <= share:
         p.error(f"use 1 to {share} micro-batches (each replica's share of the batch)")
-    reference = one_process()
+    reference = one_process(STEPS, BATCH)
     ranks = mdp.spawn(hybrid, args.dp * args.pp, args=(args.dp, args.pp, args.microbatches),
                       backend="gloo")
     print(f"{args.dp} replicas x {args.pp} stages = {args.dp * args.pp} ranks, "

@@ -23,6 +23,19 @@ def batch(size: int = BATCH, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(size, DIM, generator=g), torch.randint(0, 2, (size,), generator=g)
 
 
+def one_process(steps: int, size: int = BATCH) -> dict[str, torch.Tensor]:
+    """The reference: `steps` SGD steps of the whole model in one process, on the batches
+    every pipelined run of this chapter uses; its parameters."""
+    model = fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = batch(size, step)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()  # the mean over the whole batch
+        opt.step()
+    return {n: q.detach() for n, q in model.named_parameters()}
+
+
 class Sleep(torch.autograd.Function):
     """A layer that does nothing but take time: `cost` seconds forward, twice that backward.
 
