@@ -6,7 +6,7 @@ import re
 import pytest
 
 from microddp import commands as cli
-from microddp.bench.allreduce import DEFAULT_SIZES, calibration_point, parse_size
+from microddp.bench.allreduce import DEFAULT_SIZES, back_to_back, calibration_point, parse_size
 from microddp.bench.allreduce_report import describe, table
 from microddp.collectives.cost import CostModel
 from microddp.collectives.ring import ring_segments
@@ -107,6 +107,7 @@ def test_fitted_line_is_printed_for_a_person():
     (["--sizes", "1K,4K,1K"], "gives 1024 bytes more than once"),
     (["--sizes", ","], "--sizes is empty"),
     (["--warmup", "-1"], "--warmup must be 0 or more"),
+    (["--back-to-back", "0"], "--back-to-back must be at least 1, got 0"),
 ])
 def test_bad_arguments_fail_before_any_rank_starts(argv, message, tmp_path, capsys):
     out = tmp_path / "never-made"
@@ -115,3 +116,23 @@ def test_bad_arguments_fail_before_any_rank_starts(argv, message, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith("microddp bench: error:") and message in err, err
     assert not out.exists()  # refused before the run (and before its output folder)
+
+
+def test_back_to_back_makes_one_sample_of_k_calls():
+    calls = []
+    one = {"a": lambda: calls.append("a")}
+    assert back_to_back(one, 1) is one  # the default times each call alone
+    batched = back_to_back({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
+    batched["b"]()
+    assert calls == ["b"] * 3
+
+
+def test_back_to_back_reports_time_per_call(tmp_path, capsys):
+    code = cli.main(["bench", "allreduce", "--sizes", "4K", "--algorithms", "shm",
+                     "--repeats", "3", "--min-repeats", "3", "--back-to-back", "5",
+                     "--timeout", "240", "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "5 calls in a row after each barrier, time per call" in out.splitlines()[0]
+    doc = json.loads((tmp_path / "allreduce_2ranks.json").read_text())
+    assert doc["back_to_back"] == 5 and doc["rows"][0]["shm_s"] > 0

@@ -43,6 +43,7 @@ examples:
   microddp bench allreduce --sizes 1M,8M,32M --algorithms ring --out runs/ring
   microddp bench allreduce --sizes 2M --algorithms ring --control   # is a 5% gap real here?
   microddp bench allreduce --sizes 4K,64K,4M,16M --algorithms shm --repeats 100   # vs memory
+  microddp bench allreduce --sizes 4K,64K --algorithms shm --back-to-back 20   # per call, in a row
 writes allreduce_<N>ranks.png and .json into a new runs/bench-allreduce-DATE-TIME (or --out).
 """
 
@@ -72,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: a new runs/bench-allreduce-DATE-TIME)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="deadline for the whole run, s (default 1800)")
+    p.add_argument("--back-to-back", type=int, default=1, metavar="K",
+                   help="time K calls in a row after each barrier and report the time per call "
+                        "(default 1: one call per barrier). A barrier releases the ranks tens "
+                        "of microseconds apart, which a single small call pays in full; DDP "
+                        "all-reduces its buckets back to back, without one")
     p.add_argument("--control", action="store_true",
                    help="also time gloo's all_reduce a second time (gloo-2) and print its ratio "
                         "to the first (A/A): how far apart this run puts two equal contenders")
@@ -178,8 +184,15 @@ def ring_rhythm(peers: Peers, plan: RingPlan, how: str) -> None:
     planned_ring_all_reduce_(peers, plan, "sum", order)
 
 
+def back_to_back(contenders: dict, k: int) -> dict:
+    """Each contender called `k` times in a row (one timed sample); divide its times by k."""
+    if k == 1:
+        return contenders
+    return {name: (lambda fn=fn: [fn() for _ in range(k)]) for name, fn in contenders.items()}
+
+
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
-          warmup: int, control: bool = False):
+          warmup: int, control: bool = False, k: int = 1):
     peers = duplex(Peers())  # as the ring's first call would (collective: every rank is here)
     p = peers.size
     chain = 2 * (p - 1)
@@ -205,8 +218,10 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         if interleave_cal:
             cal_parts = _calibration_contenders(peers, max(1, nbytes // 4 // p))
             contenders.update({f"cal-{k}": fn for k, fn in cal_parts.items()})
-        times = interleaved(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
-                            sync=dist.barrier)
+        times = interleaved(back_to_back(contenders, k), repeats_for(nbytes, repeats,
+                                                                     min_repeats),
+                            warmup, sync=dist.barrier)
+        times = {name: [x / k for x in xs] for name, xs in times.items()}
         if interleave_cal:
             points.append(calibration_point(times.pop("cal-step"), times.pop("cal-add"), chain))
         row = {"bytes": nbytes, "times": times}
@@ -267,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
         raise MicroDDPError("--repeats and --min-repeats must be at least 1")
     if args.warmup < 0:
         raise MicroDDPError(f"--warmup must be 0 or more, got {args.warmup}")
+    if args.back_to_back < 1:
+        raise MicroDDPError(f"--back-to-back must be at least 1, got {args.back_to_back}")
     flags.positive("timeout", args.timeout)
     with outputs.run_folder(args.out, "bench-allreduce") as folder:
         return _run(args, sizes, algos, folder)
@@ -274,11 +291,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -> int:
     p = args.world_size
+    k = args.back_to_back
+    each = ("call by call, each after a barrier" if k == 1 else
+            f"{k} calls in a row after each barrier, time per call")
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
-          "contenders interleaved call by call")
+          f"contenders interleaved {each}")
     start = time.perf_counter()
     out = spawn(_rank, p, (sizes, algos, args.repeats, args.min_repeats, args.warmup,
-                           args.control), timeout=args.timeout, backend="gloo")[0]
+                           args.control, k), timeout=args.timeout, backend="gloo")[0]
     cal = out["calibration"]
     small = tuple(cal["small"]) if cal["small"] else None
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"], small)
@@ -290,7 +310,7 @@ def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -
         print(line)
     stem = os.path.join(folder, f"allreduce_{p}ranks")
     outputs.write_text(stem + ".json", json.dumps({
-        "world_size": p, "duplex": out["duplex"], "calibration": cal,
+        "world_size": p, "back_to_back": k, "duplex": out["duplex"], "calibration": cal,
         "rows": report["records"]}, indent=1))
     plot(report["records"], shown, p, stem + ".png")
     print("mean = after dropping a tenth of the calls at each end; the model predicts it, since "
