@@ -103,6 +103,7 @@ def _quick(path: tuple[str, ...]) -> list[str]:
     return lines
 
 
+@pytest.mark.slow  # every command's help example run end to end (the parsing test stays in the default set)
 @pytest.mark.parametrize("path", list(QUICK), ids=" ".join)
 def test_quick_examples_run_as_written(path, tmp_path):
     """From an empty folder, as a fresh clone's user would (no earlier runs/ to lean on)."""

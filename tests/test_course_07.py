@@ -86,6 +86,7 @@ def test_read_timeline(tmp_path):
         assert (tmp_path / engine / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # the traced job a second time, for what it leaves behind (test_read_timeline runs the script in the default set)
 def test_read_timeline_without_out_leaves_nothing_behind():
     # A short TMPDIR of its own, not under pytest's tmp_path: multiprocessing's forkserver puts
     # a Unix socket in it, and a socket path may not exceed 107 bytes (pytest's deep paths did

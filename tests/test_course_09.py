@@ -36,6 +36,7 @@ def test_sixteen_bytes_per_parameter_measured():
     assert "plain DP:  120.0 GB per rank" in out and "ZeRO-3  :    1.9 GB per rank" in out
 
 
+@pytest.mark.slow  # the chapter's whole comparison run
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_stage_cuts_what_it_says_and_trains_like_dp(n):
     rows = table(run("compare.py", "-n", str(n)))
@@ -52,6 +53,7 @@ def test_every_stage_cuts_what_it_says_and_trains_like_dp(n):
         assert ms == pytest.approx(sent * factor / 2, rel=0.01), name
 
 
+@pytest.mark.slow  # the chapter's stage scripts end to end, one per stage (tests/test_zero_exact.py proves the stages in the default set)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_each_stage_script_matches_dp(stage):
     out = run(f"zero{stage}.py")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = ROOT / "course" / "10_async"
 
@@ -36,6 +38,7 @@ def test_sync_vs_async_table():
     assert len(re.findall(r"^async / sync samples/s, .*: \d+\.\d\d$", out, re.M)) == 2
 
 
+@pytest.mark.slow  # the chapter's staleness runs end to end (tests/test_ps_train.py proves the bound in the default set)
 def test_staleness_histograms_stay_within_their_bound():
     out = run("staleness.py")
     for bound in (1, 3):
@@ -50,6 +53,7 @@ def test_staleness_histograms_stay_within_their_bound():
     assert "async + staleness-aware lr: max staleness" in out
 
 
+@pytest.mark.slow  # the chapter's backup-worker run end to end (tests/test_ps_train.py proves the rule in the default set)
 def test_backup_workers_use_n_minus_b_and_drop_the_late_ones():
     out = run("backup_workers.py")
     rows = {int(b): (used, int(updates), int(dropped)) for b, used, updates, dropped in

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from microddp.commands import all_parsers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +71,7 @@ def test_the_api_reference_covers_public_modules_only():
     assert not [m for m in modules if any(p.startswith("_") for p in m.split("."))]
 
 
+@pytest.mark.slow  # the whole docs site built with mkdocs --strict
 def test_mkdocs_build_strict_and_what_it_generates(tmp_path):
     """One build (a few seconds of the suite): strict, then each generated part checked."""
     site = tmp_path / "site"

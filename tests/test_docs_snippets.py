@@ -66,6 +66,7 @@ def clone(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow  # every docs block as written: ~30 whole commands end to end, for CI's slow run (the parse check of marked blocks stays in the default set)
 @pytest.mark.parametrize("where,lang,mark,body", RUNNABLE, ids=[b[0] for b in RUNNABLE])
 def test_an_unmarked_block_runs_as_written(where, lang, mark, body, clone):
     if lang == "python":

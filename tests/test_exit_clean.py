@@ -77,6 +77,7 @@ print("finished")
 """
 
 
+@pytest.mark.slow  # five runs in a row: a stress test
 def test_a_script_that_never_calls_shutdown_exits_0(tmp_path):
     """init() leaves a gloo group at exit if the script did not (4 of 10 such runs aborted
     before, all at exit): five runs in a row, every one exits 0."""

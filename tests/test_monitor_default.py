@@ -219,6 +219,7 @@ def _back_to_back(tmp_path, runs):
     assert bad == []
 
 
+@pytest.mark.slow  # runs back to back: a stress test
 def test_back_to_back_runs_with_the_monitor_on_exit_0(tmp_path):
     _back_to_back(tmp_path, 3)
 

@@ -111,7 +111,9 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("method", [None, "spawn", "fork"])
+# "spawn" starts every rank as a fresh interpreter importing torch: the slowest way to prove the
+# same lifeline, for CI's slow run.
+@pytest.mark.parametrize("method", [None, pytest.param("spawn", marks=pytest.mark.slow), "fork"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_ranks_die_with_a_killed_caller(tmp_path, sig, method):
     """No rank outlives its caller, even one killed with SIGKILL; nor does the forkserver."""
@@ -142,6 +144,7 @@ def test_ranks_die_with_a_killed_caller(tmp_path, sig, method):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # a launcher whose every worker runs a whole job
 def test_spawn_under_a_launcher_warns_that_every_worker_runs_the_whole_job(tmp_path):
     script = tmp_path / "selfspawning.py"
     script.write_text("import microddp as mdp\n\n\ndef f(world):\n    return world.rank\n\n\n"

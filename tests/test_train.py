@@ -110,6 +110,7 @@ def _metric_steps(out):
     return [r["step"] for r in rows if r["kind"] == "step"]
 
 
+@pytest.mark.slow  # whole jobs, stopped, corrupted and resumed
 def test_resume_is_bit_identical_even_past_a_corrupt_checkpoint(tmp_path, capfd):
     run = {"batch_size": 64, "epochs": 2}  # 23 steps per epoch
     ref = _spawn(2, tmp_path / "ref", **run)[0]
@@ -147,6 +148,7 @@ def _deterministic_rows(out):
     return [{k: v for k, v in r.items() if k not in ("time", "samples_per_s")} for r in rows]
 
 
+@pytest.mark.slow  # a whole job, stopped and resumed, against an uninterrupted one
 def test_metrics_after_a_mid_epoch_resume_equal_an_uninterrupted_run(tmp_path):
     run = {"batch_size": 64, "epochs": 1}  # 23 steps, a progress line every 4 and at the end
     ref = _spawn(2, tmp_path / "ref", **run)[0]
@@ -174,6 +176,7 @@ def test_world_size_that_cannot_split_the_batch_is_a_clear_error(tmp_path):
         validate(_cfg(tmp_path, batch_size=64, resume=True), world_size=3)
 
 
+@pytest.mark.slow  # a whole job, then resumes with other settings
 def test_resume_with_other_settings_is_refused(tmp_path):
     _spawn(2, tmp_path, batch_size=32, max_steps=2)
     with pytest.raises(MicroDDPError, match=r"--batch-size 32 \(now 64\)"):

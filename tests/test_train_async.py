@@ -97,6 +97,7 @@ def test_staleness_0_trains_to_the_parameters_of_one_process(sync_run, tmp_path)
     assert "epoch 2/2: train loss" in log and "done: test accuracy" in log
 
 
+@pytest.mark.slow  # a whole job, stopped and resumed, against an uninterrupted one
 def test_resume_continues_the_server_to_the_same_parameters(sync_run, tmp_path):
     out = tmp_path / "resumed"
     _run(*ASYNC, *SMALL, "--epochs", "1", "--out", str(out))
@@ -138,6 +139,7 @@ def _kill_after_first_checkpoint(args, out, rank):
     return job.returncode, log
 
 
+@pytest.mark.slow  # a whole job and a killed worker (tests/test_ps_faults.py covers the rule in the default set)
 def test_a_killed_worker_is_dropped_and_recorded_and_the_run_exits_0(tmp_path):
     out = tmp_path / "lost"
     # rank 1 straggles so that the run lasts long enough to lose rank 2 midway
@@ -163,6 +165,7 @@ def test_a_killed_worker_is_dropped_and_recorded_and_the_run_exits_0(tmp_path):
     assert not list(out.glob(".spans-*"))
 
 
+@pytest.mark.slow  # a whole job, a killed server and a restart
 def test_a_killed_server_restarts_from_its_checkpoint_to_the_same_parameters(sync_run,
                                                                             tmp_path):
     out = tmp_path / "restart"
@@ -181,6 +184,7 @@ def test_a_killed_server_restarts_from_its_checkpoint_to_the_same_parameters(syn
     assert sum(1 for r in rows if r["kind"] == "final") == 1
 
 
+@pytest.mark.slow  # a whole asynchronous job with a straggler
 def test_fully_async_with_a_straggler_reports_its_staleness(tmp_path):
     out = tmp_path / "async"
     log = _run(*ASYNC, *SMALL, "--epochs", "1", "--staleness", "inf", "--staleness-lr",
@@ -197,6 +201,7 @@ def test_fully_async_with_a_straggler_reports_its_staleness(tmp_path):
     assert "staleness of the" in log and "trace: mean over" in log
 
 
+@pytest.mark.slow  # three whole jobs with a slowed rank
 @pytest.mark.parametrize("strategy", ["dp", "zero2", "pp"])
 def test_a_straggler_sleeps_only_on_its_rank_in_every_strategy(strategy, tmp_path):
     """--straggler works for the synchronous strategies too (the issue: "for every strategy,

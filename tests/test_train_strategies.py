@@ -112,6 +112,7 @@ def test_every_strategy_matches_one_process(tmp_path, reference, strategy, n, ex
         assert torch.equal(saved[k], ranks[0]["params"][k])
 
 
+@pytest.mark.slow  # whole bf16 jobs per stage (tests/test_zero_exact.py proves the stages in the default set)
 def test_zero_bf16_equals_dp_bf16(tmp_path):
     """Under autocast both compute each slice's forward in bfloat16 the same way; only the
     averaging differs (a reduce-scatter against an all-reduce)."""
@@ -124,6 +125,7 @@ def test_zero_bf16_equals_dp_bf16(tmp_path):
     ("zero2", "adam", 3, {}), ("zero3", "sgd", 3, {}),
     ("dp-pp", "adam", 4, {"pp": 2}),  # one pipeline of 2 stages, then 2 replicas of it
 ])
+@pytest.mark.slow  # whole jobs saved at one world size and resumed at another
 def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path, reference, strategy,
                                                           optimizer, then, extra):
     """Saved by 2 ranks at step 3, resumed by more (re-sharded): the same weights after 6
@@ -142,6 +144,7 @@ def test_sharded_checkpoint_resumes_on_another_world_size(tmp_path, reference, s
                   ADAM_TOL if optimizer == "adam" else SGD_TOL)
 
 
+@pytest.mark.slow  # a whole job per strategy for its final record (tests/test_zero_memory.py measures the memory in the default set)
 def test_final_record_carries_accuracy_speed_and_measured_memory(tmp_path):
     rows = {}
     for strategy in ("dp", "zero1", "zero3"):
@@ -220,6 +223,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
             (args, lines[0])
 
 
+@pytest.mark.slow  # four whole training jobs as the help writes them (test_every_strategy_matches_one_process proves each strategy in the default set)
 def test_strategy_examples_in_help_run_as_written(tmp_path):
     """The --strategy lines of `microddp train --help` train to a useful model, as written.
     (The async lines run minutes of straggling workers: tests/test_train_async.py trains their
