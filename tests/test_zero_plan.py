@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microddp import MicroDDPError, zero
-from microddp.zero.flat import flat_views, pack_slots, take_own
+from microddp.zero.flat import flat_views, pack, take_own
 
 
 def owners(plan):
@@ -62,12 +62,9 @@ def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
     tensors = [torch.randn(2, 3), torch.randn(0), torch.randn(5)]
     plan = zero.build([6, 0, 5], [0, 0, 0], [[2, 0, 1]], 4)
     (b,) = plan.buckets
-    # gradients, halved on the way in, travel in equal slots: rank r's part in slot r, the
-    # slack of a shorter part zeroed
-    slots = torch.full((4 * b.cap,), 9.0)
-    pack_slots(b, tensors, slots, 0.5)
-    whole = torch.cat([tensors[2], tensors[0].reshape(-1)]) * 0.5
-    assert b.cap == 3 and torch.equal(slots, torch.cat([whole[:9], whole[9:], torch.zeros(1)]))
+    flat = torch.empty(b.numel)
+    pack(b, tensors, flat, 0.5)  # gradients, halved on the way in
+    assert torch.equal(flat, torch.cat([tensors[2], tensors[0].reshape(-1)]) * 0.5)
     # the flat buffer the parameters become views of holds rank r's elements from start(r):
     # what rank r is reduced to and broadcasts from
     params = [t.clone() for t in tensors]
@@ -81,8 +78,8 @@ def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
         assert torch.equal(mine, flat[b.start(r):b.start(r) + b.sizes[r]])
     flat.fill_(7)  # writing the buffer writes the parameters
     assert all(bool((t == 7).all()) for t in params)
-    missing = torch.ones(4 * b.cap)
-    pack_slots(b, [None, None, None], missing)  # a gradient backward never made counts as zero
+    missing = torch.ones(b.numel)
+    pack(b, [None, None, None], missing)  # a gradient backward never made counts as zero
     assert missing.abs().sum() == 0
 
 

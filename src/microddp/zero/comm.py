@@ -1,27 +1,19 @@
 """The collectives ZeRO needs, on one bucket at a time, counting the bytes each rank sends.
 
 A bucket travels as its parameters end to end, each rank owning a contiguous part of it.
-Gradients are reduce-scattered as one all-to-all: every rank sends each owner its part (and
-keeps its own), and the owner sums the N contributions itself. The updated parameters come
-back as one broadcast per rank, of its part, from it. Both move the bytes a ring
-reduce-scatter and all-gather move, and are counted as sent, per rank: in the all-to-all a
-rank sends each of the `N - 1` others its slot (`cap` elements: its part, padded by at most
-one element so that every slot is equal), in the broadcasts its own part to the `N - 1`
-others.
-
-Why these and not others, timed bare on gloo with 8 MiB, interleaved, the slowest rank's
-median (load average 6 to 7 on 2 cores): on 2 ranks, the all-to-all took 5.6 ms where one
-reduce per rank (each rank's part to it) took 12.2 ms, as long as an all-reduce of the whole
-buffer (11.1 ms: gloo's reduce moves as much as an all-reduce), and reduce_scatter_tensor
-26 ms; on 4 ranks 10.0, 17.8, 20.2 and 46 ms. One broadcast per rank took 4.0 ms (4 ranks
-8.9) where all_gather took 11.1 (16.3); all_gather also needs equal (padded) chunks and
-copies in and out of them. The price of the all-to-all: a receive buffer of N slots (about
-the bucket's size) while the bucket is in flight, freed at the end of backward with the
-bucket itself.
-
-Counted per call, on the sending rank, so a test can check the ZeRO paper's arithmetic (2x
-the parameter bytes per step for ZeRO-1/2, 3x for ZeRO-3) against what actually went out
-rather than against a formula.
+Gradients are reduce-scattered as one reduce per rank, of that rank's part, to that rank; the
+updated parameters come back as one broadcast per rank, of its part, from it. Both move the
+bytes a ring reduce-scatter and all-gather move, and are counted that way, per rank: in the
+reduces a rank sends the others their parts (`numel - own` elements), in the broadcasts its
+own part to the `N - 1` others. Why not torch's reduce_scatter and all_gather: they need
+equal (padded) chunks and copies in and out of them, and on gloo, timed bare on 8 MiB
+(2 and 4 ranks, interleaved, load average 10 to 12 on 2 cores), reduce_scatter took 1.1x to
+1.7x the time of one async reduce per rank, and all_gather 1.7x to 3x that of one async
+broadcast per rank. Counted per call, on the sending rank, so a test can check the ZeRO
+paper's arithmetic (2x the parameter bytes per step for ZeRO-1/2, 3x for ZeRO-3) against
+what actually went out rather than against a formula. (One all-to-all of equal slots instead
+of the per-rank reduces was measured too: 5.6 against 12.2 ms bare on 8 MiB, 2 ranks, yet
+1.08x and 1.26x the step time of ZeRO-1 with per-rank reduces, interleaved; so not used.)
 
 While spans are recorded (`--trace`), `trace_when_done` puts each bucket's or layer's
 collectives on the communication track, from launch to the completion of the last of them,
@@ -35,7 +27,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from .. import comms
 from .. import spans as trace
@@ -59,19 +50,18 @@ class Sent:
         self.last_step, self._at_step = self.total - self._at_step, self.total
 
 
-def reduce_to_owners(bucket: Bucket, slots: torch.Tensor, rank: int,
-                     sent: Sent) -> tuple[list, torch.Tensor]:
-    """Start sending each rank its slot of `slots` (the bucket's gradients, packed by
-    flat.pack_slots), one all-to-all. Returns the handles and `parts`, N rows of `sizes[rank]`
-    elements: once the handles are waited, row r is rank r's contribution to this rank's
-    elements, and their sum over rows is this rank's part of the reduced bucket."""
-    n, own, cap = bucket.world_size, bucket.sizes[rank], bucket.cap
-    sent.add_bytes((n - 1) * cap * slots.element_size())
-    if n == 1:
-        return [], slots.view(1, -1)
-    out = torch.empty(n * cap, dtype=slots.dtype, device=slots.device)
-    work = dist.all_to_all_single(out, slots, async_op=True)
-    return [comms.Handle(work)], out.view(n, cap)[:, :own]
+def reduce_to_owners(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) -> list:
+    """Start summing `flat` (the bucket's gradients end to end) over ranks, each rank's part
+    into that rank's `flat` only: one reduce per rank that owns any. Returns the handles;
+    once waited, `flat.narrow(0, bucket.start(rank), bucket.sizes[rank])` holds this rank's
+    sum (the rest of `flat` is left unspecified)."""
+    handles = []
+    for r, size in enumerate(bucket.sizes):
+        if size:
+            part = flat.narrow(0, bucket.start(r), size)
+            handles.append(comms.reduce(part, op="sum", group_dst=r, async_op=True))
+    sent.add_bytes((bucket.numel - bucket.sizes[rank]) * flat.element_size())
+    return handles
 
 
 def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) -> list:

@@ -1,9 +1,8 @@
 """Copies between parameters (or their gradients) and a bucket's flat buffer.
 
-A bucket's parameters are laid end to end, rank r's elements from `bucket.start(r)`: each
-rank's part is broadcast from it in place, so parts need not be equal. Its gradients travel in
-equal slots of `cap` elements, rank r's in slot r (an all-to-all of equal chunks sends them
-to their owners), padded by at most one element.
+On the wire a bucket is its parameters end to end, rank r's elements from `bucket.start(r)`:
+each rank's part is reduced to it and broadcast from it, so parts need not be equal and the
+bucket needs no padding.
 """
 
 from __future__ import annotations
@@ -15,23 +14,19 @@ import torch
 from .plan import Bucket
 
 
-def pack_slots(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.Tensor,
-               scale: float = 1.0) -> None:
-    """Copy `tensors` (one per bucket parameter, indexed like the plan's parameters) into
-    `out` (`world_size * cap` elements) slot by slot, times `scale` in the same pass: rank r's
-    elements from `r * cap`, the slot's slack (at most one element) zeroed. Equal slots are
-    what an all-to-all of equal chunks sends, the same shape on every rank. A missing tensor
-    (a gradient backward never made) counts as zeros."""
-    cap = bucket.cap
-    for pc in bucket.pieces:
-        dst, src = out.narrow(0, pc.rank * cap + pc.offset, pc.length), tensors[pc.param]
+def pack(bucket: Bucket, tensors: Sequence[torch.Tensor | None], out: torch.Tensor,
+         scale: float = 1.0) -> None:
+    """Copy `tensors` (one per bucket parameter, indexed like the plan's parameters) end to
+    end into `out`, times `scale` in the same pass; a missing tensor (a gradient backward
+    never made) counts as zeros."""
+    at = 0
+    for i, n in zip(bucket.params, bucket.numels, strict=True):
+        dst, src = out.narrow(0, at, n), tensors[i]
         if src is None:
             dst.zero_()
         else:
-            torch.mul(src.detach().reshape(-1).narrow(0, pc.start, pc.length), scale, out=dst)
-    for r, size in enumerate(bucket.sizes):
-        if size < cap:
-            out.narrow(0, r * cap + size, cap - size).zero_()
+            torch.mul(src.detach().reshape(-1), scale, out=dst)
+        at += n
 
 
 def flat_views(bucket: Bucket, params: Sequence[torch.Tensor]) -> torch.Tensor:

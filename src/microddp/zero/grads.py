@@ -1,7 +1,7 @@
 """Gradient sharding: each bucket's gradients are reduce-scattered into the owners' shards.
 
 Every stage reduces during backward: a post-accumulate-grad hook counts each bucket's ready
-gradients and starts the bucket's reduce-scatter (comm.py) as soon as the last one arrives,
+gradients and starts the bucket's reduce-scatter as soon as the last one arrives,
 asynchronously, so the communication runs while backward computes the earlier layers (as
 DDP's buckets do). ZeRO-2 and ZeRO-3 drop a bucket's full gradients as soon as they are copied
 out, so no rank ever holds the whole model's gradient; ZeRO-1 keeps them (its gradients are
@@ -19,7 +19,7 @@ import torch
 
 from .. import spans as trace
 from .comm import Sent, reduce_to_owners, trace_when_done
-from .flat import pack_slots
+from .flat import pack
 from .plan import Bucket, ShardPlan
 from .shards import Shards
 
@@ -36,7 +36,7 @@ class GradReducer:
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.on_end: Callable[[], None] | None = None  # ZeRO-3 frees what is still gathered
         self._bucket_of = {p: b.index for b in plan.buckets for p in b.params}
-        self._pending: list[tuple[Bucket, list, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[Bucket, list, torch.Tensor]] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -53,15 +53,14 @@ class GradReducer:
             grads[i] = self.params[i].grad
         if bucket.numel:
             like = self.params[bucket.params[0]]
-            flat = torch.empty(bucket.world_size * bucket.cap, dtype=like.dtype,
-                               device=like.device)
+            flat = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
             # Divided before the sum, as DDP does: one pass, and no division after the wait.
-            pack_slots(bucket, grads, flat, 1.0 / self.plan.world_size)
+            pack(bucket, grads, flat, 1.0 / self.plan.world_size)
             launched = time.perf_counter()
-            handles, parts = reduce_to_owners(bucket, flat, self.shards.rank, self.sent)
+            handles = reduce_to_owners(bucket, flat, self.shards.rank, self.sent)
             trace_when_done(handles, f"reduce-scatter bucket {bucket.index}", launched,
                             bucket=bucket.index, bytes=flat.numel() * flat.element_size())
-            self._pending.append((bucket, handles, flat, parts))
+            self._pending.append((bucket, handles, flat))
         if not self.keep_grads:
             for i in bucket.params:
                 self.params[i].grad = None
@@ -70,11 +69,12 @@ class GradReducer:
 
     def wait(self) -> None:
         """Wait for every started bucket and add its averaged part to the shard gradient."""
-        t0 = time.perf_counter()
-        for bucket, handles, _flat, parts in self._pending:
+        rank, t0 = self.shards.rank, time.perf_counter()
+        for bucket, handles, flat in self._pending:
             for handle in handles:
                 handle.wait()
-            self.shards.add_grad(bucket, parts, replace=self.keep_grads)
+            self.shards.add_grad(bucket, flat.narrow(0, bucket.start(rank), bucket.sizes[rank]),
+                                 replace=self.keep_grads)
         if self._pending and trace.enabled():
             trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self._pending.clear()

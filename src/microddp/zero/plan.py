@@ -7,9 +7,9 @@ parameters greedily, so one large tensor can leave a rank with most of the state
 that gets a bucket's spare element rotates from bucket to bucket, so the totals over the whole
 model are balanced to within one element too.
 
-A bucket's parameters lie end to end, rank r's part from element `start(r)`, which rank r
-broadcasts (per rank, so parts need not be equal). `cap` is the largest part: the slot every
-rank's part of the gradients is padded to for the all-to-all that reduce-scatters them. A parameter may straddle two ranks; `pieces`
+On the wire a bucket is its parameters end to end, rank r's part from element `start(r)`
+(collectives per rank, so parts need not be equal). `cap` is the largest part: what an
+equal-chunk collective would pad every part to. A parameter may straddle two ranks; `pieces`
 says which part of it each rank owns, and where in its part. The plan
 is plain data: it can be built, printed and tested without any process group.
 """

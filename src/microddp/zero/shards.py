@@ -63,7 +63,6 @@ class Shards:
     def __init__(self, plan: ShardPlan, rank: int, params: Sequence[torch.Tensor],
                  options: Sequence[dict], optimizer_class: type, defaults: dict) -> None:
         self.plan, self.rank = plan, rank
-        self._summed: set[int] = set()  # buckets summed into the shard gradients since zeroed
         like = params[0] if params else torch.empty(0)
         self.params = [nn.Parameter(torch.zeros(plan.shard_numel[g][rank], dtype=like.dtype,
                                                 device=like.device))
@@ -85,29 +84,15 @@ class Shards:
         return self.params[bucket.group].data.narrow(0, bucket.shard_offset[self.rank],
                                                      bucket.sizes[self.rank])
 
-    def add_grad(self, bucket: Bucket, parts: torch.Tensor, replace: bool = False) -> None:
-        """Sum a bucket's contributions (`parts`: one row per rank of this rank's `sizes[rank]`
-        elements, already divided by N) into this rank's shard gradient, summed straight into
-        it when it starts empty; with `replace`, overwrite it instead (ZeRO-1, whose reduction
+    def add_grad(self, bucket: Bucket, reduced: torch.Tensor, replace: bool = False) -> None:
+        """Accumulate a bucket's averaged part (this rank's `sizes[rank]` elements) into this
+        rank's shard gradient; with `replace`, overwrite it instead (ZeRO-1, whose reduction
         is of the full gradient accumulated since zero_grad, earlier reductions included)."""
         shard = self.params[bucket.group]
         if shard.grad is None:
             shard.grad = torch.zeros_like(shard)
-            self._summed -= {b.index for b in self.plan.buckets if b.group == bucket.group}
-        fresh = bucket.index not in self._summed  # its elements of the gradient are zeros
-        self._summed.add(bucket.index)
         part = shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank])
-        # The bucket's sum first (row by row in rank order: on 2 ranks one add, twice as fast
-        # as torch.sum over rows), then added to what the shard gradient held, if anything.
-        total = part if fresh or replace else torch.empty_like(part)
-        if len(parts) == 1:
-            total.copy_(parts[0])
-        else:
-            torch.add(parts[0], parts[1], out=total)
-            for row in parts[2:]:
-                total.add_(row)
-        if total is not part:
-            part.add_(total)
+        part.copy_(reduced) if replace else part.add_(reduced)
 
     def put_own(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """Copy this rank's elements of `bucket` into `flat` (the bucket's parameters end to
@@ -118,4 +103,3 @@ class Shards:
         """Drop the shards' gradients (set to None, as torch's optimizers do)."""
         for shard in self.params:
             shard.grad = None
-        self._summed.clear()
