@@ -12,8 +12,8 @@ The views never change, only their storage's size, so tensors autograd saved dur
 are the same tensors backward finds, refilled with the same values.
 
 Traced, each gather is a "gather NAME" span on the communication track ("prefetch NAME" when a
-neighbour's hook started it ahead of use), a wait for one still in flight is "wait gather
-NAME", and each free is "free NAME" (NAME: the module's name in the model).
+neighbour's hook started it ahead of use; NAME: the module's name in the model), a wait for
+one still in flight is "wait gather NAME", and each free is "free", the module in its args.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class ParamSharder:
             flat.untyped_storage().resize_(0)
         unit.state = FREE
         if was_full and trace.enabled():
-            trace.add_span(f"free {unit.name}", t0, time.perf_counter(), unit=unit.index)
+            # One name for every layer's free (the layer in args): one entry in a legend.
+            trace.add_span("free", t0, time.perf_counter(), unit=unit.index, module=unit.name)
 
     def start_gather(self, unit: Unit, prefetch: bool = True) -> None:
         """Start all-gathering a unit's parameters, unless they are already full or on their
