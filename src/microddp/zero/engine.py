@@ -8,10 +8,16 @@
 Stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too.
 Every stage computes what plain data parallelism computes (averaged gradients, one optimizer
 step on every element), so the trained parameters are the same to float rounding.
+
+Traced (`--trace`, microddp.spans), a step shows its phases: each bucket's gradient reduce
+during backward and the wait for them (grads.py), the shard's optimizer step ("shard step"),
+each bucket's broadcast of the updated elements ("all-gather bucket k") and the wait for them,
+and in stage 3 each layer's gather, prefetch and free (params.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,9 +26,10 @@ import torch
 from torch import nn
 
 from .. import comms
+from .. import spans as trace
 from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from ..errors import MicroDDPError
-from .comm import Sent, broadcast_shards
+from .comm import Sent, broadcast_shards, trace_when_done
 from .flat import flat_views
 from .grads import GradReducer
 from .memory import measure
@@ -104,10 +111,11 @@ class Zero(nn.Module):
 
     @staticmethod
     def _units(module: nn.Module, params: list, groups: list[int]):
-        """Stage 3's units: each module owning sharded parameters, one bucket per group."""
+        """Stage 3's units: each module owning sharded parameters (with its name in `module`,
+        which the trace shows), one bucket per group."""
         index = {id(p): i for i, p in enumerate(params)}
         units, bucket_params = [], []
-        for sub in module.modules():
+        for name, sub in module.named_modules():
             own = [index[id(p)] for p in sub.parameters(recurse=False) if id(p) in index]
             if not own:
                 continue
@@ -115,7 +123,7 @@ class Zero(nn.Module):
             for g in dict.fromkeys(groups[i] for i in own):
                 ids.append(len(bucket_params))
                 bucket_params.append([i for i in own if groups[i] == g])
-            units.append((sub, ids))
+            units.append((name or type(sub).__name__, sub, ids))
         return units, bucket_params
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,7 +154,8 @@ class Zero(nn.Module):
                                 "averaged yet; run the last micro-step's forward and backward "
                                 "after the block, then call step()")
         self._memory = self.measure_now()
-        self.optimizer.step()
+        with trace.span("shard step", track="optim"):
+            self.optimizer.step()
         if self.stage < 3:
             self._gather_params()
         self.sent.end_step()
@@ -157,9 +166,16 @@ class Zero(nn.Module):
         handles = []
         for b, flat in zip(self.plan.buckets, self.flats, strict=True):
             self.shards.put_own(b, flat)
-            handles += broadcast_shards(b, flat, self.rank, self.sent)
+            launched = time.perf_counter()
+            sent = broadcast_shards(b, flat, self.rank, self.sent)
+            trace_when_done(sent, f"all-gather bucket {b.index}", launched, bucket=b.index,
+                            bytes=flat.numel() * flat.element_size())
+            handles += sent
+        t0 = time.perf_counter()
         for handle in handles:
             handle.wait()
+        if handles and trace.enabled():
+            trace.add_span("wait params", t0, time.perf_counter(), track="comm_wait")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shard gradients and any full gradients still held."""
@@ -172,7 +188,8 @@ class Zero(nn.Module):
         if self.sharder is None:
             yield self.module
             return
-        self.sharder.gather_all()
+        with trace.use(None):  # not a training step's work: kept out of the step timeline
+            self.sharder.gather_all()
         # Stay gathered through every forward in the block: a forward that freed its layer
         # would gather it again, a collective the other ranks may not be making (ranks that
         # evaluate different batches).
@@ -181,7 +198,8 @@ class Zero(nn.Module):
             yield self.module
         finally:
             self.sharder.keep = keep
-            self.sharder.free_all()
+            with trace.use(None):
+                self.sharder.free_all()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole module's state_dict, on every rank (copies, so they outlive stage 3's
@@ -201,15 +219,16 @@ class Zero(nn.Module):
         mine = self.rank == to_rank
         full: dict[int, torch.Tensor] = {}
         if self.sharder is not None:
-            for unit in self.sharder.units:
-                was_full = unit.state != FREE
-                self.sharder.ensure_full(unit)
-                if mine:
-                    for b in unit.buckets:
-                        for i in b.params:
-                            full[id(self.sharded[i])] = self.sharded[i].detach().clone()
-                if not was_full:
-                    self.sharder._free(unit)
+            with trace.use(None):  # saving is not a training step's work
+                for unit in self.sharder.units:
+                    was_full = unit.state != FREE
+                    self.sharder.ensure_full(unit)
+                    if mine:
+                        for b in unit.buckets:
+                            for i in b.params:
+                                full[id(self.sharded[i])] = self.sharded[i].detach().clone()
+                    if not was_full:
+                        self.sharder._free(unit)
         if not mine:
             return None
         ids = {n: id(p) for n, p in self.module.named_parameters()}
@@ -220,7 +239,8 @@ class Zero(nn.Module):
         """The shards were overwritten (a checkpoint loaded): stages 1 and 2 broadcast them
         into every rank's full parameters (stage 3 gathers from the shards at each use)."""
         if self.stage < 3:
-            self._gather_params()
+            with trace.use(None):  # nor a training step's time
+                self._gather_params()
         self.sent.end_step()  # not a training step's traffic
 
     def measure_now(self) -> dict[str, int]:

@@ -6,15 +6,19 @@ asynchronously, so the communication runs while backward computes the earlier la
 DDP's buckets do). ZeRO-2 and ZeRO-3 drop a bucket's full gradients as soon as they are copied
 out, so no rank ever holds the whole model's gradient; ZeRO-1 keeps them (its gradients are
 not sharded, only its optimizer state). One end-of-backward callback waits for every bucket.
+Traced, each bucket's reduce is a "reduce-scatter bucket k" span on the communication track
+and the end-of-backward wait a "wait comm" span, named as DDP's reducer names its own.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .comm import Sent, reduce_to_owners
+from .. import spans as trace
+from .comm import Sent, reduce_to_owners, trace_when_done
 from .flat import pack
 from .plan import Bucket, ShardPlan
 from .shards import Shards
@@ -52,7 +56,10 @@ class GradReducer:
             flat = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
             # Divided before the sum, as DDP does: one pass, and no division after the wait.
             pack(bucket, grads, flat, 1.0 / self.plan.world_size)
+            launched = time.perf_counter()
             handles = reduce_to_owners(bucket, flat, self.shards.rank, self.sent)
+            trace_when_done(handles, f"reduce-scatter bucket {bucket.index}", launched,
+                            bucket=bucket.index, bytes=flat.numel() * flat.element_size())
             self._pending.append((bucket, handles, flat))
         if not self.keep_grads:
             for i in bucket.params:
@@ -62,12 +69,14 @@ class GradReducer:
 
     def wait(self) -> None:
         """Wait for every started bucket and add its averaged part to the shard gradient."""
-        rank = self.shards.rank
+        rank, t0 = self.shards.rank, time.perf_counter()
         for bucket, handles, flat in self._pending:
             for handle in handles:
                 handle.wait()
             self.shards.add_grad(bucket, flat.narrow(0, bucket.start(rank), bucket.sizes[rank]),
                                  replace=self.keep_grads)
+        if self._pending and trace.enabled():
+            trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self._pending.clear()
 
     def attach_hooks(self) -> list:

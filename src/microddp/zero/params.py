@@ -10,16 +10,22 @@ in reverse for backward), so communication overlaps the current unit's compute.
 
 The views never change, only their storage's size, so tensors autograd saved during forward
 are the same tensors backward finds, refilled with the same values.
+
+Traced, each gather is a "gather NAME" span on the communication track ("prefetch NAME" when a
+neighbour's hook started it ahead of use; NAME: the module's name in the model), a wait for
+one still in flight is "wait gather NAME", and each free is "free", the module in its args.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .comm import Sent, broadcast_shards
+from .. import spans as trace
+from .comm import Sent, broadcast_shards, trace_when_done
 from .flat import flat_views
 from .plan import Bucket, ShardPlan
 from .shards import Shards
@@ -30,8 +36,8 @@ FREE, GATHERING, FULL = "free", "gathering", "full"
 class Unit:
     """One module's sharded parameters: its buckets, their flat buffers, and its state."""
 
-    def __init__(self, index: int, module: nn.Module, buckets: list[Bucket]) -> None:
-        self.index, self.module, self.buckets = index, module, buckets
+    def __init__(self, index: int, name: str, module: nn.Module, buckets: list[Bucket]) -> None:
+        self.index, self.name, self.module, self.buckets = index, name, module, buckets
         self.flats: list[torch.Tensor] = []
         self.state = FREE
         self.pending: list = []
@@ -42,14 +48,14 @@ class ParamSharder:
     """Gathers and frees units around their forward and backward."""
 
     def __init__(self, plan: ShardPlan, params: Sequence[nn.Parameter],
-                 units: Sequence[tuple[nn.Module, list[int]]], shards: Shards,
+                 units: Sequence[tuple[str, nn.Module, list[int]]], shards: Shards,
                  sent: Sent) -> None:
         self.plan, self.params, self.shards, self.sent = plan, list(params), shards, sent
         self.keep = False  # True inside no_sync(): stay gathered until the last micro-step
         self.units: list[Unit] = []
         self._unit_of_bucket: dict[int, Unit] = {}
-        for index, (module, bucket_ids) in enumerate(units):
-            unit = Unit(index, module, [plan.buckets[b] for b in bucket_ids])
+        for index, (name, module, bucket_ids) in enumerate(units):
+            unit = Unit(index, name, module, [plan.buckets[b] for b in bucket_ids])
             for b in unit.buckets:
                 unit.flats.append(flat_views(b, self.params))
                 self._unit_of_bucket[b.index] = unit
@@ -65,29 +71,44 @@ class ParamSharder:
     # gathering and freeing
 
     def _free(self, unit: Unit) -> None:
+        was_full = unit.state != FREE
+        t0 = time.perf_counter()
         for flat in unit.flats:
             flat.untyped_storage().resize_(0)
         unit.state = FREE
+        if was_full and trace.enabled():
+            # One name for every layer's free (the layer in args): one entry in a legend.
+            trace.add_span("free", t0, time.perf_counter(), unit=unit.index, module=unit.name)
 
-    def start_gather(self, unit: Unit) -> None:
-        """Start all-gathering a unit's parameters, unless they are already full or on their way."""
+    def start_gather(self, unit: Unit, prefetch: bool = True) -> None:
+        """Start all-gathering a unit's parameters, unless they are already full or on their
+        way (`prefetch`: ahead of its use, which the trace tells apart)."""
         if unit.state != FREE:
             return
-        unit.pending = []
         for b, flat in zip(unit.buckets, unit.flats, strict=True):
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             self.shards.put_own(b, flat)
+        unit.pending = []
+        launched = time.perf_counter()
+        for b, flat in zip(unit.buckets, unit.flats, strict=True):
             unit.pending += broadcast_shards(b, flat, self.shards.rank, self.sent)
         unit.state = GATHERING
+        trace_when_done(unit.pending, f"{'prefetch' if prefetch else 'gather'} {unit.name}",
+                        launched, unit=unit.index,
+                        bytes=sum(f.numel() * f.element_size() for f in unit.flats))
 
     def ensure_full(self, unit: Unit) -> None:
         """Make a unit's parameters whole, waiting for a gather in flight."""
-        self.start_gather(unit)
+        self.start_gather(unit, prefetch=False)
         if unit.state == GATHERING:
+            t0 = time.perf_counter()
             for handle in unit.pending:
                 handle.wait()
             unit.pending = []
             unit.state = FULL
+            if trace.enabled():
+                trace.add_span(f"wait gather {unit.name}", t0, time.perf_counter(),
+                               track="comm_wait", unit=unit.index)
 
     def gather_all(self) -> None:
         """Make every unit's parameters whole (for saving or evaluating the full model)."""
