@@ -123,8 +123,8 @@ def test_sleep_mode_run_keeps_each_schedules_structure_and_1f1b_holds_less(tmp_p
     assert ofob[0] == pytest.approx(gp[0] * p / m, rel=0.02)
     assert ofob[1] == pytest.approx(gp[1] * 1 / m, rel=0.02)
     # Beside them a rank holds message buffers: at most WINDOW posted receives, the gradient
-    # received that its B has not used yet, and sends not yet completed (at most the step's m
-    # across a boundary): the total is at least the saved bytes and at most that much more;
+    # received that its B has not used yet, and sends not yet waited for (at most the step's
+    # m across a boundary): the total is at least the saved bytes and at most that much more;
     # rank 0 holds its gradients' receive buffers at its peak (a received activation, on the
     # others, is the input autograd saves: no more bytes)
     message = 16 * 32 * 4  # one micro-batch's activation or gradient, dim 32

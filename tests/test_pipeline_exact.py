@@ -104,3 +104,26 @@ def test_at_most_window_receives_are_posted_ahead_each_in_program_order(name):
             outstanding += {"post": 1, "wait": -1}.get(e[0], 0)
             peak = max(peak, outstanding)
         assert peak == pipeline.runtime.WINDOW  # reached, never passed
+
+
+@pytest.mark.parametrize("name", list(pipeline.BUILDERS))
+def test_a_send_is_waited_for_only_after_its_receiver_has_answered(name):
+    # the runtime waits for a send early only once a message has arrived that the receiver
+    # sent after receiving it (so the wait returns at once); check that order on every rank
+    from microddp.pipeline.runtime import _sends_done_after
+    from microddp.pipeline.schedules import message_key
+
+    schedule = pipeline.build(name, 3, 5)
+    early = 0
+    for rank in range(3):
+        for reply, sent in _sends_done_after(schedule, rank).items():
+            for key in sent:
+                peers = [r for r in range(3) if any(
+                    message_key(a) == key for a in schedule.actions[r] if a.kind.startswith("RECV"))]
+                program = schedule.actions[peers[0]]
+                order = [i for i, a in enumerate(program)
+                         if a.kind.startswith(("RECV", "SEND")) and message_key(a) in (key, reply)]
+                kinds = [program[i].kind[:4] for i in order]
+                assert kinds == ["RECV", "SEND"], (rank, key, reply)  # received, then replied
+                early += 1
+    assert early > 0

@@ -1,7 +1,9 @@
 """The interpreter: run any schedule's program for this rank's stages, with send and recv.
 
-Sends are posted with isend; a rank lets go of a send once it has completed (checked, never
-waited for, between actions) and waits for the rest at the end of the step. A receive is
+Sends are posted with isend. A gloo point-to-point handle cannot be polled (it says it is not
+done until waited for; see chapter 2), so a send is waited for only where it is surely done:
+once a message has arrived that its receiver sent after receiving it (an activation's, say,
+when the gradient of the same micro-batch comes back), the rest at the end of the step. A receive is
 waited for where the program says, so a rank blocks exactly where `validate`'s model
 (receives block, sends do not) proved the schedule free of deadlock. But a receive is
 *posted* (irecv) ahead: gloo moves a message only once both sides have posted it, so a
@@ -37,7 +39,7 @@ from .. import comms
 from ..errors import MicroDDPError
 from ..monitor import note
 from .activations import hold
-from .schedules import COMPUTE, RECVS, Action, Schedule, message_key
+from .schedules import COMPUTE, RECVS, SENDS, Action, Schedule, message_key
 
 WINDOW = 2  # receives a rank keeps posted ahead of the program, at most
 
@@ -66,6 +68,30 @@ def _tag(key: tuple[str, int, int], m: int) -> int:
     return (2 * boundary + (kind == "GRAD")) * m + mb
 
 
+def _destination(schedule: Schedule, a: Action) -> int:
+    return schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
+
+
+def _sends_done_after(schedule: Schedule, rank: int) -> dict[tuple, list[tuple]]:
+    """{message this rank receives: its sends surely done once that message has arrived}.
+
+    A peer that sends us a message after (in its program) receiving one of ours has received
+    ours: our send is done, and waiting for it then returns at once, without depending on
+    anything else. Waited for there, a sent tensor goes early, not at the step's end (so that
+    1F1B keeps holding about p - r micro-batches, its sent activations included)."""
+    done: dict[tuple, list[tuple]] = {}
+    for a in schedule.actions[rank]:
+        if a.kind not in SENDS:
+            continue
+        key, program = message_key(a), schedule.actions[_destination(schedule, a)]
+        at = next(i for i, b in enumerate(program) if b.kind in RECVS and message_key(b) == key)
+        reply = next((b for b in program[at + 1:]
+                      if b.kind in SENDS and _destination(schedule, b) == rank), None)
+        if reply is not None:
+            done.setdefault(message_key(reply), []).append(key)
+    return done
+
+
 class _Step:
     """One rank's state during one step: what each action leaves for the next ones."""
 
@@ -77,26 +103,23 @@ class _Step:
         self.outputs: dict = {}    # (stage, mb) -> the stage's output, or the loss last
         self.out_grads: dict = {}  # (stage, mb) -> gradient of that output (None for a loss)
         self.in_grads: dict = {}   # (stage, mb) -> gradient of the input, to send down
-        self.sends: list = []
+        self.sends: dict = {}      # message key -> handle of a send not yet waited for
         self.sent_bytes = 0
         self.loss = 0.0
         self.posted: dict = {}     # (kind, stage, mb) -> (handle, buffer) of a posted receive
         # this rank's receives in program order; the first `next_post` of them are posted
         self.receives = [a for a in schedule.actions[rank] if a.kind in RECVS]
         self.next_post = 0
+        self.done_after = _sends_done_after(schedule, rank)
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
-        peer = self.schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
+        peer = _destination(self.schedule, a)
         where = {"dst": peer} if self.group is None else {"group_dst": peer}
         tag = _tag(message_key(a), self.schedule.microbatches)
         tensor = tensor.detach().contiguous()
-        hold(tensor)  # until the send completes and this rank lets go of it
-        self.sends.append(comms.isend(tensor, group=self.group, tag=tag, **where))
+        hold(tensor)  # until the send is waited for (see `recv`), or the step's end
+        self.sends[message_key(a)] = comms.isend(tensor, group=self.group, tag=tag, **where)
         self.sent_bytes += tensor.nbytes
-
-    def drop_completed_sends(self) -> None:
-        """Let go of the sends that have completed (their tensors are free to go)."""
-        self.sends = [h for h in self.sends if not h.is_completed()]
 
     def _buffer_like(self, a: Action) -> torch.Tensor | None:
         """A tensor shaped as receive `a`'s message, or None while that is not known (a
@@ -138,6 +161,8 @@ class _Step:
         handle, buf = self.posted.pop(key)
         handle.wait()
         self.post_ahead()
+        for sent in self.done_after.pop(message_key(a), ()):
+            self.sends.pop(sent).wait()  # done already: returns at once
         return buf
 
     def input_grad(self, key: tuple[int, int]) -> None:
@@ -189,9 +214,8 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
             _perform(st, a, xs, ys, loss_fn, n)
             if record is not None and a.kind in COMPUTE:
                 record.append((a, start, time.perf_counter()))
-            st.drop_completed_sends()
         note(f"{schedule.name}: waiting for its sends to be received")
-        for handle in st.sends:
+        for handle in st.sends.values():
             handle.wait()
     finally:
         note(None)
