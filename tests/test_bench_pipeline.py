@@ -14,7 +14,8 @@ from torch import nn
 
 from microddp import pipeline
 from microddp.bench.pipeline_report import measured_timeline
-from microddp.pipeline.activations import ActivationMeter
+from microddp.pipeline.activations import ActivationMeter, hold
+from microddp.pipeline.runtime import WINDOW
 from microddp.pipeline.sleep import Sleeping
 from microddp.trace import report as trace_report
 
@@ -51,6 +52,24 @@ def test_activation_meter_counts_saved_storages_once_and_frees_them_after_backwa
     with meter:
         model(x).sum().backward()  # a graph freed by its backward frees its activations
     assert meter.live == 0
+
+
+def test_activation_meter_counts_a_held_message_buffer_until_it_is_freed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    meter = ActivationMeter(exclude=model.parameters())
+    hold(torch.empty(100))  # outside a meter: nothing to count in
+    with meter:
+        buf = torch.empty(4, 8)
+        hold(buf)  # a posted receive's buffer, before any forward reads it
+        assert (meter.live, meter.live_saved) == (4 * 8 * 4, 0)
+        out = model(buf.requires_grad_())  # the Linear saves the buffer: one storage, once
+        assert (meter.live, meter.live_saved) == (2 * 4 * 8 * 4, 2 * 4 * 8 * 4)
+        out.sum().backward()
+        assert (meter.live, meter.live_saved) == (4 * 8 * 4, 0)  # the buffer is still held
+        del out, buf  # the graph's AccumulateGrad holds its leaf, the buffer, as long as it lives
+        assert meter.live == 0
+    assert (meter.peak, meter.peak_saved) == (2 * 4 * 8 * 4, 2 * 4 * 8 * 4)
 
 
 def test_sleeping_stage_computes_the_same_numbers_and_splits_backward_into_input_and_weights():
@@ -98,11 +117,24 @@ def test_sleep_mode_run_keeps_each_schedules_structure_and_1f1b_holds_less(tmp_p
         # theory (2 ranks, 3 ms blocks: the docs' table). Here, under any load, it can only be
         # held to what a schedule cannot fake: some idle time, and less than half the step.
         assert 0 < r["bubble_measured"] < 0.5, (name, r)
-    # GPipe holds all m micro-batches' activations on every rank; 1F1B at most p - r on rank
+    # GPipe saves all m micro-batches' activations on every rank; 1F1B at most p - r on rank
     # r: structure, so measured bytes follow it exactly (equal micro-batches of 16 samples)
-    gp, ofob = result["gpipe"]["peak_activation_bytes"], result["1f1b"]["peak_activation_bytes"]
+    gp, ofob = result["gpipe"]["peak_saved_bytes"], result["1f1b"]["peak_saved_bytes"]
     assert ofob[0] == pytest.approx(gp[0] * p / m, rel=0.02)
     assert ofob[1] == pytest.approx(gp[1] * 1 / m, rel=0.02)
+    # Beside them a rank holds message buffers: at most WINDOW posted receives, the gradient
+    # received that its B has not used yet, and sends not yet waited for (at most the step's
+    # m across a boundary): the total is at least the saved bytes and at most that much more;
+    # rank 0 holds its gradients' receive buffers at its peak (a received activation, on the
+    # others, is the input autograd saves: no more bytes)
+    message = 16 * 32 * 4  # one micro-batch's activation or gradient, dim 32
+    for name in ("gpipe", "1f1b"):
+        total, saved = result[name]["peak_activation_bytes"], result[name]["peak_saved_bytes"]
+        assert total[0] > saved[0], name
+        for r in range(p):
+            assert saved[r] <= total[r] <= saved[r] + (WINDOW + 1 + m) * message, (name, r)
+    assert all(o < g for o, g in zip(result["1f1b"]["peak_activation_bytes"],
+                                     result["gpipe"]["peak_activation_bytes"], strict=True))
     # the recorded timeline is the schedule's: each rank ran its compute actions in its order
     by_rank = trace_report.load(out / "trace.json")
     for name in pipeline.BUILDERS:

@@ -46,35 +46,84 @@ def test_every_schedule_equals_one_process(p, reference):
         assert all(loss is None for r in ranks[:p - 1] for loss in r[case][2]), case
 
 
-def _order_of_posts_and_forwards(world):
-    """This rank's GPipe step (3 micro-batches) as a list of events: ('post', kind, mb) when a
-    receive is posted, ('F', mb) when a forward starts."""
+def _order_of_posts_and_forwards(world, m=3, name="gpipe"):
+    """This rank's step of `name` (m micro-batches) as a list of events: ('post', kind, mb)
+    when a receive is posted, ('wait', kind, mb) when the program waits for it, ('F', mb)
+    when a forward starts."""
     from microddp import comms
     from microddp.pipeline import runtime
 
     events, real_irecv = [], comms.irecv
-    m = 3
+
+    class Waited:  # the runtime's handle, noting when the program waits for it
+        def __init__(self, handle, what):
+            self.handle, self.what = handle, what
+
+        def wait(self):
+            events.append(("wait", *self.what))
+            return self.handle.wait()
 
     def irecv(tensor, *args, tag=0, **kwargs):
         kind, mb = ("GRAD" if (tag // m) % 2 else "ACT"), tag % m  # runtime._tag's layout
         events.append(("post", kind, mb))
-        return real_irecv(tensor, *args, tag=tag, **kwargs)
+        return Waited(real_irecv(tensor, *args, tag=tag, **kwargs), (kind, mb))
 
     runtime.comms.irecv = irecv  # the module the runtime calls through; this process only
-    schedule = pipeline.build("gpipe", 2, m)
+    schedule = pipeline.build(name, 2, m)
     model = mdp.FullMLP(4, 2)
     stage = pipeline.split_model(model, 2)[world.rank]
     calls = iter(range(m))
     stage.register_forward_pre_hook(lambda *_: events.append(("F", next(calls))))
-    x, y = torch.randn(6, 4), torch.zeros(6, dtype=torch.long)
+    x, y = torch.randn(2 * m, 4), torch.zeros(2 * m, dtype=torch.long)
     pipeline.run_schedule(schedule, {world.rank: stage}, x, y, torch.nn.functional.cross_entropy)
     return events
 
 
 def test_receives_are_posted_ahead_activations_first_gradients_after_their_forward():
-    # gloo moves a message only once its receive is posted: the runtime posts every
-    # activation's receive before the first forward, a gradient's right after its forward
-    first, last = mdp.launch.spawn(_order_of_posts_and_forwards, 2, timeout=120)
+    # gloo moves a message only once its receive is posted: the runtime posts the activations'
+    # receives before the first forward, a gradient's right after its forward (m = 3: each
+    # is within the window of 2 when its turn to be posted comes)
+    first, last = (
+        [e for e in events if e[0] != "wait"]
+        for events in mdp.launch.spawn(_order_of_posts_and_forwards, 2, timeout=120))
     assert last[:4] == [("post", "ACT", 0), ("post", "ACT", 1), ("post", "ACT", 2), ("F", 0)]
     assert first == [("F", 0), ("post", "GRAD", 0), ("F", 1), ("post", "GRAD", 1),
                      ("F", 2), ("post", "GRAD", 2)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_at_most_window_receives_are_posted_ahead_each_in_program_order(name):
+    m = 6
+    for events in mdp.launch.spawn(_order_of_posts_and_forwards, 2, args=(m, name),
+                                   timeout=120):
+        posts = [e[1:] for e in events if e[0] == "post"]
+        waits = [e[1:] for e in events if e[0] == "wait"]
+        assert posts == waits and len(posts) == m  # each posted once, waited in that order
+        outstanding = peak = 0
+        for e in events:
+            outstanding += {"post": 1, "wait": -1}.get(e[0], 0)
+            peak = max(peak, outstanding)
+        assert peak == pipeline.runtime.WINDOW  # reached, never passed
+
+
+@pytest.mark.parametrize("name", list(pipeline.BUILDERS))
+def test_a_send_is_waited_for_only_after_its_receiver_has_answered(name):
+    # the runtime waits for a send early only once a message has arrived that the receiver
+    # sent after receiving it (so the wait returns at once); check that order on every rank
+    from microddp.pipeline.runtime import _sends_done_after
+    from microddp.pipeline.schedules import message_key
+
+    schedule = pipeline.build(name, 3, 5)
+    early = 0
+    for rank in range(3):
+        for reply, sent in _sends_done_after(schedule, rank).items():
+            for key in sent:
+                peers = [r for r in range(3) if any(
+                    message_key(a) == key for a in schedule.actions[r] if a.kind.startswith("RECV"))]
+                program = schedule.actions[peers[0]]
+                order = [i for i, a in enumerate(program)
+                         if a.kind.startswith(("RECV", "SEND")) and message_key(a) in (key, reply)]
+                kinds = [program[i].kind[:4] for i in order]
+                assert kinds == ["RECV", "SEND"], (rank, key, reply)  # received, then replied
+                early += 1
+    assert early > 0

@@ -120,11 +120,15 @@ def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeyp
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
     monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5, "ring"))
     monkeypatch.setattr(calibrate, "measured_step", lambda *a: 0.01)
+    costs = calibrate.PipelineCosts(1e-4, 2e-5, 5e10, 2e-4, 4e-5, 4e10, 3e-4, 1e-5, 1e-4, 1e9,
+                                    2e-5, 2, 2)
+    monkeypatch.setattr(calibrate, "measure_pipeline", lambda *a: costs)
     path = tmp_path / "cal.json"
     assert cli.main(["predict", "--calibrate", "--verify", "1", "--calibration", str(path),
                      "--dim", "64", "--depth", "2", "--batch", "800"]) == 0
-    saved = predict.Hardware(**json.loads(path.read_text()))
+    saved, pipeline_costs = predict.load_calibration(str(path))
     assert saved.rank_flops == 6e9 and saved.flops == 1e10
+    assert calibrate.PipelineCosts(**pipeline_costs) == costs  # the median of 3 equal rounds
     row = next(line.split() for line in capsys.readouterr().out.splitlines()
                if line.split()[:1] == ["1"])
     want = predict.fullmlp(64, 2).flops_per_sample * 800 / 6e9  # one rank: its own rate

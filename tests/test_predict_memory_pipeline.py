@@ -3,6 +3,7 @@ for 7.5B parameters on 64 ranks) and a pipeline step played from the schedule wi
 
 import json
 import re
+from dataclasses import asdict
 
 import pytest
 
@@ -10,7 +11,8 @@ from microddp import commands as cli
 from microddp import pipeline
 from microddp.predict import memory
 from microddp.predict import pipeline as pp
-from microddp.predict.step import HARDWARE, Hardware
+from microddp.predict import pipeline_costs as pc
+from microddp.predict.step import HARDWARE, Hardware, load_calibration, save_calibration
 
 
 def test_zero_paper_figure_1_for_7_5b_parameters_on_64_ranks():
@@ -77,3 +79,85 @@ def test_predict_compare_reads_a_bench_pipeline_result(tmp_path, capsys):
     path.write_text("{}")
     assert cli.main(["predict", "--compare", str(path)]) == 2
     assert "not a pipeline.json" in capsys.readouterr().err
+
+
+def _costs(**kw):
+    figures = dict(forward_fixed=1e-4, forward_block=2e-5, forward_rate=5e10,
+                   backward_fixed=2e-4, backward_block=4e-5, backward_rate=4e10,
+                   step_fixed=3e-4, step_block=1e-5, latency=0.0, bandwidth=float("inf"),
+                   send=0.0, ranks=2, cores=2)
+    return pc.PipelineCosts(**(figures | kw))
+
+
+def test_action_fit_recovers_a_fixed_a_per_block_and_a_per_flop_cost():
+    truth = _costs()
+    points = [(k, r, d, truth.forward(k, r, d)) for k in (2, 4, 8) for r in (4, 8, 32)
+              for d in (128, 512)]
+    fixed, block, rate = pc.fit_actions(points)
+    assert (fixed, block, rate) == pytest.approx((1e-4, 2e-5, 5e10), rel=1e-6)
+    back = [(k, r, d, truth.backward(k, r, d)) for k, r, d, _ in points]
+    assert pc.fit_actions(back, 2.0) == pytest.approx((2e-4, 4e-5, 4e10), rel=1e-6)
+    # an action that costs the same whatever its size: all fixed, no negative terms
+    flat = [(k, r, d, 1e-3) for k, r, d, _ in points]
+    fixed, block, rate = pc.fit_actions(flat)
+    assert fixed == pytest.approx(1e-3) and block == pytest.approx(0, abs=1e-12)
+    assert block >= 0 and rate > 1e15  # never negative; no time per FLOP worth counting
+    with pytest.raises(pc.MicroDDPError, match="at least 3"):
+        pc.fit_actions(points[:2])
+
+
+def test_calibrated_actions_fill_the_schedule_by_hand():
+    # 2 ranks, 4 blocks of width 16, batch 6 in 3 micro-batches of 2 rows: F and B per stage of
+    # 2 blocks come from the fitted costs, the step adds its fixed cost once
+    costs = _costs()
+    job = pp.PipelineJob(stages=2, microbatches=3, dim=16, depth=4, batch=6)
+    f, b = costs.forward(2, 2, 16), costs.backward(2, 2, 16)
+    r = pp.predict(job, "gpipe", INSTANT, costs)
+    assert r["step_s"] == pytest.approx((3 + 2 - 1) * (f + b) + costs.step(2), rel=1e-9)
+    # sleeps add on top; messages cost latency + bytes / bandwidth (1 + 1 ms) and the sender
+    # its isend (0.5 ms): GPipe's critical path carries one activation's and one gradient's
+    # transfer, and all 6 sends (each of rank 0's delays its next F, so the next activation;
+    # each of rank 1's its next B, so the next gradient)
+    slow = _costs(latency=1e-3, bandwidth=2 * 16 * 4 / 1e-3, send=5e-4)
+    late = pp.predict(pp.PipelineJob(2, 3, 16, 4, 6, sleep_ms=1.0), "gpipe", INSTANT, slow)
+    sleeps = (3 + 2 - 1) * (2e-3 + 4e-3)
+    assert late["step_s"] == pytest.approx(r["step_s"] + sleeps + 2 * 2e-3 + 6 * 5e-4, rel=1e-9)
+    # four ranks on two cores time-share them: compute (not sleep) takes twice as long
+    four = pp.PipelineJob(stages=4, microbatches=3, dim=16, depth=4, batch=6)
+    one = pp.predict(four, "gpipe", INSTANT, _costs(cores=4))
+    shared = pp.predict(four, "gpipe", INSTANT, _costs(cores=2))
+    assert shared["step_s"] == pytest.approx(2 * one["step_s"], rel=1e-9)
+
+
+def test_a_send_costs_its_sender_time_on_its_own_clock():
+    schedule = pipeline.build("gpipe", 2, 2)
+    base = pipeline.simulate(schedule).makespan
+    # F = 1, B = 2: rank 0 runs F0, sends, F1, sends; rank 1's F1 waits for the second send,
+    # which now leaves 2 x 0.5 later; rank 1's first gradient send delays rank 0's B0 by 0.5
+    # and its own B1 by 0.5, and rank 0's B1 waits for the second gradient: +1 + 0.5 + 0.5
+    assert pipeline.simulate(schedule, send=0.5).makespan == pytest.approx(base + 2.0)
+    assert pipeline.simulate(schedule, send=0.0).makespan == base
+
+
+def test_compare_uses_the_saved_pipeline_costs(tmp_path, capsys):
+    calibration = tmp_path / "calibration.json"
+    costs = _costs()
+    save_calibration(Hardware(1e11, 1e9, 1e-5, cores=2), str(calibration), asdict(costs))
+    hw, saved = load_calibration(str(calibration))
+    assert hw.cores == 2 and pc.PipelineCosts(**saved) == costs
+    bench = {"config": {"stages": 2, "microbatches": 4, "dim": 16, "depth": 4, "batch": 8,
+                        "virtual": 2, "compute": "real", "sleep_ms": None,
+                        "load_average": [1.0, 1.0, 1.0]},
+             "gpipe": {"bubble_measured": 0.2, "step_ms": 4.0}}
+    path = tmp_path / "pipeline.json"
+    path.write_text(json.dumps(bench))
+    assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 0
+    out = capsys.readouterr().out
+    assert "this host's calibrated actions" in out
+    predicted = pp.predict(pp.from_bench(bench), "gpipe", hw, costs)["step_s"]
+    row = re.search(r"^gpipe\s+\S+\s+\S+\s+(\S+)", out, re.M)
+    assert float(row.group(1)) == pytest.approx(1e3 * predicted, abs=0.01)
+    # an older calibration without pipeline costs: said, and FLOPs alone
+    save_calibration(Hardware(1e11, 1e9, 1e-5, cores=2), str(calibration))
+    assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 0
+    assert "has no pipeline costs" in capsys.readouterr().out

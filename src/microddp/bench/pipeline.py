@@ -84,7 +84,8 @@ def _batch(dim: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _ours(world: World, name: str, cfg: dict, log: dict):
     """A training step of schedule `name` on this rank, and a function that runs one more with
-    the activation meter on and returns its peak bytes. Each timed call appends its compute
+    the activation meter on and returns its peak bytes: everything held (saved activations
+    and the interpreter's message buffers), and the saved activations alone. Each timed call appends its compute
     spans (kind, stage, mb, start, end) to log[name].
 
     The meter's saved-tensor hooks run Python for every tensor autograd saves, which torch's
@@ -116,7 +117,7 @@ def _ours(world: World, name: str, cfg: dict, log: dict):
         with meter:
             pipeline.run_schedule(schedule, mine, x, y, loss_fn)
         opt.step()
-        return meter.peak
+        return meter.peak, meter.peak_saved
 
     return step, measure
 

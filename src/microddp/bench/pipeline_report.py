@@ -44,7 +44,8 @@ def summarize(cfg: dict, ranks: list[dict], load: tuple[float, float, float]) ->
             "bubble_measured": round(statistics.median(bubbles), 4),
             "bubble_theory": round(pipeline.theory_bubble(schedule), 4),
             "bubble_on_paper": round(pipeline.simulate(schedule).bubble, 4),
-            "peak_activation_bytes": [r["peak"][name] for r in ranks],
+            "peak_activation_bytes": [r["peak"][name][0] for r in ranks],
+            "peak_saved_bytes": [r["peak"][name][1] for r in ranks],
             "step_ms": round(1e3 * statistics.median(times[name]), 3),
             "timed_steps": steps,
             "drawn_step": median_step,
@@ -75,15 +76,18 @@ def table(result: dict) -> str:
              f"median of {cfg['repeats']} interleaved steps; load average {la}",
              f"compute mode: {mode}",
              f"{'schedule':12}{'bubble':>8}{'theory':>8}{'paper':>7}{'step ms':>10}  "
-             "peak activations per rank (KiB)"]
+             "peak activations per rank, KiB: held (of it saved by autograd)"]
     for name in cfg["schedules"]:
         r = result[name]
         lines.append(f"{name:12}{r['bubble_measured']:>8.3f}{r['bubble_theory']:>8.3f}"
                      f"{r['bubble_on_paper']:>7.3f}{r['step_ms']:>10.2f}  "
-                     + " ".join(_kib(b) for b in r["peak_activation_bytes"]))
+                     + " ".join(f"{_kib(held)} ({_kib(saved)})" for held, saved in
+                                zip(r["peak_activation_bytes"], r["peak_saved_bytes"],
+                                    strict=True)))
     lines.append("bubble: idle share of the ranks' time, measured from the recorded timeline; "
                  "theory: the schedule's formula; paper: its plan played with F = 1, B = 2, "
-                 "I = W = 1")
+                 "I = W = 1; held: saved activations and message buffers (posted receives, "
+                 "sends in flight)")
     if result["versus_torch"]:
         lines.append("against torch.distributed.pipelining (same split, interleaved steps, "
                      "ratio of medians, 90% bootstrap interval):")

@@ -22,6 +22,7 @@ from ..predict.step import (
     Model,
     across_hosts,
     fullmlp,
+    load_calibration,
     scaling,
     table,
     verdict,
@@ -145,7 +146,7 @@ def _across_hosts(args: argparse.Namespace, hw: Hardware) -> None:
 def _hardware(args: argparse.Namespace) -> Hardware:
     if args.hardware == "calibrated":
         try:
-            hw = Hardware(**json.loads(Path(args.calibration).read_text()))
+            hw, _ = load_calibration(args.calibration)
         except FileNotFoundError:
             raise MicroDDPError(f"no calibration at {args.calibration}; run "
                                 "`microddp predict --calibrate` first") from None
@@ -221,8 +222,16 @@ def _pipeline(args: argparse.Namespace) -> int:
         names = args.schedules
     args.hardware = args.hardware or "a100-ib"
     hw = _hardware(args)
-    rows = [pp.predict(job, name, hw) for name in names]
-    print(pp.describe(job, hw))
+    costs = None
+    if args.hardware == "calibrated":
+        saved = load_calibration(args.calibration)[1]
+        if saved is None:
+            print(f"note: {args.calibration} has no pipeline costs (an older calibration): "
+                  "predicting from FLOPs alone; run `microddp predict --calibrate` again")
+        else:
+            costs = pp.PipelineCosts(**saved)
+    rows = [pp.predict(job, name, hw, costs) for name in names]
+    print(pp.describe(job, hw, costs))
     print(pp.table(job, rows, measured))
     if measured is not None:
         la = measured["config"].get("load_average")

@@ -1,15 +1,23 @@
 """The interpreter: run any schedule's program for this rank's stages, with send and recv.
 
-Sends are posted with isend and waited for at the end of the step; a receive is waited for
-where the program says, so a rank blocks exactly where `validate`'s model (receives block,
-sends do not) proved the schedule free of deadlock. But a receive is *posted* (irecv) ahead,
-as soon as its buffer's shape is known: gloo moves a message only once both sides have posted
-it, so a receive posted when the program reaches it costs a round trip between the two ranks
-(two more wake-ups of busy processes), and one posted ahead lets the data flow the moment it
-is sent. Posting never blocks, so it adds no wait the validator did not see. The price is
-memory: a rank holds the buffers of all the activations it will receive in the step from its
-start (one batch's width at each boundary it receives; GPipe holds them anyway, 1F1B would
-hold only p - r of them), besides the activations autograd saves, which the meter counts.
+Sends are posted with isend. A gloo point-to-point handle cannot be polled (it says it is not
+done until waited for; see chapter 2), so a send is waited for only where it is surely done:
+once a message has arrived that its receiver sent after receiving it (an activation's, say,
+when the gradient of the same micro-batch comes back), the rest at the end of the step. A receive is
+waited for where the program says, so a rank blocks exactly where `validate`'s model
+(receives block, sends do not) proved the schedule free of deadlock. But a receive is
+*posted* (irecv) ahead: gloo moves a message only once both sides have posted it, so a
+receive posted when the program reaches it costs a round trip between the two ranks (two more
+wake-ups of busy processes), and one posted ahead lets the data flow the moment it is sent.
+Receives are posted in the program's order, at most `WINDOW` posted and not yet waited for
+(a window, so that 1F1B does not hold a buffer for every micro-batch from the step's start),
+and a gradient's receive no earlier than its forward (its buffer has the output's shape).
+Posting never blocks, and every receive posted is one the program waits for later (the
+validator's rule 'matched' gives it its send), so the window adds no wait the validator did
+not see: when the program reaches a receive, every receive before it has been waited for, so
+the window has room and the receive is posted then at the latest. The buffers a rank holds
+for messages (receives posted, sends not yet completed) are counted by an `ActivationMeter`
+running around the step (`activations.hold`), beside the activations autograd saves.
 Messages carry a tag made from (ACT or GRAD, boundary, micro-batch), so two messages between
 the same two ranks (interleaving sends both ways, or receives posted early) can never be
 mistaken for each other.
@@ -30,7 +38,10 @@ from torch import nn
 from .. import comms
 from ..errors import MicroDDPError
 from ..monitor import note
-from .schedules import COMPUTE, Action, Schedule, message_key
+from .activations import hold
+from .schedules import COMPUTE, RECVS, SENDS, Action, Schedule, message_key
+
+WINDOW = 2  # receives a rank keeps posted ahead of the program, at most
 
 
 def microbatch_sizes(batch: int, m: int) -> list[int]:
@@ -57,44 +68,101 @@ def _tag(key: tuple[str, int, int], m: int) -> int:
     return (2 * boundary + (kind == "GRAD")) * m + mb
 
 
+def _destination(schedule: Schedule, a: Action) -> int:
+    return schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
+
+
+def _sends_done_after(schedule: Schedule, rank: int) -> dict[tuple, list[tuple]]:
+    """{message this rank receives: its sends surely done once that message has arrived}.
+
+    A peer that sends us a message after (in its program) receiving one of ours has received
+    ours: our send is done, and waiting for it then returns at once, without depending on
+    anything else. Waited for there, a sent tensor goes early, not at the step's end (so that
+    1F1B keeps holding about p - r micro-batches, its sent activations included)."""
+    done: dict[tuple, list[tuple]] = {}
+    for a in schedule.actions[rank]:
+        if a.kind not in SENDS:
+            continue
+        key, program = message_key(a), schedule.actions[_destination(schedule, a)]
+        at = next(i for i, b in enumerate(program) if b.kind in RECVS and message_key(b) == key)
+        reply = next((b for b in program[at + 1:]
+                      if b.kind in SENDS and _destination(schedule, b) == rank), None)
+        if reply is not None:
+            done.setdefault(message_key(reply), []).append(key)
+    return done
+
+
 class _Step:
     """One rank's state during one step: what each action leaves for the next ones."""
 
-    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], group, rank: int):
+    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], group, rank: int,
+                 xs: tuple[torch.Tensor, ...]):
         self.schedule, self.stages, self.group, self.rank = schedule, stages, group, rank
+        self.xs = xs
         self.inputs: dict = {}     # (stage, mb) -> the stage's input (a leaf needing grad)
         self.outputs: dict = {}    # (stage, mb) -> the stage's output, or the loss last
         self.out_grads: dict = {}  # (stage, mb) -> gradient of that output (None for a loss)
         self.in_grads: dict = {}   # (stage, mb) -> gradient of the input, to send down
-        self.sends: list = []
+        self.sends: dict = {}      # message key -> handle of a send not yet waited for
         self.sent_bytes = 0
         self.loss = 0.0
         self.posted: dict = {}     # (kind, stage, mb) -> (handle, buffer) of a posted receive
-        # the gradients this rank receives, each posted once its output exists (after its F)
-        self.grads_to_receive = {(a.stage, a.mb): a for a in schedule.actions[rank]
-                                 if a.kind == "RECV_GRAD"}
+        # this rank's receives in program order; the first `next_post` of them are posted
+        self.receives = [a for a in schedule.actions[rank] if a.kind in RECVS]
+        self.next_post = 0
+        self.done_after = _sends_done_after(schedule, rank)
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
-        peer = self.schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
+        peer = _destination(self.schedule, a)
         where = {"dst": peer} if self.group is None else {"group_dst": peer}
         tag = _tag(message_key(a), self.schedule.microbatches)
         tensor = tensor.detach().contiguous()
-        self.sends.append(comms.isend(tensor, group=self.group, tag=tag, **where))
+        hold(tensor)  # until the send is waited for (see `recv`), or the step's end
+        self.sends[message_key(a)] = comms.isend(tensor, group=self.group, tag=tag, **where)
         self.sent_bytes += tensor.nbytes
 
-    def post_receive(self, a: Action, like: torch.Tensor) -> None:
-        """Post receive `a` (irecv) into a buffer shaped like `like`; `recv` waits for it."""
-        peer = self.schedule.rank_of(a.stage + (-1 if a.kind == "RECV_ACT" else 1))
-        where = {"src": peer} if self.group is None else {"group_src": peer}
-        buf = torch.empty_like(like)
-        handle = comms.irecv(buf, group=self.group,
-                             tag=_tag(message_key(a), self.schedule.microbatches), **where)
-        self.posted[(a.kind, a.stage, a.mb)] = (handle, buf)
+    def _buffer_like(self, a: Action) -> torch.Tensor | None:
+        """A tensor shaped as receive `a`'s message, or None while that is not known (a
+        gradient before its forward)."""
+        if a.kind == "RECV_ACT":
+            module = self.stages[a.stage]
+            x = self.xs[a.mb]
+            return x.new_empty(len(x), _input_width(module),
+                               dtype=next(module.parameters()).dtype)
+        return self.outputs.get((a.stage, a.mb))
+
+    def post_ahead(self) -> None:
+        """Post the next receives in program order while fewer than WINDOW are posted and
+        not yet waited for, stopping at a gradient whose forward has not run yet."""
+        while self.next_post < len(self.receives) and len(self.posted) < WINDOW:
+            a = self.receives[self.next_post]
+            like = self._buffer_like(a)
+            if like is None:
+                return
+            peer = self.schedule.rank_of(a.stage + (-1 if a.kind == "RECV_ACT" else 1))
+            where = {"src": peer} if self.group is None else {"group_src": peer}
+            buf = torch.empty_like(like)
+            hold(buf)  # until the tensor that reads it is done with it
+            handle = comms.irecv(buf, group=self.group,
+                                 tag=_tag(message_key(a), self.schedule.microbatches), **where)
+            self.posted[(a.kind, a.stage, a.mb)] = (handle, buf)
+            self.next_post += 1
 
     def recv(self, a: Action) -> torch.Tensor:
-        """Wait for receive `a`, posted earlier, and return its tensor."""
-        handle, buf = self.posted.pop((a.kind, a.stage, a.mb))
+        """Wait for receive `a` (posted now if the window had not reached it) and return its
+        tensor; then post the next receives the window frees room for."""
+        key = (a.kind, a.stage, a.mb)
+        if key not in self.posted:
+            self.post_ahead()  # every earlier receive was waited for: the window has room
+        if key not in self.posted:
+            raise MicroDDPError(f"schedule {self.schedule.name}: rank {self.rank} reaches {a} "
+                                "before the forward whose output's gradient it receives; "
+                                "put the forward first (microddp.pipeline.validate)")
+        handle, buf = self.posted.pop(key)
         handle.wait()
+        self.post_ahead()
+        for sent in self.done_after.pop(message_key(a), ()):
+            self.sends.pop(sent).wait()  # done already: returns at once
         return buf
 
     def input_grad(self, key: tuple[int, int]) -> None:
@@ -137,13 +205,9 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     xs, ys = x.tensor_split(m), y.tensor_split(m)
     if any(len(part) == 0 for part in xs):
         microbatch_sizes(n, m)  # raises, saying what to do
-    st = _Step(schedule, stages, group, rank)
+    st = _Step(schedule, stages, group, rank, xs)
     try:
-        for a in schedule.actions[rank]:
-            if a.kind == "RECV_ACT":  # every activation's shape is known: post them all now
-                module = stages[a.stage]
-                st.post_receive(a, xs[a.mb].new_empty(
-                    len(xs[a.mb]), _input_width(module), dtype=next(module.parameters()).dtype))
+        st.post_ahead()
         for a in schedule.actions[rank]:
             note(a)  # a hang report names the action a stuck rank waits in
             start = time.perf_counter()
@@ -151,7 +215,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
             if record is not None and a.kind in COMPUTE:
                 record.append((a, start, time.perf_counter()))
         note(f"{schedule.name}: waiting for its sends to be received")
-        for handle in st.sends:
+        for handle in st.sends.values():
             handle.wait()
     finally:
         note(None)
@@ -177,8 +241,7 @@ def _perform(st: _Step, a: Action, xs, ys, loss_fn, n: int) -> None:
             # the next stage starts its own graph, so that B runs stage by stage
             st.inputs[(a.stage + 1, a.mb)] = out.detach()
         st.outputs[key] = out
-        if key in st.grads_to_receive:  # its gradient's shape is known now: post it
-            st.post_receive(st.grads_to_receive[key], out)
+        st.post_ahead()  # its gradient's receive may be next in the window
     elif a.kind == "SEND_ACT":
         st.send(a, st.outputs[key])
     elif a.kind == "RECV_GRAD":

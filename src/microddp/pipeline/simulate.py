@@ -33,12 +33,13 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], float] | None = None,
-             transfer: float = 0.0) -> Timeline:
+             transfer: float = 0.0, send: float = 0.0) -> Timeline:
     """Run every rank's program in order; raise MicroDDPError naming the stuck ranks if the
     programs deadlock (each rank waits for a receive whose send never comes first).
 
     `costs`: per kind (F, B, I, W), or a function of the action (stages of unequal size);
-    `transfer`: the time a message takes from its send to its receive (0: none, on paper).
+    `transfer`: the time a message takes from its send to its receive (0: none, on paper);
+    `send`: the time posting a send takes on its sender's own clock (0: none).
     """
     costs = COSTS if costs is None else costs
     cost = costs if callable(costs) else (lambda a: costs[a.kind])
@@ -59,6 +60,7 @@ def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], fl
                         break  # blocked until the sender gets there
                     clock[r] = max(clock[r], posted[key] + transfer)
                 elif a.kind in SENDS:
+                    clock[r] += send
                     posted[message_key(a)] = clock[r]
                 else:
                     spans[r].append((clock[r], clock[r] + cost(a), a))

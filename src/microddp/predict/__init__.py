@@ -1,5 +1,6 @@
 """Predicting a DDP step before running it: the cost model of a step (step.py, built on
-collectives.cost) and its calibration against this machine (calibrate.py)."""
+collectives.cost) and its calibration against this machine (calibrate.py); a pipeline step
+(pipeline.py) from the costs of its actions and messages measured here (pipeline_costs.py)."""
 
 from .step import (
     ALGORITHMS,

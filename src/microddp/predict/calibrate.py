@@ -11,6 +11,7 @@ import os
 import resource
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ from ..comms.world import World, distributed
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..timing import interleaved
+from .pipeline_costs import PipelineCosts, median_costs
+from .pipeline_costs import measure as measure_pipeline
 from .step import Hardware, fullmlp, predict, save_calibration
 
 SIZES = [2**k for k in range(10, 24, 2)]  # 1 KiB .. 4 MiB of float32
@@ -209,7 +212,9 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     got: dict[str, list[float]] = {k: [] for k in ("flops", "memory", "alpha", "bandwidth",
                                                    "busy", "rank_flops")}
     steps: dict[int, list[float]] = {n: [] for n in worlds}
+    pipeline_rounds: list[PipelineCosts] = []
     for _ in range(rounds):
+        pipeline_rounds.append(measure_pipeline(os.cpu_count() or 1))
         flops, memory = host_rates(dim, depth, batch)
         got["flops"].append(flops)
         got["memory"].append(memory)
@@ -226,13 +231,23 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
                   "this host, measured by microddp predict --calibrate", cores=os.cpu_count() or 1,
                   memory=med["memory"], comm_cpu=med["busy"], rank_flops=med["rank_flops"],
                   algorithm=path)
-    save_calibration(hw, args.calibration)
+    costs = median_costs(pipeline_rounds)
+    save_calibration(hw, args.calibration, asdict(costs))
     print(f"compute {hw.flops:.3g} FLOP/s ({hw.rank_flops:.3g} for one rank alone), memory "
           f"{hw.memory:.3g} B/s, latency (alpha) {1e6 * hw.latency:.1f} us, bandwidth (1/beta) "
           f"{hw.bandwidth:.3g} B/s ({path} all-reduce), all-reduce keeps "
           f"{100 * hw.comm_cpu:.0f}% of a core busy; "
           f"saved to {args.calibration} "
           "(--hardware calibrated)")
+    k = max(depth // 2, 1)
+    print(f"pipeline actions (interpreter, {costs.ranks} ranks at once, 1 thread each): F = "
+          f"{1e6 * costs.forward_fixed:.0f} us + blocks x ({1e6 * costs.forward_block:.1f} us + "
+          f"FLOPs / {costs.forward_rate:.3g}), B = {1e6 * costs.backward_fixed:.0f} us + blocks "
+          f"x ({1e6 * costs.backward_block:.1f} us + 2 FLOPs / {costs.backward_rate:.3g}) "
+          f"(F {1e3 * costs.forward(k, 8, dim):.3f} ms, B {1e3 * costs.backward(k, 8, dim):.3f} ms for "
+          f"{k} blocks of width {dim} x 8 rows); step +{1e6 * costs.step_fixed:.0f} us + "
+          f"{1e6 * costs.step_block:.1f} us per block; messages {1e6 * costs.latency:.0f} us + "
+          f"bytes / {costs.bandwidth:.3g} B/s, isend call {1e6 * costs.send:.0f} us")
     if not worlds:
         return 0
     print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  {'limit':<10} "

@@ -1,6 +1,14 @@
 """Predict a pipeline step: the schedule played with each action's cost and each message's.
 
-A stage's forward of one micro-batch costs its blocks' FLOPs (2 per weight per sample) at the
+With a calibration of this host (`microddp predict --calibrate`, `pipeline_costs`), an action
+costs what the interpreter measured there: a fixed cost per action and per block plus the
+FLOPs at the measured rate, so a micro-batch of 8 rows costs its per-operation overheads and
+not 1/4 of a 32-row one; a message costs the measured ping-pong latency plus its bytes at the
+measured bandwidth, and its sender the measured `isend` call; the step adds its measured
+fixed cost (optimizer, zero_grad). With more ranks than the calibration ran at once (one per
+core), compute stretches by ranks / cores: they time-share the cores (sleep does not).
+
+Without it (a preset), a stage's forward of one micro-batch costs its blocks' FLOPs (2 per weight per sample) at the
 rank's rate, plus, with `--sleep-ms`, the sleep `microddp bench pipeline --compute sleep` adds
 per block; a backward costs twice a forward (I and W one forward each). Every activation and
 every gradient crossing a stage boundary is one message of micro-batch x width x 4 bytes,
@@ -17,6 +25,7 @@ from dataclasses import dataclass
 from .. import pipeline
 from ..errors import MicroDDPError
 from ..pipeline import Action
+from .pipeline_costs import PipelineCosts
 from .step import Hardware
 
 
@@ -41,35 +50,67 @@ def rank_rate(hw: Hardware, ranks: int) -> float:
     return min(rate, hw.rank_flops) if hw.rank_flops else rate
 
 
-def predict(job: PipelineJob, name: str, hw: Hardware) -> dict:
-    """One step of schedule `name` for `job` on `hw`: bubble, step and transfer time (s)."""
+def predict(job: PipelineJob, name: str, hw: Hardware,
+            costs: PipelineCosts | None = None) -> dict:
+    """One step of schedule `name` for `job` on `hw`: bubble, step and transfer time (s).
+    `costs`: this host's calibrated action and message costs (then `hw` is not used)."""
     schedule = pipeline.build(name, job.stages, job.microbatches, job.virtual)
     blocks = pipeline.blocks_per_stage(job.depth, schedule.stages)
     pipeline.microbatch_sizes(job.batch, job.microbatches)  # raises, saying what to do
     mb = job.batch / job.microbatches  # the mean micro-batch: sizes differ by one at most
+    sleep = (job.sleep_ms or 0.0) / 1e3
+    message = mb * job.dim * 4
+    cost = (_calibrated_cost(job, blocks, costs, mb, sleep) if costs is not None
+            else _flops_cost(job, blocks, hw, mb, sleep))
+    if costs is not None:
+        transfer, send = costs.message(message), costs.send
+        fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
+                    for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
+    else:
+        transfer, send, fixed = hw.latency + message / hw.bandwidth, 0.0, 0.0
+    timeline = pipeline.simulate(schedule, cost, transfer, send)
+    ideal = pipeline.simulate(schedule, cost)
+    sends = sum(a.kind in ("SEND_ACT", "SEND_GRAD") for prog in schedule.actions for a in prog)
+    return {"schedule": name, "bubble": timeline.bubble, "step_s": timeline.makespan + fixed,
+            "step_without_transfer_s": ideal.makespan + fixed,
+            "transfer_per_message_s": transfer,
+            "messages": sends, "bytes_sent": sends * message,
+            "bubble_theory": pipeline.theory_bubble(schedule)}
+
+
+SHARE = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # of a forward's FLOPs and sleeps
+
+
+def _flops_cost(job: PipelineJob, blocks: list[int], hw: Hardware, mb: float, sleep: float):
+    """An action's cost from FLOPs alone, at a preset's rate (no per-operation overhead)."""
     rate = rank_rate(hw, job.stages)
     block_flops = 2 * (job.dim * job.dim + job.dim) * mb
     head_flops = 2 * (job.dim * 2 + 2) * mb  # the last stage's Linear to 2 classes
-    sleep = (job.sleep_ms or 0.0) / 1e3
-
-    def forward(stage: int) -> float:
-        flops = blocks[stage] * block_flops + (head_flops if stage == schedule.stages - 1 else 0)
-        return flops / rate + blocks[stage] * sleep
-
-    share = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    last = len(blocks) - 1
 
     def cost(a: Action) -> float:
-        return share[a.kind] * forward(a.stage)
+        flops = blocks[a.stage] * block_flops + (head_flops if a.stage == last else 0)
+        return SHARE[a.kind] * (flops / rate + blocks[a.stage] * sleep)
 
-    message = mb * job.dim * 4
-    transfer = hw.latency + message / hw.bandwidth
-    timeline = pipeline.simulate(schedule, cost, transfer)
-    ideal = pipeline.simulate(schedule, cost)
-    sends = sum(a.kind in ("SEND_ACT", "SEND_GRAD") for prog in schedule.actions for a in prog)
-    return {"schedule": name, "bubble": timeline.bubble, "step_s": timeline.makespan,
-            "step_without_transfer_s": ideal.makespan, "transfer_per_message_s": transfer,
-            "messages": sends, "bytes_sent": sends * message,
-            "bubble_theory": pipeline.theory_bubble(schedule)}
+    return cost
+
+
+def _calibrated_cost(job: PipelineJob, blocks: list[int], costs: PipelineCosts, mb: float,
+                     sleep: float):
+    """An action's cost as the calibration measured the interpreter's: F and B fitted; I
+    computes the input's gradient only (one of a backward's two products per Linear: half a
+    B), and none on stage 0, whose input needs none; W walks the whole backward again for the
+    weights (`runtime`'s simple split: a B). Compute stretches when ranks outnumber cores."""
+    stretch = max(1.0, job.stages / costs.cores)
+
+    def cost(a: Action) -> float:
+        k = blocks[a.stage]
+        compute = {"F": costs.forward(k, mb, job.dim), "B": costs.backward(k, mb, job.dim),
+                   "I": costs.backward(k, mb, job.dim) / 2 if a.stage > 0 else 0.0,
+                   "W": costs.backward(k, mb, job.dim)}[a.kind]
+        return compute * stretch + SHARE[a.kind] * k * sleep
+
+    return cost
 
 
 def from_bench(result: dict) -> PipelineJob:
@@ -103,8 +144,19 @@ def table(job: PipelineJob, rows: list[dict], measured: dict | None = None) -> s
     return "\n".join(lines)
 
 
-def describe(job: PipelineJob, hw: Hardware) -> str:
+def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None) -> str:
     """One line naming the job and the hardware the prediction assumes."""
+    if costs is not None:
+        k = job.depth // job.stages
+        mb = job.batch / job.microbatches
+        sleep = f"{job.sleep_ms:g} ms sleep per block forward + " if job.sleep_ms else ""
+        return (f"pipeline: {job.stages} ranks, {job.microbatches} micro-batches, FullMLP("
+                f"{job.dim}, depth {job.depth}), batch {job.batch}; compute: {sleep}this "
+                f"host's calibrated actions (F {1e3 * costs.forward(k, mb, job.dim):.3f} ms, B "
+                f"{1e3 * costs.backward(k, mb, job.dim):.3f} ms for {k} blocks x {mb:g} rows; step "
+                f"+{1e3 * costs.step(k):.3f} ms); messages: {1e6 * costs.latency:.0f} us + "
+                f"bytes / {costs.bandwidth:.3g} B/s, isend {1e6 * costs.send:.0f} us "
+                f"(calibrated with {costs.ranks} ranks on {costs.cores} cores)")
     compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "
                "FLOP/s per rank" if job.sleep_ms else
                f"FLOPs at {rank_rate(hw, job.stages):.3g} FLOP/s per rank")

@@ -222,7 +222,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def save_calibration(hw: Hardware, path: str) -> None:
-    """Write measured hardware figures as JSON, for `microddp predict --hardware FILE`."""
+def save_calibration(hw: Hardware, path: str, pipeline: dict | None = None) -> None:
+    """Write measured hardware figures as JSON, for `microddp predict --hardware calibrated`;
+    `pipeline`: the measured pipeline costs (`pipeline_costs.PipelineCosts` as a dict), kept
+    under their own key."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    outputs.write_text(path, json.dumps(asdict(hw)))
+    saved = asdict(hw) | ({"pipeline": pipeline} if pipeline is not None else {})
+    outputs.write_text(path, json.dumps(saved))
+
+
+def load_calibration(path: str) -> tuple[Hardware, dict | None]:
+    """The figures `save_calibration` wrote: the hardware, and the pipeline costs if any."""
+    saved = json.loads(Path(path).read_text())
+    pipeline = saved.pop("pipeline", None)
+    return Hardware(**saved), pipeline
