@@ -12,21 +12,30 @@ Only step 2 crosses hosts: each host sends 2(h-1)/h of the tensor in all, split 
 rails, in 2(h-1) steps. With hosts of unequal size the tensor is cut into as many chunks as
 the smallest host has ranks; the extra ranks of a bigger host take part in steps 1 and 3
 with empty chunks. Every step is written against transport's point-to-point calls.
+
+DDP starts each bucket's reduction on the hierarchy's own thread (`start`). Its waits end at
+the world's timeout (the groups are formed with it, not torch's 30 minutes for a new group),
+and the hang monitor logs each reduction (`observe_with`): a host lost without closing its
+connections (link down, power cut) ends the survivors in the monitor's report, naming the
+ranks that did not answer. After one failure the hierarchy sends nothing more: every later
+reduction fails at once with the same error, so the rank exits promptly.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 
 from ..comms.hosts import host_id
-from ..comms.world import distributed, uses_nccl
+from ..comms.world import distributed, group_timeout, uses_nccl
 from ..errors import MicroDDPError
 from ..transport.peers import Flat, Peers, bounds
 from .agree import agree, describe_tensor, home
@@ -35,6 +44,19 @@ from .ring import all_gather_flat_, reduce_scatter_flat_
 
 OPS = ("sum", "avg", "product", "min", "max")
 SETTING = "MICRODDP_HIERARCHICAL"  # "auto" (default), "1" (whenever possible), "0" (never)
+
+# Set by the hang monitor while it runs (it sits above this layer): called on the caller's
+# thread as a reduction is started, it returns what the serving thread calls when that
+# reduction ends, with its error (None if it succeeded); that gives the error to raise (the
+# monitor's hang report for a backend's failure).
+Ended = Callable[[BaseException | None], BaseException | None]
+_observer: Callable[[torch.Tensor, str, FrameType], Ended] | None = None
+
+
+def observe_with(observer: Callable[[torch.Tensor, str, FrameType], Ended] | None) -> None:
+    """Install the hang monitor's observer of started reductions, or None."""
+    global _observer
+    _observer = observer
 
 
 class Hierarchy:
@@ -53,18 +75,21 @@ class Hierarchy:
         me = dist.get_rank()
         self.host = ids.index(hosts[me])
         self.local = self.members[self.host].index(me)
-        # new_group is collective over the world: every rank forms every group, in one order.
+        # new_group is collective over the world: every rank forms every group, in one order,
+        # each with the world's timeout (torch's default for a new group is 30 minutes).
+        timeout = group_timeout()
         self.intra = self.rail = None
         for ranks in self.members:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 self.intra = group
         for j in range(self.rails):
             ranks = [m[j] for m in self.members]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 self.rail = group
         self._jobs: queue.SimpleQueue | None = None
+        self.failed: BaseException | None = None  # the first reduction that failed (see start)
 
     @property
     def hosts(self) -> int:
@@ -94,28 +119,38 @@ class Hierarchy:
     def start(self, data: torch.Tensor, name: str = "sum") -> torch.futures.Future:
         """all_reduce_ on this hierarchy's own thread; the future's value is `data`. Calls run
         one at a time in the order they were started, the same on every rank, so each group's
-        messages match; the caller's thread goes on (DDP's backward keeps computing)."""
+        messages match; the caller's thread goes on (DDP's backward keeps computing). Once one
+        has failed, the later ones fail with its error, sending nothing (their peers may be
+        gone, or waiting in another step)."""
+        ended = _observer(data, name, sys._getframe(1)) if _observer is not None else None
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
                              name="microddp-hierarchical").start()
             weakref.finalize(self, self._jobs.put, None)
         fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((self, data, name, fut))
+        self._jobs.put((self, data, name, fut, ended))
         return fut
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
     while (job := jobs.get()) is not None:
-        hierarchy, data, name, fut = job
+        hierarchy, data, name, fut, ended = job
         del job
-        try:
-            hierarchy.all_reduce_(data, name)
-        except BaseException as e:  # the waiting caller raises it
-            fut.set_exception(e)
-        else:
+        error = hierarchy.failed
+        if error is None:
+            try:
+                hierarchy.all_reduce_(data, name)
+            except BaseException as e:  # noqa: BLE001 (the waiting caller raises it)
+                error = e
+        if ended is not None:
+            error = ended(error)
+        if error is None:
             fut.set_result(data)
-        del hierarchy, data, fut
+        else:
+            hierarchy.failed = hierarchy.failed or error
+            fut.set_exception(error)
+        del hierarchy, data, fut, ended, error
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, op: str = "sum",

@@ -109,6 +109,17 @@ def group_rank(group=None) -> int:
     return dist.get_rank(group) if distributed() else 0
 
 
+def group_timeout(group=None) -> timedelta:
+    """How long `group`'s backend waits before a blocked call fails (default: the world's,
+    init's `timeout`). Sub-groups ask for it: torch gives a new group its own default
+    (30 minutes on gloo), not the world's, so a lost host would stall them that long."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout  # torch's own field
+    except (AttributeError, RuntimeError, ValueError):  # private API, or no CPU side
+        return dist.default_pg_timeout
+
+
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     if timeout is None:
         timeout = float(os.environ.get("MICRODDP_TIMEOUT", DEFAULT_TIMEOUT_S))
