@@ -183,10 +183,12 @@ def test_a_lost_host_rejoins_and_the_run_ends_as_if_never_interrupted(two_hosts,
     assert [first[0].returncode, again.returncode] == [0, 0], "\n".join(logs)
     assert "resuming from ckpt-" in logs[0]
     if how == "link down":
+        # where host 0's ranks were depends on when the link went (a bucket's all-reduce, the
+        # checkpoint's broadcast, each rank in another one); the lost ones are named alike
         report = find_report(logs[0].splitlines())
-        assert report[0].startswith("microddp hang report: collective hierarchical_all_reduce #")
-        assert "  ranks 0,1 are in hierarchical_all_reduce #" in report[1], report
-        assert report[2].startswith("  ranks 2,3 did not answer"), report
+        assert report and report[0].startswith("microddp hang report: collective "), logs[0]
+        assert ("  ranks 2,3 did not answer (exited, crashed, or frozen outside Python)"
+                in report), report
     got = _params(tmp_path / "runs" / "elastic" / "model.pt")
     uninterrupted = _params(two_hosts[0] / "runs" / "two-hosts" / "model.pt")
     assert got.keys() == uninterrupted.keys()

@@ -69,8 +69,18 @@ class Watcher(Protocol):
     def stop(self) -> None:
         """Stop watching, before the process group is destroyed."""
 
+    def failed(self, error: RuntimeError) -> BaseException:
+        """What a failed wait on the backend raises: the report of every rank if the backend
+        gave up (a peer lost, its timeout) while watching, else `error` itself."""
+
 
 _watcher: Watcher | None = None
+
+
+def wait_failed(error: RuntimeError) -> BaseException:
+    """What a wait that failed with `error` raises (see Watcher.failed): the hang report when
+    a monitor watches, so that a lost peer is named rather than left to gloo's bare timeout."""
+    return error if _watcher is None else _watcher.failed(error)
 
 
 def watch_with(watcher: Watcher | None) -> None:

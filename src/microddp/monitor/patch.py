@@ -141,6 +141,18 @@ def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
     return MicroDDPError(mon.collect(entry, why=_first_line(e)))
 
 
+def failed_wait(error: RuntimeError) -> BaseException:
+    """What a wait on an async call's Work (comms' Handle, DDP's buckets) raises when it
+    failed: the report of every rank if the backend gave up, about the oldest call still
+    open; `error` itself if no monitor runs or the call was refused at once. Needed when the
+    group's timeout ends the wait before the watchdog's threshold (MICRODDP_TIMEOUT below the
+    monitor's timeout), which would otherwise leave gloo's bare timeout."""
+    mon = _active
+    if mon is None:
+        return error
+    return _reported(mon, mon.log.oldest_open(), error)
+
+
 class _Signature:
     """Where a wrapped function's arguments are, found once per function: inspect's bind()
     costs ~20 us a call, a position lookup well under one."""
