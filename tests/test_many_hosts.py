@@ -354,6 +354,38 @@ def test_a_host_that_never_joins_is_named_by_the_others_at_the_deadline(tmp_path
         assert all(x.startswith("[W") and "socket.cpp" in x for x in before), log
 
 
+RAW = {  # chapter 11's raw torchrun commands for 3 hosts, with the rendezvous bounded
+    "static": ("torchrun --nnodes 3 --nproc-per-node 2 --node-rank $NODE_RANK --master-addr "
+               "$HOST0 --master-port 29400 --rdzv-conf timeout=20 -m microddp.commands.hello"),
+    "c10d": ("torchrun --nnodes 3 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
+             "$HOST0:29400 --rdzv-conf {host}join_timeout=20 --local-addr {addr} "
+             "-m microddp.commands.hello"),
+}
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_raw_torchrun_with_a_host_missing_stops_at_the_rendezvous_timeout_it_was_given(
+        tmp_path, rendezvous):
+    """What chapter 11 tells raw torchrun users: a host that never joins leaves the others
+    waiting inside torchrun's rendezvous (600 s by default) until `--rdzv-conf timeout=N`
+    (static) or `join_timeout=N` (c10d) says otherwise; then torchrun stops every host that
+    came, with its own words (microddp's code has not run yet)."""
+    if rendezvous == "static":
+        commands = [RAW["static"]] * 2
+    else:
+        commands = [RAW["c10d"].format(host="is_host=1,", addr="$HOST0"),
+                    RAW["c10d"].format(host="", addr="$THIS_HOST")]
+    with netns_helpers.Fabric(3) as net:
+        procs = [_start(net, h, commands[h], tmp_path) for h in range(2)]
+        logs = _finish(procs, timeout=180)  # far below torchrun's default 600 s
+    assert [p.returncode for p in procs] == [1, 1], logs
+    if rendezvous == "static":
+        assert "waiting for clients. 2/3 clients joined." in logs[0], logs[0]
+    else:
+        assert "RendezvousTimeoutError" in logs[0], logs[0]
+    assert "hello from rank" not in "".join(logs)
+
+
 def test_an_address_nobody_has_fails_fast_with_one_line(tmp_path):
     """--master-addr inside the hosts' subnet but held by no one: host 1 stops as soon as the
     kernel finds no machine there (ARP), not at the 600 s join timeout; host 0, told to serve
