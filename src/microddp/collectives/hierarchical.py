@@ -8,7 +8,9 @@ of one host talk over memory or the loopback, much faster, so:
 2. across hosts, local rank j of every host (a "rail") all-reduces chunk j, all rails at once;
 3. inside each host, an all-gather: every rank ends with every chunk.
 
-Only step 2 crosses hosts: each host sends 2(h-1)/h of the tensor in all, split over its
+Steps 1 and 3 go through the host's shared memory when collectives/route.py says the host's
+ranks may use it (`intra_host_path`; MICRODDP_TRANSPORT=gloo keeps them on gloo), else through
+gloo's send/recv like step 2. Only step 2 crosses hosts: each host sends 2(h-1)/h of the tensor in all, split over its
 rails, in 2(h-1) steps. With hosts of unequal size the tensor is cut into as many chunks as
 the smallest host has ranks; the extra ranks of a bigger host take part in steps 1 and 3
 with empty chunks. Every step is written against transport's point-to-point calls.
@@ -37,10 +39,12 @@ import torch.distributed as dist
 from ..comms.hosts import host_id
 from ..comms.world import distributed, group_timeout, uses_nccl
 from ..errors import MicroDDPError
-from ..transport.peers import Flat, Peers, bounds
+from ..transport.peers import Flat, Peers, bounds, scratch
 from .agree import agree, describe_tensor, home
 from .checks import try_op, try_tensor
 from .ring import all_gather_flat_, reduce_scatter_flat_
+from .route import intra_host_path
+from .shm_group import SharedGroup
 
 OPS = ("sum", "avg", "product", "min", "max")
 SETTING = "MICRODDP_HIERARCHICAL"  # "auto" (default), "1" (whenever possible), "0" (never)
@@ -90,6 +94,9 @@ class Hierarchy:
                 self.rail = group
         self._jobs: queue.SimpleQueue | None = None
         self.failed: BaseException | None = None  # the first reduction that failed (see start)
+        # Whether this host's ranks share memory: decided now, where every rank of the host
+        # is (collective over the host's group), so the first reduction finds it ready.
+        intra_host_path(torch.empty(0), "sum", self.intra)
 
     @property
     def hosts(self) -> int:
@@ -103,16 +110,23 @@ class Hierarchy:
 
     def all_reduce_(self, data: torch.Tensor, name: str = "sum") -> None:
         """The three steps, in place on a 1-D contiguous tensor (avg: summed, then divided)."""
-        intra = Peers(self.intra)
         off = self.offsets(data.numel())
-        reduce_scatter_flat_(intra, data, name, off, purpose="hierarchical")
+        shared = intra_host_path(data, name, self.intra)
+        intra = Peers(self.intra)
+        if shared is not None:
+            _shared_step(shared, data, name, off, self.local, gather=False)
+        else:
+            reduce_scatter_flat_(intra, data, name, off, purpose="hierarchical")
         if self.rail is not None and self.hosts > 1:
             chunk = data[off[self.local]:off[self.local + 1]]
             if chunk.numel():
                 rail = Peers(self.rail)
                 rail_off = reduce_scatter_flat_(rail, chunk, name, purpose="hierarchical")
                 all_gather_flat_(rail, chunk, rail_off)
-        all_gather_flat_(intra, data, off)
+        if shared is not None:
+            _shared_step(shared, data, name, off, self.local, gather=True)
+        else:
+            all_gather_flat_(intra, data, off)
         if name == "avg":
             data.div_(self.world)
 
@@ -131,6 +145,31 @@ class Hierarchy:
         fut: torch.futures.Future = torch.futures.Future()
         self._jobs.put((self, data, name, fut, ended))
         return fut
+
+
+def _shared_step(shared: SharedGroup, data: torch.Tensor, name: str, off: list[int],
+                 local: int, gather: bool) -> None:
+    """Step 1 (reduce-scatter: chunk `local` of `data` becomes the host's op over it) or step 3
+    (all-gather: every chunk from its rank) through the host's shared memory. Its collectives
+    take chunks of one length, so the chunks travel padded to the longest (they differ by at
+    most one element, or are empty on a bigger host's extra ranks)."""
+    n = len(off) - 1
+    k = max(off[j + 1] - off[j] for j in range(n))
+    if k == 0:
+        return
+    padded = scratch("hierarchical-shm", (n + 1) * k, data.dtype, data.device)
+    parts, mine = [padded[j * k:(j + 1) * k] for j in range(n)], padded[n * k:]
+    shared.yielding = True  # on this thread, beside backward: give the GIL up while waiting
+    if not gather:
+        for j, part in enumerate(parts):
+            part[:off[j + 1] - off[j]].copy_(data[off[j]:off[j + 1]])
+        shared.reduce_scatter(mine, parts, "sum" if name == "avg" else name)
+        data[off[local]:off[local + 1]].copy_(mine[:off[local + 1] - off[local]])
+    else:
+        mine[:off[local + 1] - off[local]].copy_(data[off[local]:off[local + 1]])
+        shared.all_gather(parts, mine)
+        for j, part in enumerate(parts):
+            data[off[j]:off[j + 1]].copy_(part[:off[j + 1] - off[j]])
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
