@@ -108,13 +108,18 @@ class Hierarchy:
         rank beyond the smallest host's count."""
         return bounds(numel, self.rails) + [numel] * (len(self.members[self.host]) - self.rails)
 
-    def all_reduce_(self, data: torch.Tensor, name: str = "sum") -> None:
-        """The three steps, in place on a 1-D contiguous tensor (avg: summed, then divided)."""
+    def all_reduce_(self, data: torch.Tensor, name: str = "sum", shm: bool = True,
+                    beside: bool = False) -> None:
+        """The three steps, in place on a 1-D contiguous tensor (avg: summed, then divided).
+        `shm` False keeps the steps inside a host on gloo even where shared memory could take
+        them (the benchmark times both); every rank must pass the same. `beside`: this runs
+        on the hierarchy's thread beside the caller's work (DDP's backward), so shared-memory
+        waits give the GIL up at once instead of spinning first."""
         off = self.offsets(data.numel())
-        shared = intra_host_path(data, name, self.intra)
+        shared = intra_host_path(data, name, self.intra) if shm else None
         intra = Peers(self.intra)
         if shared is not None:
-            _shared_step(shared, data, name, off, self.local, gather=False)
+            _shared_step(shared, data, name, off, self.local, False, beside)
         else:
             reduce_scatter_flat_(intra, data, name, off, purpose="hierarchical")
         if self.rail is not None and self.hosts > 1:
@@ -124,7 +129,7 @@ class Hierarchy:
                 rail_off = reduce_scatter_flat_(rail, chunk, name, purpose="hierarchical")
                 all_gather_flat_(rail, chunk, rail_off)
         if shared is not None:
-            _shared_step(shared, data, name, off, self.local, gather=True)
+            _shared_step(shared, data, name, off, self.local, True, beside)
         else:
             all_gather_flat_(intra, data, off)
         if name == "avg":
@@ -148,28 +153,40 @@ class Hierarchy:
 
 
 def _shared_step(shared: SharedGroup, data: torch.Tensor, name: str, off: list[int],
-                 local: int, gather: bool) -> None:
+                 local: int, gather: bool, yielding: bool) -> None:
     """Step 1 (reduce-scatter: chunk `local` of `data` becomes the host's op over it) or step 3
     (all-gather: every chunk from its rank) through the host's shared memory. Its collectives
-    take chunks of one length, so the chunks travel padded to the longest (they differ by at
-    most one element, or are empty on a bigger host's extra ranks)."""
+    take chunks of one length: equal chunks go as they are; otherwise (they differ by one
+    element, or a bigger host's extra ranks have empty ones) they travel padded to the
+    longest, at the price of a copy of the tensor each way."""
     n = len(off) - 1
-    k = max(off[j + 1] - off[j] for j in range(n))
+    lengths = [off[j + 1] - off[j] for j in range(n)]
+    k = max(lengths)
     if k == 0:
+        return
+    shared.yielding = yielding
+    op = "sum" if name == "avg" else name
+    if all(m == k for m in lengths):
+        parts = [data[off[j]:off[j + 1]] for j in range(n)]
+        if gather:
+            shared.all_gather(parts, parts[local])
+        else:
+            mine = scratch("hierarchical-shm", k, data.dtype, data.device)
+            shared.reduce_scatter(mine, parts, op)
+            parts[local].copy_(mine)
         return
     padded = scratch("hierarchical-shm", (n + 1) * k, data.dtype, data.device)
     parts, mine = [padded[j * k:(j + 1) * k] for j in range(n)], padded[n * k:]
-    shared.yielding = True  # on this thread, beside backward: give the GIL up while waiting
     if not gather:
         for j, part in enumerate(parts):
-            part[:off[j + 1] - off[j]].copy_(data[off[j]:off[j + 1]])
-        shared.reduce_scatter(mine, parts, "sum" if name == "avg" else name)
-        data[off[local]:off[local + 1]].copy_(mine[:off[local + 1] - off[local]])
+            part[:lengths[j]].copy_(data[off[j]:off[j + 1]])
+        shared.reduce_scatter(mine, parts, op)
+        data[off[local]:off[local + 1]].copy_(mine[:lengths[local]])
     else:
-        mine[:off[local + 1] - off[local]].copy_(data[off[local]:off[local + 1]])
+        mine[:lengths[local]].copy_(data[off[local]:off[local + 1]])
         shared.all_gather(parts, mine)
         for j, part in enumerate(parts):
-            data[off[j]:off[j + 1]].copy_(part[:off[j + 1] - off[j]])
+            data[off[j]:off[j + 1]].copy_(part[:lengths[j]])
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
@@ -179,7 +196,7 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         error = hierarchy.failed
         if error is None:
             try:
-                hierarchy.all_reduce_(data, name)
+                hierarchy.all_reduce_(data, name, beside=True)
             except BaseException as e:  # noqa: BLE001 (the waiting caller raises it)
                 error = e
         if ended is not None:
