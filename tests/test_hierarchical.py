@@ -3,6 +3,8 @@ this machine grouped as if they sat on several), even and uneven; and DDP's choi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,8 +25,13 @@ def _inputs(rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), generator=g).to(dtype)
 
 
-def _against_flat(world, hosts):
+def _against_flat(world, hosts, transport="auto"):
+    # Read when the host's group attaches its shared memory (in Hierarchy): "gloo" keeps the
+    # steps inside a host on gloo's send/recv, "auto" lets them use shared memory (made-up
+    # hosts are one real host, so every group of 2+ ranks may).
+    os.environ["MICRODDP_TRANSPORT"] = transport
     hierarchy = H.Hierarchy(hosts)
+    shared = H.intra_host_path(torch.zeros(1), "sum", hierarchy.intra) is not None
     out = []
     for n in SIZES:
         for op in INT_OPS:
@@ -46,7 +53,7 @@ def _against_flat(world, hosts):
         out.append((n, "avg", torch.allclose(avg.view(-1), ref / world.world_size,
                                              rtol=1e-12, atol=1e-12)))
     return [case for case in out if not case[2]], (hierarchy.hosts, hierarchy.rails,
-                                                   hierarchy.local)
+                                                   hierarchy.local), shared
 
 
 @pytest.mark.parametrize("hosts, rails", [
@@ -55,10 +62,14 @@ def _against_flat(world, hosts):
     (["a", "b", "a", "b"], 2),            # a host's ranks need not be consecutive
     (["a", "a", "b", "b", "b"], 2),       # uneven: 2 + 3
 ])
-def test_equals_flat_all_reduce(hosts, rails):
-    results = mdp.spawn(_against_flat, len(hosts), args=(hosts,), timeout=180)
-    for rank, (failed, (n_hosts, n_rails, local)) in enumerate(results):
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_equals_flat_all_reduce(hosts, rails, transport):
+    """Through shared memory inside a host (auto) and through gloo (gloo), the same results."""
+    results = mdp.spawn(_against_flat, len(hosts), args=(hosts, transport), timeout=180)
+    for rank, (failed, (n_hosts, n_rails, local), shared) in enumerate(results):
         assert failed == [], (rank, failed)
+        # a host of one rank has nobody to share memory with
+        assert shared == (transport == "auto" and hosts.count(hosts[rank]) > 1), rank
         assert (n_hosts, n_rails) == (len(set(hosts)), rails)
         assert local == [r for r, h in enumerate(hosts) if h == hosts[rank]].index(rank)
 
@@ -101,7 +112,6 @@ def test_ddp_through_the_hierarchy_matches_flat():
 
 
 def _decide(world, per_host, setting):
-    import os
     os.environ[H.SETTING] = setting if world.rank else "auto"
     H.host_id = lambda: f"host{world.rank // per_host}"  # these ranks, as if on hosts
     H._chosen.clear()

@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 
 import netns_helpers
 from microddp import checkpoint
+from microddp.monitor.hang import find_report
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = netns_helpers.unavailable()
@@ -111,32 +113,148 @@ def test_two_hosts_by_the_readme_match_one_host(two_hosts):
             (k, (got[k] - reference[k]).abs().max())
 
 
-def test_a_lost_host_rejoins_and_the_run_ends_as_if_never_interrupted(two_hosts, tmp_path):
-    """The README's elastic commands; once the first checkpoint is written, every process of
-    host 1 is killed (as if the machine died) and the same command is started there again.
-    Host 0's torchrun restarts its workers, both hosts meet in the next rendezvous round, and
-    the job resumes from the checkpoint to the same parameters as the uninterrupted run of the
-    static command across the same two hosts, bit for bit."""
+class Output:
+    """A process's output, read line by line as it comes (a test waits for a line in it)."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(p,), daemon=True)
+        self._thread.start()
+
+    def _read(self, p: subprocess.Popen) -> None:
+        for line in p.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, p: subprocess.Popen, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline and p.poll() is None, self.text()
+            time.sleep(0.1)
+
+    def text(self) -> str:
+        self._thread.join(timeout=5)
+        return "\n".join(self.lines)
+
+
+def _lose(net, host: int, how: str) -> None:
+    """Host `host` dies: its processes killed ("killed": the kernel closes their connections,
+    so the others see them go at once) or its link cut first ("link down": nothing reaches
+    the others, as when a machine loses power; they only notice by timing out)."""
+    if how == "link down":
+        net.ip(host, "link", "set", netns_helpers.IFNAME, "down")
+    assert net.kill_host(host), f"host {host} had no process to kill"
+
+
+# The process group's timeout in the runs that lose a host by its link: gloo's waits end then
+# (and the sub-groups' too, formed with the world's timeout, not torch's 30 minutes).
+LINK_TIMEOUT = "30"
+
+
+@pytest.mark.parametrize("how", ["killed", "link down"])
+def test_a_lost_host_rejoins_and_the_run_ends_as_if_never_interrupted(two_hosts, tmp_path, how):
+    """The README's elastic commands; once the first checkpoint is written, host 1 is lost
+    (every process killed, its link cut first in the second case) and the same command is
+    started there again. Host 0's torchrun restarts its workers, both hosts meet in the next
+    rendezvous round, and the job resumes from the checkpoint to the same parameters as the
+    uninterrupted run of the static command across the same two hosts, bit for bit. With the
+    link cut, host 1 comes back only once host 0's ranks have given up on it with the hang
+    report naming host 1's ranks (before the fix, their waits on the hierarchical all-reduce
+    ran for torch's 30 minutes, outside the monitor's sight)."""
     _, c10d_host0, c10d_other = readme_commands()
     ckpts = tmp_path / "runs" / "elastic" / "checkpoints"
+    env = {"MICRODDP_TIMEOUT": LINK_TIMEOUT} if how == "link down" else {}
     with netns_helpers.Fabric(2) as net:
-        first = [_start(net, 0, c10d_host0, tmp_path), _start(net, 1, c10d_other, tmp_path)]
+        first = [_start(net, 0, c10d_host0, tmp_path, **env),
+                 _start(net, 1, c10d_other, tmp_path, **env)]
+        out0 = Output(first[0])
         deadline = time.monotonic() + DEADLINE
         while not checkpoint.list_checkpoints(ckpts):
-            assert time.monotonic() < deadline and first[0].poll() is None, \
-                "\n".join(_finish(first, timeout=30))
+            assert time.monotonic() < deadline and first[0].poll() is None, out0.text()
             time.sleep(0.1)
-        assert net.kill_host(1), "host 1 had no process to kill"
+        _lose(net, 1, how)
         lost = first[1].communicate(timeout=60)[0]
-        again = _start(net, 1, c10d_other, tmp_path)
-        logs = _finish([first[0], again])
+        if how == "link down":
+            out0.wait_for("ranks 2,3 did not answer", first[0], timeout=180)
+            net.ip(1, "link", "set", netns_helpers.IFNAME, "up")
+        again = _start(net, 1, c10d_other, tmp_path, **env)
+        first[0].wait(timeout=DEADLINE)
+        logs = [out0.text(), _finish([again])[0]]
     assert first[1].returncode == -9, lost  # bash itself was killed
     assert [first[0].returncode, again.returncode] == [0, 0], "\n".join(logs)
     assert "resuming from ckpt-" in logs[0]
+    if how == "link down":
+        # where host 0's ranks were depends on when the link went (a bucket's all-reduce, the
+        # checkpoint's broadcast, each rank in another one); the lost ones are named alike
+        report = find_report(logs[0].splitlines())
+        assert report and report[0].startswith("microddp hang report: collective "), logs[0]
+        assert ("  ranks 2,3 did not answer (exited, crashed, or frozen outside Python)"
+                in report), report
     got = _params(tmp_path / "runs" / "elastic" / "model.pt")
     uninterrupted = _params(two_hosts[0] / "runs" / "two-hosts" / "model.pt")
     assert got.keys() == uninterrupted.keys()
     assert all(torch.equal(got[k], uninterrupted[k]) for k in got)
+
+
+def test_a_host_lost_without_a_word_ends_the_others_in_the_hang_report(tmp_path):
+    """The README's static command (no restarts); after the first checkpoint host 1's link
+    goes down and its processes die, so no connection of theirs is closed: host 0's ranks
+    wait in DDP's hierarchical all-reduce until the process group's timeout, then end with
+    the hang report naming host 1's ranks as the ones that did not answer, and torchrun on
+    host 0 exits non-zero (before the fix: torch's 30 minutes, then gloo's bare timeout)."""
+    static = readme_commands()[0]
+    ckpts = tmp_path / "runs" / "two-hosts" / "checkpoints"
+    with netns_helpers.Fabric(2) as net:
+        procs = [_start(net, h, static, tmp_path, MICRODDP_TIMEOUT=LINK_TIMEOUT)
+                 for h in range(2)]
+        out0 = Output(procs[0])
+        deadline = time.monotonic() + DEADLINE
+        while not checkpoint.list_checkpoints(ckpts):
+            assert time.monotonic() < deadline and procs[0].poll() is None, out0.text()
+            time.sleep(0.1)
+        _lose(net, 1, "link down")
+        procs[1].communicate(timeout=60)
+        # far below the 30 minutes a sub-group waited before: the world's timeout, a report
+        procs[0].wait(timeout=180)
+        log = out0.text()
+    assert procs[0].returncode == 1, log  # torchrun: a worker failed
+    report = find_report(log.splitlines())
+    assert report, log
+    assert report[0].startswith("microddp hang report: collective hierarchical_all_reduce #"), log
+    assert "Timed out waiting 30000ms" in report[0], report
+    assert report[1].startswith("  ranks 0,1 are in hierarchical_all_reduce #"), report
+    assert report[2] == ("  ranks 2,3 did not answer (exited, crashed, or frozen outside "
+                         "Python)"), report
+
+
+STUCK = """import sys, time
+import torch
+import microddp as mdp
+world = mdp.init()
+mdp.comms.all_reduce(torch.ones(1))
+if world.rank == 3:
+    time.sleep(120)  # stuck: never reaches the second all-reduce
+mdp.comms.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_rank_stuck_on_one_host_is_named_by_the_others(tmp_path):
+    """The hang report across hosts on its own: rank 3 (host 1) stops calling collectives;
+    the ranks of host 0 end with the report naming it and the line it is on (the monitor
+    asks through the rendezvous store, which spans the hosts)."""
+    (tmp_path / "stuck.py").write_text(STUCK)
+    command = ("torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE_RANK --master-addr "
+               "$HOST0 --master-port 29400 stuck.py")
+    with netns_helpers.Fabric(2) as net:
+        procs = [_start(net, h, command, tmp_path, MICRODDP_TIMEOUT="20") for h in range(2)]
+        logs = _finish(procs, timeout=240)
+    assert all(p.returncode != 0 for p in procs), logs
+    report = find_report(logs[0].splitlines())
+    assert report and report[0].startswith(
+        "microddp hang report: collective all_reduce #2 on rank "), logs[0]
+    assert "  ranks 0,1,2 are in all_reduce #2 (float32[1] sum) called from <module> at " \
+           "stuck.py:8" in report, report
+    assert ("  rank 3 is in <module> at stuck.py:7 (not in a collective; last collective "
+            "all_reduce #1)") in report, report
 
 
 SINK = ("import socket; s = socket.create_server(('{addr}', 5201)); c = s.accept()[0]\n"
@@ -234,6 +352,38 @@ def test_a_host_that_never_joins_is_named_by_the_others_at_the_deadline(tmp_path
         assert last == line.replace("$HOST0", "10.213.0.1"), log
         # beside it, at most torch's C++ warning that the namespace has no reverse DNS
         assert all(x.startswith("[W") and "socket.cpp" in x for x in before), log
+
+
+RAW = {  # chapter 11's raw torchrun commands for 3 hosts, with the rendezvous bounded
+    "static": ("torchrun --nnodes 3 --nproc-per-node 2 --node-rank $NODE_RANK --master-addr "
+               "$HOST0 --master-port 29400 --rdzv-conf timeout=20 -m microddp.commands.hello"),
+    "c10d": ("torchrun --nnodes 3 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
+             "$HOST0:29400 --rdzv-conf {host}join_timeout=20 --local-addr {addr} "
+             "-m microddp.commands.hello"),
+}
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_raw_torchrun_with_a_host_missing_stops_at_the_rendezvous_timeout_it_was_given(
+        tmp_path, rendezvous):
+    """What chapter 11 tells raw torchrun users: a host that never joins leaves the others
+    waiting inside torchrun's rendezvous (600 s by default) until `--rdzv-conf timeout=N`
+    (static) or `join_timeout=N` (c10d) says otherwise; then torchrun stops every host that
+    came, with its own words (microddp's code has not run yet)."""
+    if rendezvous == "static":
+        commands = [RAW["static"]] * 2
+    else:
+        commands = [RAW["c10d"].format(host="is_host=1,", addr="$HOST0"),
+                    RAW["c10d"].format(host="", addr="$THIS_HOST")]
+    with netns_helpers.Fabric(3) as net:
+        procs = [_start(net, h, commands[h], tmp_path) for h in range(2)]
+        logs = _finish(procs, timeout=180)  # far below torchrun's default 600 s
+    assert [p.returncode for p in procs] == [1, 1], logs
+    if rendezvous == "static":
+        assert "waiting for clients. 2/3 clients joined." in logs[0], logs[0]
+    else:
+        assert "RendezvousTimeoutError" in logs[0], logs[0]
+    assert "hello from rank" not in "".join(logs)
 
 
 def test_an_address_nobody_has_fails_fast_with_one_line(tmp_path):

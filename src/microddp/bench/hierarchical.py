@@ -4,10 +4,12 @@
              --master-port 29400 -m microddp.bench.hierarchical
 
 Flat is what DDP does without a hierarchy: gloo's all_reduce over the whole world. Hierarchical
-is collectives.hierarchical over the real hosts. Each size times both (and, with --control, a
-second flat one: the A/A) interleaved in random order, a barrier before each call; a call's
-time is the slowest rank's. Rank 0 prints median times and the ratio flat / hierarchical with a
-90% bootstrap interval: above 1, hierarchical is faster.
+is collectives.hierarchical over the real hosts, its steps inside a host on gloo's send/recv
+("hier") and, where the host's ranks share memory, on shared memory ("hier+shm", what DDP
+takes). Each size times all of them (and, with --control, a second flat one: the A/A)
+interleaved in random order, a barrier before each call; a call's time is the slowest rank's.
+Rank 0 prints median times and the ratios flat / each with a 90% bootstrap interval: above 1,
+that one is faster than flat.
 """
 
 from __future__ import annotations
@@ -45,22 +47,27 @@ def _slowest(times: list[float]) -> list[float]:
 
 
 def measure(sizes: list[int], repeats: int, warmup: int, control: bool) -> list[dict]:
-    """Flat (gloo) against hierarchical all-reduce per size, interleaved; the slowest rank's medians."""
+    """Flat (gloo) against hierarchical all-reduce (inside a host: gloo, shared memory) per
+    size, interleaved; the slowest rank's medians."""
     hierarchy = discover()
     rows = []
     for nbytes in sizes:
-        data = {k: torch.ones(nbytes // 4) for k in ("flat", "hier", "flat-2")}
+        data = {k: torch.ones(nbytes // 4) for k in ("flat", "hier", "shm", "flat-2")}
         contenders = {
             "flat": lambda d=data["flat"]: dist.all_reduce(d),
-            "hier": lambda d=data["hier"]: hierarchy.all_reduce_(d),
+            "hier": lambda d=data["hier"]: hierarchy.all_reduce_(d, shm=False),
+            "shm": lambda d=data["shm"]: hierarchy.all_reduce_(d),
         }
         if control:
             contenders["flat-2"] = lambda d=data["flat-2"]: dist.all_reduce(d)
         times = {k: _slowest(v) for k, v in
                  interleaved(contenders, repeats, warmup, sync=dist.barrier).items()}
-        ratio, (lo, hi) = compare(times["flat"], times["hier"])
-        row = {"bytes": nbytes, "flat_ms": 1e3 * median(times["flat"]),
-               "hier_ms": 1e3 * median(times["hier"]), "ratio": ratio, "low": lo, "high": hi}
+        row = {"bytes": nbytes}
+        for k in ("flat", "hier", "shm"):
+            row[f"{k}_ms"] = 1e3 * median(times[k])
+        for k in ("hier", "shm"):
+            ratio, (lo, hi) = compare(times["flat"], times[k])
+            row[k] = (ratio, lo, hi)
         if control:
             row["aa"] = compare(times["flat"], times["flat-2"])[0]
         rows.append(row)
@@ -68,15 +75,18 @@ def measure(sizes: list[int], repeats: int, warmup: int, control: bool) -> list[
 
 
 def table(rows: list[dict], hosts: int, world: int) -> str:
-    """The printed table: flat and hierarchical time per size, their ratio and its interval."""
-    head = f"{'bytes':>10} {'flat ms':>9} {'hier ms':>9} {'flat/hier':>9} {'90% interval':>14}"
+    """The printed table: each one's time per size, flat / each ratio and its interval."""
+    head = (f"{'bytes':>10} {'flat ms':>9} {'hier ms':>9} {'+shm ms':>9} {'flat/hier':>9} "
+            f"{'90% interval':>13} {'flat/+shm':>9} {'90% interval':>13}")
     control = "aa" in rows[0]
-    out = [f"all-reduce over {world} ranks on {hosts} hosts (slowest rank, median)",
+    out = [f"all-reduce over {world} ranks on {hosts} hosts (slowest rank, median; hier: "
+           "inside a host on gloo, +shm: on shared memory)",
            head + (f" {'A/A':>6}" if control else "")]
     for r in rows:
-        interval = f"{r['low']:.2f}-{r['high']:.2f}"
+        cells = "".join(f" {r[k][0]:>9.2f} {f'{r[k][1]:.2f}-{r[k][2]:.2f}':>13}"
+                        for k in ("hier", "shm"))
         out.append(f"{r['bytes']:>10} {r['flat_ms']:>9.3f} {r['hier_ms']:>9.3f} "
-                   f"{r['ratio']:>9.2f} {interval:>14}" + (f" {r['aa']:>6.2f}" if control else ""))
+                   f"{r['shm_ms']:>9.3f}{cells}" + (f" {r['aa']:>6.2f}" if control else ""))
     return "\n".join(out)
 
 

@@ -8,33 +8,59 @@ of one host talk over memory or the loopback, much faster, so:
 2. across hosts, local rank j of every host (a "rail") all-reduces chunk j, all rails at once;
 3. inside each host, an all-gather: every rank ends with every chunk.
 
-Only step 2 crosses hosts: each host sends 2(h-1)/h of the tensor in all, split over its
+Steps 1 and 3 go through the host's shared memory when collectives/route.py says the host's
+ranks may use it (`intra_host_path`; MICRODDP_TRANSPORT=gloo keeps them on gloo), else through
+gloo's send/recv like step 2. Only step 2 crosses hosts: each host sends 2(h-1)/h of the tensor in all, split over its
 rails, in 2(h-1) steps. With hosts of unequal size the tensor is cut into as many chunks as
 the smallest host has ranks; the extra ranks of a bigger host take part in steps 1 and 3
 with empty chunks. Every step is written against transport's point-to-point calls.
+
+DDP starts each bucket's reduction on the hierarchy's own thread (`start`). Its waits end at
+the world's timeout (the groups are formed with it, not torch's 30 minutes for a new group),
+and the hang monitor logs each reduction (`observe_with`): a host lost without closing its
+connections (link down, power cut) ends the survivors in the monitor's report, naming the
+ranks that did not answer. After one failure the hierarchy sends nothing more: every later
+reduction fails at once with the same error, so the rank exits promptly.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 
 from ..comms.hosts import host_id
-from ..comms.world import distributed, uses_nccl
+from ..comms.world import distributed, group_timeout, uses_nccl
 from ..errors import MicroDDPError
-from ..transport.peers import Flat, Peers, bounds
+from ..transport.peers import Flat, Peers, bounds, scratch
 from .agree import agree, describe_tensor, home
 from .checks import try_op, try_tensor
 from .ring import all_gather_flat_, reduce_scatter_flat_
+from .route import intra_host_path
+from .shm_group import SharedGroup
 
 OPS = ("sum", "avg", "product", "min", "max")
 SETTING = "MICRODDP_HIERARCHICAL"  # "auto" (default), "1" (whenever possible), "0" (never)
+
+# Set by the hang monitor while it runs (it sits above this layer): called on the caller's
+# thread as a reduction is started, it returns what the serving thread calls when that
+# reduction ends, with its error (None if it succeeded); that gives the error to raise (the
+# monitor's hang report for a backend's failure).
+Ended = Callable[[BaseException | None], BaseException | None]
+_observer: Callable[[torch.Tensor, str, FrameType], Ended] | None = None
+
+
+def observe_with(observer: Callable[[torch.Tensor, str, FrameType], Ended] | None) -> None:
+    """Install the hang monitor's observer of started reductions, or None."""
+    global _observer
+    _observer = observer
 
 
 class Hierarchy:
@@ -53,18 +79,24 @@ class Hierarchy:
         me = dist.get_rank()
         self.host = ids.index(hosts[me])
         self.local = self.members[self.host].index(me)
-        # new_group is collective over the world: every rank forms every group, in one order.
+        # new_group is collective over the world: every rank forms every group, in one order,
+        # each with the world's timeout (torch's default for a new group is 30 minutes).
+        timeout = group_timeout()
         self.intra = self.rail = None
         for ranks in self.members:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 self.intra = group
         for j in range(self.rails):
             ranks = [m[j] for m in self.members]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 self.rail = group
         self._jobs: queue.SimpleQueue | None = None
+        self.failed: BaseException | None = None  # the first reduction that failed (see start)
+        # Whether this host's ranks share memory: decided now, where every rank of the host
+        # is (collective over the host's group), so the first reduction finds it ready.
+        intra_host_path(torch.empty(0), "sum", self.intra)
 
     @property
     def hosts(self) -> int:
@@ -76,46 +108,105 @@ class Hierarchy:
         rank beyond the smallest host's count."""
         return bounds(numel, self.rails) + [numel] * (len(self.members[self.host]) - self.rails)
 
-    def all_reduce_(self, data: torch.Tensor, name: str = "sum") -> None:
-        """The three steps, in place on a 1-D contiguous tensor (avg: summed, then divided)."""
-        intra = Peers(self.intra)
+    def all_reduce_(self, data: torch.Tensor, name: str = "sum", shm: bool = True,
+                    beside: bool = False) -> None:
+        """The three steps, in place on a 1-D contiguous tensor (avg: summed, then divided).
+        `shm` False keeps the steps inside a host on gloo even where shared memory could take
+        them (the benchmark times both); every rank must pass the same. `beside`: this runs
+        on the hierarchy's thread beside the caller's work (DDP's backward), so shared-memory
+        waits give the GIL up at once instead of spinning first."""
         off = self.offsets(data.numel())
-        reduce_scatter_flat_(intra, data, name, off, purpose="hierarchical")
+        shared = intra_host_path(data, name, self.intra) if shm else None
+        intra = Peers(self.intra)
+        if shared is not None:
+            _shared_step(shared, data, name, off, self.local, False, beside)
+        else:
+            reduce_scatter_flat_(intra, data, name, off, purpose="hierarchical")
         if self.rail is not None and self.hosts > 1:
             chunk = data[off[self.local]:off[self.local + 1]]
             if chunk.numel():
                 rail = Peers(self.rail)
                 rail_off = reduce_scatter_flat_(rail, chunk, name, purpose="hierarchical")
                 all_gather_flat_(rail, chunk, rail_off)
-        all_gather_flat_(intra, data, off)
+        if shared is not None:
+            _shared_step(shared, data, name, off, self.local, True, beside)
+        else:
+            all_gather_flat_(intra, data, off)
         if name == "avg":
             data.div_(self.world)
 
     def start(self, data: torch.Tensor, name: str = "sum") -> torch.futures.Future:
         """all_reduce_ on this hierarchy's own thread; the future's value is `data`. Calls run
         one at a time in the order they were started, the same on every rank, so each group's
-        messages match; the caller's thread goes on (DDP's backward keeps computing)."""
+        messages match; the caller's thread goes on (DDP's backward keeps computing). Once one
+        has failed, the later ones fail with its error, sending nothing (their peers may be
+        gone, or waiting in another step)."""
+        ended = _observer(data, name, sys._getframe(1)) if _observer is not None else None
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
                              name="microddp-hierarchical").start()
             weakref.finalize(self, self._jobs.put, None)
         fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((self, data, name, fut))
+        self._jobs.put((self, data, name, fut, ended))
         return fut
+
+
+def _shared_step(shared: SharedGroup, data: torch.Tensor, name: str, off: list[int],
+                 local: int, gather: bool, yielding: bool) -> None:
+    """Step 1 (reduce-scatter: chunk `local` of `data` becomes the host's op over it) or step 3
+    (all-gather: every chunk from its rank) through the host's shared memory. Its collectives
+    take chunks of one length: equal chunks go as they are; otherwise (they differ by one
+    element, or a bigger host's extra ranks have empty ones) they travel padded to the
+    longest, at the price of a copy of the tensor each way."""
+    n = len(off) - 1
+    lengths = [off[j + 1] - off[j] for j in range(n)]
+    k = max(lengths)
+    if k == 0:
+        return
+    shared.yielding = yielding
+    op = "sum" if name == "avg" else name
+    if all(m == k for m in lengths):
+        parts = [data[off[j]:off[j + 1]] for j in range(n)]
+        if gather:
+            shared.all_gather(parts, parts[local])
+        else:
+            mine = scratch("hierarchical-shm", k, data.dtype, data.device)
+            shared.reduce_scatter(mine, parts, op)
+            parts[local].copy_(mine)
+        return
+    padded = scratch("hierarchical-shm", (n + 1) * k, data.dtype, data.device)
+    parts, mine = [padded[j * k:(j + 1) * k] for j in range(n)], padded[n * k:]
+    if not gather:
+        for j, part in enumerate(parts):
+            part[:lengths[j]].copy_(data[off[j]:off[j + 1]])
+        shared.reduce_scatter(mine, parts, op)
+        data[off[local]:off[local + 1]].copy_(mine[:lengths[local]])
+    else:
+        mine[:lengths[local]].copy_(data[off[local]:off[local + 1]])
+        shared.all_gather(parts, mine)
+        for j, part in enumerate(parts):
+            data[off[j]:off[j + 1]].copy_(part[:lengths[j]])
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
     while (job := jobs.get()) is not None:
-        hierarchy, data, name, fut = job
+        hierarchy, data, name, fut, ended = job
         del job
-        try:
-            hierarchy.all_reduce_(data, name)
-        except BaseException as e:  # the waiting caller raises it
-            fut.set_exception(e)
-        else:
+        error = hierarchy.failed
+        if error is None:
+            try:
+                hierarchy.all_reduce_(data, name, beside=True)
+            except BaseException as e:  # noqa: BLE001 (the waiting caller raises it)
+                error = e
+        if ended is not None:
+            error = ended(error)
+        if error is None:
             fut.set_result(data)
-        del hierarchy, data, fut
+        else:
+            hierarchy.failed = hierarchy.failed or error
+            fut.set_exception(error)
+        del hierarchy, data, fut, ended, error
 
 
 def hierarchical_all_reduce(tensor: torch.Tensor, op: str = "sum",

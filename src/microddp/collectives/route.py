@@ -16,6 +16,9 @@ default that one case stays on gloo, and microddp's DDP stays equal to PyTorch's
 MICRODDP_TRANSPORT=shm sends it through shared memory too (every rank still gets the same
 bits: the same order everywhere).
 
+Inside a host, the hierarchical all-reduce's reduce-scatter and all-gather go through the
+host's shared memory when `intra_host_path` says so (collectives/hierarchical.py).
+
 Across hosts, microddp's DDP may take the hierarchical all-reduce instead (chosen once, when
 the DDP is built: collectives/hierarchical.py, dp/comm_hooks.py's start_reduction). That one
 is a choice of DDP's, not of this route: its sums run in another order than gloo's, so a
@@ -33,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from . import shm
-from .shm_group import DTYPES
+from .shm_group import DTYPES, SharedGroup
 
 OPS = frozenset({"sum", "avg", "product", "min", "max"})
 ORDERED = frozenset({"sum", "avg", "product"})  # float results that depend on the order
@@ -64,6 +67,19 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
 
 # the monitor treats it as it treats gloo's own calls: it ends itself at the group's timeout
 all_reduce.ends_itself = True
+
+
+def intra_host_path(tensor: torch.Tensor, op: str, group) -> SharedGroup | None:
+    """The shared memory the hierarchical all-reduce's steps inside a host go through
+    (hierarchical.py): `group`'s, if its ranks may use it (decided once per group: every rank
+    of the group must ask first at the same point) and shared memory handles this tensor and
+    op; else None, and the steps go through gloo's send/recv. No exception for float sums on
+    3+ ranks here: the hierarchy adds in an order of its own either way."""
+    if (tensor.device.type != "cpu" or tensor.dtype not in DTYPES or op not in OPS
+            or tensor.layout != torch.strided or not tensor.is_contiguous()):
+        return None
+    state = shm.shared(group)
+    return state.group if state is not None else None
 
 
 class Route:

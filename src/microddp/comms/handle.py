@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .world import wait_failed
+
 
 class Handle:
     """An async operation, like torch's Work: `wait(timeout)`, `is_completed()`, `get_future()`,
@@ -41,7 +43,13 @@ class Handle:
         """Block until done, as torch's Work.wait; with `timeout`, raise if it takes longer."""
         if not self._waited:
             if self._work is not None:
-                self._work.wait() if timeout is None else self._work.wait(timeout)
+                try:
+                    self._work.wait() if timeout is None else self._work.wait(timeout)
+                except RuntimeError as e:  # the backend gave up (a peer lost, its timeout)?
+                    raised = wait_failed(e)
+                    if raised is e:
+                        raise
+                    raise raised from None
             self._complete()
             self._waited = True
         return True

@@ -30,6 +30,7 @@ from .world import (
     get_world,
     group_rank,
     group_size,
+    group_timeout,
     init,
     is_initialized,
     shutdown,
@@ -258,7 +259,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     """A sub-group of ranks. Every rank must call this, members or not (as in torch).
 
     torch's arguments, in torch's order (ranks, timeout, backend, ...); `timeout` may be
-    seconds. Other keyword arguments (pg_options, use_local_synchronization, ...) go to torch.
+    seconds, and defaults to the world's (init's), not torch's 30 minutes. Other keyword
+    arguments (pg_options, use_local_synchronization, ...) go to torch.
     """
     if isinstance(timeout, str):
         raise MicroDDPError(f"new_group's second argument is the timeout, as in torch, not "
@@ -273,8 +275,10 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         if bad or len(set(ranks)) != len(ranks):
             raise MicroDDPError(f"new_group ranks {list(ranks)} must be distinct ranks "
                                 f"between 0 and {world.world_size - 1}")
-    kwargs = {"timeout": timedelta(seconds=timeout)} if isinstance(timeout, (int, float)) else (
-        {"timeout": timeout} if timeout is not None else {})
+    if timeout is None:
+        timeout = group_timeout()
+    kwargs = {"timeout": timedelta(seconds=timeout) if isinstance(timeout, (int, float))
+              else timeout}
     group = dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
                            **torch_kwargs)
     route = current_route()

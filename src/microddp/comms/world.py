@@ -69,8 +69,18 @@ class Watcher(Protocol):
     def stop(self) -> None:
         """Stop watching, before the process group is destroyed."""
 
+    def failed(self, error: RuntimeError) -> BaseException:
+        """What a failed wait on the backend raises: the report of every rank if the backend
+        gave up (a peer lost, its timeout) while watching, else `error` itself."""
+
 
 _watcher: Watcher | None = None
+
+
+def wait_failed(error: RuntimeError) -> BaseException:
+    """What a wait that failed with `error` raises (see Watcher.failed): the hang report when
+    a monitor watches, so that a lost peer is named rather than left to gloo's bare timeout."""
+    return error if _watcher is None else _watcher.failed(error)
 
 
 def watch_with(watcher: Watcher | None) -> None:
@@ -107,6 +117,17 @@ def group_size(group=None) -> int:
 def group_rank(group=None) -> int:
     """This process's rank inside `group` (-1 if it is not a member); 0 in a world of one."""
     return dist.get_rank(group) if distributed() else 0
+
+
+def group_timeout(group=None) -> timedelta:
+    """How long `group`'s backend waits before a blocked call fails (default: the world's,
+    init's `timeout`). Sub-groups ask for it: torch gives a new group its own default
+    (30 minutes on gloo), not the world's, so a lost host would stall them that long."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout  # torch's own field
+    except (AttributeError, RuntimeError, ValueError):  # private API, or no CPU side
+        return dist.default_pg_timeout
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:

@@ -141,6 +141,18 @@ def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
     return MicroDDPError(mon.collect(entry, why=_first_line(e)))
 
 
+def failed_wait(error: RuntimeError) -> BaseException:
+    """What a wait on an async call's Work (comms' Handle, DDP's buckets) raises when it
+    failed: the report of every rank if the backend gave up, about the oldest call still
+    open; `error` itself if no monitor runs or the call was refused at once. Needed when the
+    group's timeout ends the wait before the watchdog's threshold (MICRODDP_TIMEOUT below the
+    monitor's timeout), which would otherwise leave gloo's bare timeout."""
+    mon = _active
+    if mon is None:
+        return error
+    return _reported(mon, mon.log.oldest_open(), error)
+
+
 class _Signature:
     """Where a wrapped function's arguments are, found once per function: inspect's bind()
     costs ~20 us a call, a position lookup well under one."""
@@ -306,6 +318,37 @@ def _routes() -> list[tuple[Any, str, str]]:
     return [(importlib.import_module("microddp.collectives.route"), "all_reduce", "all_reduce")]
 
 
+def _describe_reduction(args: tuple, kwargs: dict) -> tuple[str, str]:
+    return describe_tensor(args[0]), kwargs["op"]
+
+
+def _observer(mon: Monitor) -> Callable:
+    """What collectives/hierarchical.py calls as DDP starts a bucket's hierarchical all-reduce
+    (on its own thread, through the hierarchy's sub-groups, so none of the wrappers above sees
+    it): the reduction is logged as hierarchical_all_reduce until it ends, and a failure of
+    the backend (a peer lost, its timeout) becomes the report of every rank."""
+
+    def observe(data: Any, op: str, frame: Any) -> Callable:
+        entry = mon.log.begin("world", "hierarchical_all_reduce",
+                              (_describe_reduction, (data,), {"op": op}), frame)
+        entry.locate_caller()  # the caller moves on (backward goes on computing)
+        # Its gloo waits end at the world's timeout, in the report below: after the
+        # watchdog's report, nothing for it to end.
+        entry.ends_itself = True
+
+        def ended(error: BaseException | None) -> BaseException | None:
+            try:
+                if isinstance(error, RuntimeError):
+                    return _reported(mon, entry, error)
+                return error
+            finally:
+                mon.log.end(entry)
+
+        return ended
+
+    return observe
+
+
 def install(mon: Monitor) -> None:
     """Route torch.distributed's and microddp.collectives' collectives through the wrappers."""
     global _active
@@ -321,6 +364,7 @@ def install(mon: Monitor) -> None:
         setattr(module, attr, _wrap(name, fn, torch_own=module is dist
                                     or getattr(fn, "ends_itself", False)))
     shm.set_reporter(lambda why: mon.collect(mon.log.oldest_open(), why=why))
+    importlib.import_module("microddp.collectives.hierarchical").observe_with(_observer(mon))
 
 
 def uninstall() -> Monitor | None:
@@ -328,6 +372,7 @@ def uninstall() -> Monitor | None:
     global _active
     mon, _active = _active, None
     shm.set_reporter(None)
+    importlib.import_module("microddp.collectives.hierarchical").observe_with(None)
     for (module, attr), fn in _originals.items():
         setattr(module, attr, fn)
     _originals.clear()

@@ -29,13 +29,12 @@ may hold GPU tensors that a gloo connection cannot send.
 
 from __future__ import annotations
 
-import datetime
 import os
 import weakref
 
-import torch
 import torch.distributed as dist
 
+from ..comms.world import group_timeout
 from ..errors import MicroDDPError
 from .peers import Peers
 
@@ -71,21 +70,13 @@ def _open(peers: Peers):
     """A gloo process group over the same two ranks, meeting through the group's store."""
     store = dist.PrefixStore("microddp-duplex/", peers.pg.get_group_store())
     try:
-        return dist.ProcessGroupGloo(store, peers.me, 2, _timeout(peers.pg))
+        return dist.ProcessGroupGloo(store, peers.me, 2, group_timeout(peers.pg))
     except Exception as e:  # e.g. the other rank never came: it failed before its first ring
         raise MicroDDPError(
             f"ring_all_reduce: could not open the second connection between the 2 ranks of "
             f"this group ({type(e).__name__}: {e}); it opens on the first ring_all_reduce "
             "on the group, which every rank of it must reach. MICRODDP_DUPLEX=0 on every rank "
             "keeps one connection") from e
-
-
-def _timeout(pg) -> datetime.timedelta:
-    """The group's own timeout, so that a stuck receive fails as soon on both connections."""
-    try:
-        return pg._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):  # private API: fall back to torch's default
-        return dist.default_pg_timeout
 
 
 def open_duplexes() -> int:
