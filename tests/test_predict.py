@@ -112,6 +112,17 @@ def test_one_rank_computes_at_its_own_rate_not_the_whole_hosts():
     assert old["compute_s"] == pytest.approx(6e7 / 1e10)
 
 
+def _fixed_pipeline_costs(monkeypatch):
+    """--calibrate also times pipeline actions on one rank per core, three rounds: tests of
+    the rest of it replace that with fixed figures (test_predict_memory_pipeline.py runs it)."""
+    from microddp.predict import calibrate
+
+    costs = calibrate.PipelineCosts(1e-4, 2e-5, 5e10, 2e-4, 4e-5, 4e10, 3e-4, 1e-5, 1e-4, 1e9,
+                                    2e-5, 2, 2)
+    monkeypatch.setattr(calibrate, "measure_pipeline", lambda *a: costs)
+    return costs
+
+
 def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeypatch, capsys):
     from microddp.predict import calibrate
 
@@ -120,9 +131,7 @@ def test_calibration_saves_and_uses_the_rate_of_one_rank_alone(tmp_path, monkeyp
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
     monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5, "ring"))
     monkeypatch.setattr(calibrate, "measured_step", lambda *a: 0.01)
-    costs = calibrate.PipelineCosts(1e-4, 2e-5, 5e10, 2e-4, 4e-5, 4e10, 3e-4, 1e-5, 1e-4, 1e9,
-                                    2e-5, 2, 2)
-    monkeypatch.setattr(calibrate, "measure_pipeline", lambda *a: costs)
+    costs = _fixed_pipeline_costs(monkeypatch)
     path = tmp_path / "cal.json"
     assert cli.main(["predict", "--calibrate", "--verify", "1", "--calibration", str(path),
                      "--dim", "64", "--depth", "2", "--batch", "800"]) == 0
@@ -291,6 +300,7 @@ def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path
                                                                        capsys):
     from microddp.predict import calibrate
 
+    _fixed_pipeline_costs(monkeypatch)
     rates = iter([(1e10, 4e10), (3e10, 4e10), (2e10, 4e10)])  # a host whose load changed
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: next(rates))
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
@@ -315,6 +325,7 @@ def test_calibrate_reports_its_spread_warns_when_wide_and_then_predicts(tmp_path
 def test_a_steady_calibration_gives_no_warning(tmp_path, monkeypatch, capsys):
     from microddp.predict import calibrate
 
+    _fixed_pipeline_costs(monkeypatch)
     monkeypatch.setattr(calibrate, "host_rates", lambda *a: (1e10, 4e10))
     monkeypatch.setattr(calibrate, "rank_rate", lambda *a: 6e9)
     monkeypatch.setattr(calibrate, "alpha_beta", lambda *a: (1e-5, 1e9, 0.5, "ring"))
