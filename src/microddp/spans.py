@@ -94,6 +94,28 @@ def add_span(name: str, start_s: float, end_s: float, track: str = "compute", **
         rec.add(Span(name, start_s, end_s, track, rec.step, args))
 
 
+def add_when_done(futures: list, name: str, launched: float, track: str = "comm",
+                  **args) -> None:
+    """While spans are recorded: `name` on `track` from `launched` until the last of
+    `futures` completes, seen by its callback rather than by a later wait (so the span ends
+    when the bytes arrived, and the overlap figures count it right). The span belongs to the
+    step it was launched in, even if a callback runs after the next step began."""
+    rec = _recorder
+    if rec is None or not futures:
+        return
+    step, left, lock = rec.step, [len(futures)], threading.Lock()
+
+    def done(_fut) -> None:
+        with lock:  # the callbacks of different collectives may run on different threads
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            rec.add(Span(name, launched, time.perf_counter(), track, step, args))
+
+    for fut in futures:
+        fut.add_done_callback(done)
+
+
 @contextmanager
 def span(name: str, track: str = "compute", **args) -> Iterator[None]:
     """Record the time spent inside the `with` block."""

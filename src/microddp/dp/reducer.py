@@ -251,7 +251,8 @@ class Reducer(DoubleBackward):
             self.futures[k] = start_reduction(bucket, len(self.buckets), self.group,
                                               self.comm_hook, self.comm_state)
             if trace.enabled():
-                _record_when_done(self.futures[k], k, bucket.nbytes, self.launched_at[k])
+                trace.add_when_done([self.futures[k]], f"allreduce bucket {k}",
+                                    self.launched_at[k], bucket=k, bytes=bucket.nbytes)
             self.next_bucket += 1
         if self.next_bucket == len(self.buckets) and self.all_reduces_used():
             used = (self.used if self.find_unused else [int(h > 0) for h in self.hits])
@@ -345,9 +346,3 @@ def _rank(group) -> int:
     return group_rank(group)
 
 
-def _record_when_done(fut, k: int, nbytes: int, launched: float) -> None:
-    def note(_fut) -> None:
-        trace.add_span(f"allreduce bucket {k}", launched, time.perf_counter(), track="comm",
-                       bucket=k, bytes=nbytes)
-
-    fut.add_done_callback(note)

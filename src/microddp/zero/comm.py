@@ -22,8 +22,6 @@ as DDP's reducer does for its all-reduces; when nothing records it costs one che
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Sequence
 
 import torch
@@ -78,21 +76,7 @@ def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) 
 
 
 def trace_when_done(handles: Sequence, name: str, launched: float, **args) -> None:
-    """While spans are recorded: record `name` on the communication track from `launched` to
-    when the last of `handles` completes (seen by the backend's callback, not by a later wait,
-    so the span ends when the bytes arrived and the overlap figures count it right). The span
-    belongs to the step it was launched in, even if the callback runs after the next began."""
-    rec = trace.recorder()
-    if rec is None or not handles:
-        return
-    step, left, lock = rec.step, [len(handles)], threading.Lock()
-
-    def done(_fut) -> None:
-        with lock:  # the callbacks of different collectives may run on different threads
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            rec.add(trace.Span(name, launched, time.perf_counter(), "comm", step, args))
-
-    for handle in handles:
-        handle.get_future().add_done_callback(done)
+    """While spans are recorded: `name` on the communication track from `launched` until the
+    last of `handles` completes (spans.add_when_done), in the step it was launched in."""
+    if trace.enabled() and handles:
+        trace.add_when_done([h.get_future() for h in handles], name, launched, **args)
