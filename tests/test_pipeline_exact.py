@@ -127,3 +127,22 @@ def test_a_send_is_waited_for_only_after_its_receiver_has_answered(name):
                 assert kinds == ["RECV", "SEND"], (rank, key, reply)  # received, then replied
                 early += 1
     assert early > 0
+
+
+def test_a_send_without_its_receive_is_named_not_a_bare_stop_iteration():
+    # run_schedule does not validate; a hand-made schedule that drops a receive must still say
+    # what is wrong in one MicroDDPError
+    from dataclasses import replace
+
+    from microddp.pipeline.runtime import _sends_done_after
+
+    good = pipeline.build("gpipe", 2, 1)
+    broken = replace(good, actions=(good.actions[0], tuple(
+        a for a in good.actions[1] if a.kind != "RECV_ACT")))
+    with pytest.raises(mdp.MicroDDPError, match="has no matching receive on rank 1"):
+        _sends_done_after(broken, 0)
+    # worked out once per schedule; each call hands out its own copy (a step pops from it)
+    first = _sends_done_after(good, 0)  # rank 1 answers rank 0's activation with its gradient
+    assert first
+    first.clear()
+    assert _sends_done_after(good, 0)
