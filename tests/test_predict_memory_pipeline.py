@@ -161,3 +161,8 @@ def test_compare_uses_the_saved_pipeline_costs(tmp_path, capsys):
     save_calibration(Hardware(1e11, 1e9, 1e-5, cores=2), str(calibration))
     assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 0
     assert "has no pipeline costs" in capsys.readouterr().out
+    # costs written by another version (a field renamed): one line, exit 2, not a traceback
+    save_calibration(Hardware(1e11, 1e9, 1e-5, cores=2), str(calibration),
+                     {**asdict(costs), "renamed": 1.0})
+    assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 2
+    assert "run `microddp predict --calibrate` again" in capsys.readouterr().err

@@ -5,8 +5,9 @@ ranks; their steps are interleaved (a fresh random order each round, a barrier b
 step) with those of torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, so load on
 the machine hits all alike. For microddp's schedules each rank records when each of its
 forwards and backwards ran (the bubble is the idle share of the ranks' time between the
-step's first compute and its last) and how many bytes of activations autograd held at most
-(saved-tensor hooks: measured, not computed).
+step's first compute and its last) and how many bytes each rank held at most: the
+activations autograd saved (saved-tensor hooks) and the interpreter's message buffers (posted
+receives, gradients not yet used, sends not yet waited for), measured, not computed.
 
 `--compute sleep` makes every block of the model (Linear+ReLU) cost a fixed sleep forward and
 twice that backward, on top of its real (tiny) compute: ranks that sleep do not fight for the
@@ -111,7 +112,7 @@ def _ours(world: World, name: str, cfg: dict, log: dict):
         opt.step()
         log[name].append([(a.kind, a.stage, a.mb, s, e) for a, s, e in record])
 
-    def measure() -> int:
+    def measure() -> tuple[int, int]:
         opt.zero_grad()
         meter.reset_peak()
         with meter:

@@ -94,7 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inter-hardware", default="10gbe",
                    help="with --hosts: the link between hosts, a preset (default 10gbe)")
     p.add_argument("--calibrate", action="store_true", help="measure this host's compute rate, "
-                   "latency and bandwidth (saved to --calibration), then predict with them")
+                   "latency and bandwidth, and what a pipeline's actions and messages cost "
+                   "(one rank per core, three rounds: a minute or more), save them to "
+                   "--calibration, then predict with them")
     p.add_argument("--verify", type=int, nargs="*", help="with --calibrate: measure real step "
                    "times at these local world sizes and compare (default: none)")
     p.add_argument("--calibration", default=str(Path.home() / ".cache/microddp/calibration.json"),
@@ -229,7 +231,12 @@ def _pipeline(args: argparse.Namespace) -> int:
             print(f"note: {args.calibration} has no pipeline costs (an older calibration): "
                   "predicting from FLOPs alone; run `microddp predict --calibrate` again")
         else:
-            costs = pp.PipelineCosts(**saved)
+            try:
+                costs = pp.PipelineCosts(**saved)
+            except TypeError:  # written by another version of microddp
+                raise MicroDDPError(f"{args.calibration}: its pipeline costs are not the ones this "
+                                    "microddp reads; run `microddp predict --calibrate` "
+                                    "again") from None
     rows = [pp.predict(job, name, hw, costs) for name in names]
     print(pp.describe(job, hw, costs))
     print(pp.table(job, rows, measured))

@@ -247,7 +247,7 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
           f"(F {1e3 * costs.forward(k, 8, dim):.3f} ms, B {1e3 * costs.backward(k, 8, dim):.3f} ms for "
           f"{k} blocks of width {dim} x 8 rows); step +{1e6 * costs.step_fixed:.0f} us + "
           f"{1e6 * costs.step_block:.1f} us per block; messages {1e6 * costs.latency:.0f} us + "
-          f"bytes / {costs.bandwidth:.3g} B/s, isend call {1e6 * costs.send:.0f} us")
+          f"bytes / {costs.bandwidth:.3g} B/s, send hand-off {1e6 * costs.send:.0f} us")
     if not worlds:
         return 0
     print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  {'limit':<10} "

@@ -4,7 +4,7 @@ With a calibration of this host (`microddp predict --calibrate`, `pipeline_costs
 costs what the interpreter measured there: a fixed cost per action and per block plus the
 FLOPs at the measured rate, so a micro-batch of 8 rows costs its per-operation overheads and
 not 1/4 of a 32-row one; a message costs the measured ping-pong latency plus its bytes at the
-measured bandwidth, and its sender the measured `isend` call; the step adds its measured
+measured bandwidth, and its sender the measured hand-off (isend posted and completed); the step adds its measured
 fixed cost (optimizer, zero_grad). With more ranks than the calibration ran at once (one per
 core), compute stretches by ranks / cores: they time-share the cores (sleep does not).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .. import pipeline
 from ..errors import MicroDDPError
 from ..pipeline import Action
-from .pipeline_costs import PipelineCosts
+from .pipeline_costs import PipelineCosts, block_flops
 from .step import Hardware
 
 
@@ -84,12 +84,12 @@ SHARE = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # of a forward's FLOPs and sle
 def _flops_cost(job: PipelineJob, blocks: list[int], hw: Hardware, mb: float, sleep: float):
     """An action's cost from FLOPs alone, at a preset's rate (no per-operation overhead)."""
     rate = rank_rate(hw, job.stages)
-    block_flops = 2 * (job.dim * job.dim + job.dim) * mb
+    per_block = block_flops(job.dim, mb)
     head_flops = 2 * (job.dim * 2 + 2) * mb  # the last stage's Linear to 2 classes
     last = len(blocks) - 1
 
     def cost(a: Action) -> float:
-        flops = blocks[a.stage] * block_flops + (head_flops if a.stage == last else 0)
+        flops = blocks[a.stage] * per_block + (head_flops if a.stage == last else 0)
         return SHARE[a.kind] * (flops / rate + blocks[a.stage] * sleep)
 
     return cost
@@ -155,7 +155,7 @@ def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None)
                 f"host's calibrated actions (F {1e3 * costs.forward(k, mb, job.dim):.3f} ms, B "
                 f"{1e3 * costs.backward(k, mb, job.dim):.3f} ms for {k} blocks x {mb:g} rows; step "
                 f"+{1e3 * costs.step(k):.3f} ms); messages: {1e6 * costs.latency:.0f} us + "
-                f"bytes / {costs.bandwidth:.3g} B/s, isend {1e6 * costs.send:.0f} us "
+                f"bytes / {costs.bandwidth:.3g} B/s, send hand-off {1e6 * costs.send:.0f} us "
                 f"(calibrated with {costs.ranks} ranks on {costs.cores} cores)")
     compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "
                "FLOP/s per rank" if job.sleep_ms else

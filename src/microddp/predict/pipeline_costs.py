@@ -15,8 +15,10 @@ end of `run_schedule`) is the rest of the measured step, fitted as fixed + per_b
 Messages are timed apart, by a relay of `comms.isend`/`irecv` between two ranks that each
 run a stage's forward before handing the message on (busy processes woken by a message, as
 pipeline ranks are: on a loaded host the wake-up, not the copy, is most of a message's cost),
-at several sizes: one way = latency + bytes / bandwidth, and the time the sender's `isend`
-call takes (the sender pays it on its own clock).
+at several sizes: one way = latency + bytes / bandwidth, and the sender's hand-off: from
+posting the `isend` to its completion, to a receiver already waiting (what the sender's clock
+pays for a message; the interpreter itself never waits at a send, but the hand-off takes the
+sender's process all the same).
 
 Nothing here reads a benchmark's timeline: the figures come from these runs alone, so
 `predict --compare` tests the model against a measurement it was not fitted on.
@@ -151,7 +153,8 @@ def _relay_job(world: World, repeats: int) -> list[tuple[int, float, float]]:
     """Ranks 0 and 1 hand a message of each size back and forth, each running a stage's
     forward before it sends (as a pipeline rank does: a busy process that blocks in a receive
     and is woken by the message, which on a loaded host is what a message costs):
-    [(bytes, one way s beyond the compute, isend call s)]."""
+    [(bytes, one way s beyond the compute, the sender's hand-off s: isend posted and
+    completed, to a receiver already waiting)]."""
     torch.set_num_threads(1)
     other = 1 - world.rank
     stage, x = FullMLP(128, 4), torch.randn(8, 128)
