@@ -6,7 +6,13 @@ import re
 import pytest
 
 from microddp import commands as cli
-from microddp.bench.allreduce import DEFAULT_SIZES, back_to_back, calibration_point, parse_size
+from microddp.bench.allreduce import (
+    DEFAULT_SIZES,
+    back_to_back,
+    calibration_point,
+    parse_size,
+    per_call_times,
+)
 from microddp.bench.allreduce_report import describe, table
 from microddp.collectives.cost import CostModel
 from microddp.collectives.ring import ring_segments
@@ -125,6 +131,23 @@ def test_back_to_back_makes_one_sample_of_k_calls():
     batched = back_to_back({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
     batched["b"]()
     assert calls == ["b"] * 3
+
+
+def test_per_call_times_divide_each_sample_by_its_calls(monkeypatch):
+    import types
+
+    from microddp import timing
+
+    clock = [0.0]  # a fake clock: every call of a contender takes exactly 1 s (2 s for b)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def tick(seconds):
+        return lambda: clock.__setitem__(0, clock[0] + seconds)
+
+    syncs = []
+    times = per_call_times({"a": tick(1.0), "b": tick(2.0)}, 3, 1, lambda: syncs.append(1), 5)
+    assert times == {"a": [1.0] * 3, "b": [2.0] * 3}
+    assert len(syncs) == 2 * (3 + 1)  # one barrier per sample of 5 calls, not per call
 
 
 def test_back_to_back_reports_time_per_call(tmp_path, capsys):

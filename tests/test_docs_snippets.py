@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,19 @@ def test_a_marked_block_says_why_and_its_commands_parse(where, lang, mark, body)
         for line in command_lines(body):
             if line.split()[0] != "python" or "course/" in line:
                 check_parses(line)
+
+
+@pytest.mark.parametrize("where,lang,mark,body", [b for b in RUNNABLE if b[1] == "bash"],
+                         ids=[b[0] for b in RUNNABLE if b[1] == "bash"])
+def test_an_unmarked_blocks_commands_parse(where, lang, mark, body):
+    """What the default set checks of the blocks the slow set runs: each line parses, and every
+    file it reads exists in a clone or in a folder an earlier line writes (--out)."""
+    made: set[Path] = set()
+    for line in command_lines(body):
+        check_parses(line, made)
+        words = line.split()
+        if "--out" in words:
+            made.add(Path(words[words.index("--out") + 1]))
 
 
 @pytest.fixture

@@ -191,6 +191,12 @@ def back_to_back(contenders: dict, k: int) -> dict:
     return {name: (lambda fn=fn: [fn() for _ in range(k)]) for name, fn in contenders.items()}
 
 
+def per_call_times(contenders: dict, repeats: int, warmup: int, sync, k: int) -> dict:
+    """`interleaved` with each timed sample `k` calls in a row: seconds per call."""
+    times = interleaved(back_to_back(contenders, k), repeats, warmup, sync=sync)
+    return {name: [x / k for x in xs] for name, xs in times.items()}
+
+
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
           warmup: int, control: bool = False, k: int = 1):
     peers = duplex(Peers())  # as the ring's first call would (collective: every rank is here)
@@ -218,10 +224,8 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         if interleave_cal:
             cal_parts = _calibration_contenders(peers, max(1, nbytes // 4 // p))
             contenders.update({f"cal-{k}": fn for k, fn in cal_parts.items()})
-        times = interleaved(back_to_back(contenders, k), repeats_for(nbytes, repeats,
-                                                                     min_repeats),
-                            warmup, sync=dist.barrier)
-        times = {name: [x / k for x in xs] for name, xs in times.items()}
+        times = per_call_times(contenders, repeats_for(nbytes, repeats, min_repeats), warmup,
+                               dist.barrier, k)
         if interleave_cal:
             points.append(calibration_point(times.pop("cal-step"), times.pop("cal-add"), chain))
         row = {"bytes": nbytes, "times": times}
