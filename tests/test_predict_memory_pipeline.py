@@ -166,3 +166,11 @@ def test_compare_uses_the_saved_pipeline_costs(tmp_path, capsys):
                      {**asdict(costs), "renamed": 1.0})
     assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 2
     assert "run `microddp predict --calibrate` again" in capsys.readouterr().err
+
+
+def test_the_pipeline_measurement_runs_and_fits_positive_costs():
+    # the real thing, briefly (one rank, one timed round per point): what --calibrate saves
+    costs = pc.measure(1, microbatches=2, repeats=1)
+    assert (costs.ranks, costs.cores) == (1, 1)
+    assert costs.forward(4, 8, 128) > 0 and costs.backward(4, 8, 128) > 0
+    assert costs.message(2**16) > 0 and costs.send >= 0
