@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from launch_helpers import microddp
+
 # Prints what torch would have cost: a module list, empty when torch was never imported.
 _REPORT = "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
 
@@ -59,9 +61,9 @@ def test_an_argument_error_imports_no_torch(argv):
     assert _torch_modules(_MAIN.format(argv=argv, code=2, text="error:")) == "[]"
 
 
-def test_the_launcher_loads_torch_only_for_its_store():
+def test_the_launchers_modules_import_no_torch_before_its_store():
     # `microddp run`'s parent hosts the workers' TCPStore (torch's, as under torchrun), the one
-    # thing of torch it needs: everything up to starting it is torch-free.
+    # thing of torch it needs (procs.AgentStore.start imports it): the rest is torch-free.
     code = ("from microddp.commands import run\n"
             "from microddp.launch import run as launch_run, hosts, procs\n"
             "env = procs.worker_env({}, 0, 2, procs.AgentStore(None, '127.0.0.1', 1), "
@@ -83,3 +85,10 @@ def test_the_hooks_are_in_place_whichever_way_comms_is_imported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_launcher_still_runs_its_workers():
+    # What the launcher no longer imports up front, it still imports where it needs it.
+    out = microddp("run", "-n", "2", "-m", "microddp.commands.hello")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("all_reduce(sum of ranks) = 1 (expected 1)") == 2, out.stdout

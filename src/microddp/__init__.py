@@ -103,4 +103,8 @@ def __getattr__(name: str):
     return getattr(value, attr) if attr else value
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})  # the lazy names too, for completion and help()
+
+
 __all__ = ["MicroDDPError", *_LAZY]
