@@ -45,7 +45,7 @@ assert code == {code}, (code, out.getvalue())
 assert {text!r} in out.getvalue(), out.getvalue()
 """
 
-HELP = [[], ["run"], ["hello"], ["doctor"], ["bench"]]
+HELP = [[], ["run"], ["hello"], ["doctor"], ["bench"], ["train"]]
 
 
 @pytest.mark.parametrize("path", HELP, ids=lambda p: " ".join(["microddp", *p]))
