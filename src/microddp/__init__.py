@@ -8,15 +8,22 @@
 import sys
 from importlib import import_module
 
-from . import comms
-from .comms import World, get_world, init, shutdown
+from . import upcalls
 from .errors import MicroDDPError
-from .launch.spawn import spawn
 
 __version__ = "0.1.0"
 
-# Heavier parts load on first use, so `import microddp` and the CLI stay quick.
+# Everything else loads on first use: `import microddp` imports no torch, so the `microddp`
+# command (whose --help, argument errors and launcher need none) starts at once; every
+# `microddp.X` below still works as if imported here.
 _LAZY = {
+    # The world (comms/world.py), re-exported by microddp.comms.
+    "comms": ("microddp.comms", None),
+    "World": ("microddp.comms", "World"),
+    "get_world": ("microddp.comms", "get_world"),
+    "init": ("microddp.comms", "init"),
+    "shutdown": ("microddp.comms", "shutdown"),
+    "spawn": ("microddp.launch.spawn", "spawn"),
     "DistributedDataParallel": ("microddp.dp.ddp", "DistributedDataParallel"),
     "DDP": ("microddp.dp.ddp", "DistributedDataParallel"),
     "FullMLP": ("microddp.model", "FullMLP"),
@@ -41,8 +48,9 @@ _LAZY = {
 
 class _HangMonitor:
     """microddp.monitor as the world's watcher: `init` starts it when it forms a group. The
-    world sits below the monitor, so the monitor is handed to it here, and imported only once
-    a group forms (`import microddp` stays quick)."""
+    world sits below the monitor, so the monitor is handed to it here (through upcalls/,
+    without importing comms), and imported only once a group forms (`import microddp`
+    stays quick)."""
 
     def wanted(self, requested: bool | None) -> bool:
         from .monitor.default import wanted
@@ -64,18 +72,18 @@ class _HangMonitor:
         return error if monitor is None else monitor.patch.failed_wait(error)
 
 
-comms.world.watch_with(_HangMonitor())
+upcalls.watcher = _HangMonitor()
 
 
 class _SameHostRoute:
     """microddp.collectives' choice of path (shared memory on one host) as comms' route. The
-    collectives sit above comms, so they are handed in here, and imported only when a group
-    forms or all-reduces, which then hands comms the real route directly."""
+    collectives sit above comms, so they are handed in here (through upcalls/), and imported
+    only when a group forms or all-reduces, which then hands comms the real route directly."""
 
     def _real(self):
         from .collectives import route
 
-        comms.route.route_with(route.ROUTE)
+        upcalls.route = route.ROUTE
         return route.ROUTE
 
     def all_reduce_path(self, tensor, op: str, group):
@@ -88,7 +96,7 @@ class _SameHostRoute:
         """Nothing to let go: no group has used shared memory yet."""
 
 
-comms.route.route_with(_SameHostRoute())
+upcalls.route = _SameHostRoute()
 
 
 def __getattr__(name: str):
@@ -99,5 +107,8 @@ def __getattr__(name: str):
     return getattr(value, attr) if attr else value
 
 
-__all__ = ["MicroDDPError", "World", "comms", "get_world", "init", "shutdown", "spawn",
-           *_LAZY]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})  # the lazy names too, for completion and help()
+
+
+__all__ = ["MicroDDPError", *_LAZY]

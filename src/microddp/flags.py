@@ -39,7 +39,7 @@ def distinct(name: str, values: list) -> None:
 
 def engines(names: list[str]) -> None:
     """Refuse any name that is not a DDP engine, or one given twice."""
-    from .dp.engines import ENGINES
+    from .dp.engine_names import ENGINES
 
     bad = [e for e in names if e not in ENGINES]
     if bad:

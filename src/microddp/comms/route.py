@@ -1,8 +1,9 @@
 """A faster way than the group's backend for some calls, handed in from above.
 
 microddp's shared-memory transport lives in collectives/ (collectives/route.py chooses), above
-this layer, so comms does not import it: microddp/__init__.py hands it in with `route_with`,
-as it hands the hang monitor to `init`. Without one, every call goes to torch.distributed.
+this layer, so comms does not import it: microddp/__init__.py leaves it in `upcalls.route`,
+as it leaves the hang monitor for `init` (upcalls/__init__.py says why there). Without one,
+every call goes to torch.distributed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from .. import upcalls
 
 
 class Route(Protocol):
@@ -26,15 +29,8 @@ class Route(Protocol):
         """Let go of what the paths hold (shutdown calls it before the groups go)."""
 
 
-_route: Route | None = None
-
-
-def route_with(route: Route | None) -> None:
-    """Install `route` (microddp/__init__.py hands collectives.route.ROUTE in), or None."""
-    global _route
-    _route = route
-
-
 def current() -> Route | None:
-    """The route installed for comms, or None (every call goes to the backend)."""
-    return _route
+    """The route installed for comms (`upcalls.route`), or None (every call goes to the
+    backend). Looked up at each call: the package installs it when it is imported, and
+    replaces its stand-in with collectives' own route once a group first uses it."""
+    return upcalls.route

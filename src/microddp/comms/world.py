@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .. import upcalls
 from ..errors import MicroDDPError
 from .hosts import choose_interface, is_loopback
 from .preflight import preflight
@@ -58,7 +59,8 @@ _world: World | None = None
 class Watcher(Protocol):
     """What `init` starts once it forms a process group and `shutdown` stops before the group
     goes: the hang monitor. It lives above this layer (it watches collectives too), so it is
-    handed in (`watch_with`) rather than imported from here."""
+    not imported from here: microddp/__init__.py leaves it in `upcalls.watcher`, where every
+    `init` and `shutdown` looks it up."""
 
     def wanted(self, requested: bool | None) -> bool:
         """Whether to watch, given what the caller of `init` asked for (None: the default)."""
@@ -74,19 +76,11 @@ class Watcher(Protocol):
         gave up (a peer lost, its timeout) while watching, else `error` itself."""
 
 
-_watcher: Watcher | None = None
-
-
 def wait_failed(error: RuntimeError) -> BaseException:
     """What a wait that failed with `error` raises (see Watcher.failed): the hang report when
     a monitor watches, so that a lost peer is named rather than left to gloo's bare timeout."""
-    return error if _watcher is None else _watcher.failed(error)
-
-
-def watch_with(watcher: Watcher | None) -> None:
-    """Have every `init` that forms a group start `watcher`, and `shutdown` stop it."""
-    global _watcher
-    _watcher = watcher
+    watcher: Watcher | None = upcalls.watcher
+    return error if watcher is None else watcher.failed(error)
 
 
 def distributed(group=None) -> bool:
@@ -222,7 +216,7 @@ def init(
     in a report of where every rank is rather than in the backend's bare timeout; `monitor`
     False (or MICRODDP_MONITOR=0) leaves it off.
     """
-    watcher = _watcher
+    watcher: Watcher | None = upcalls.watcher
     # A bad MICRODDP_MONITOR fails before any rendezvous.
     monitor_on = watcher is not None and watcher.wanted(monitor)
     global _world
@@ -349,9 +343,10 @@ def shutdown() -> None:
     any) so the next `init` starts afresh, and free them now, while Python can still run
     their threads' last steps (teardown.py)."""
     global _world
-    if _watcher is not None:
+    watcher: Watcher | None = upcalls.watcher
+    if watcher is not None:
         # First: its watchdog polls the store, which the process group's end takes away.
-        _watcher.stop()
+        watcher.stop()
     route = current_route()
     if route is not None:  # shared memory: its lanes joined, its segments unmapped
         route.close()

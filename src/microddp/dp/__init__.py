@@ -6,10 +6,15 @@
 
 from __future__ import annotations
 
-from .engines import ENGINES, wrap
+from .engine_names import ENGINES
 
 
 def __getattr__(name: str):
+    # Loaded on first use: the engines need torch, their names (ENGINES) do not.
+    if name == "wrap":
+        from .engines import wrap
+
+        return wrap
     if name in ("DistributedDataParallel", "DDP"):
         from .ddp import DistributedDataParallel
 

@@ -17,6 +17,7 @@ from torch import nn
 from ..comms import distributed
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB
+from .engine_names import ENGINES
 from .ladder import BucketHooks, GradHooks, OverlapHooks, average_gradients
 from .sync import broadcast_coalesced, sync_module_states
 
@@ -81,7 +82,6 @@ class StageDDP(nn.Module):
             self.reducer.sync = before
 
 
-ENGINES = ("naive", "hooks", "buckets", "overlap", "microddp", "torch")
 # Constructor arguments of torch's DistributedDataParallel that the ladder stages accept:
 # bucket_cap_mb and broadcast_buffers do what torch's do; the others only at torch's default
 # (the stages implement neither unused parameters nor static graphs nor bucket views).

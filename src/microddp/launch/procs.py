@@ -13,12 +13,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from ..comms.rendezvous import bind
-from ..comms.world import _as_timedelta
 from ..errors import MicroDDPError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
 
@@ -43,6 +43,13 @@ class AgentStore:
         if not 0 <= port <= 65535:
             raise MicroDDPError(f"port must be between 0 and 65535, got {port}; 0 picks a free "
                                 "one")
+        # Here, not above: the store is the one thing of torch's a launcher needs, so its
+        # --help and argument errors never wait for torch to load.
+        import torch.distributed as dist
+
+        from ..comms.rendezvous import bind
+        from ..comms.world import _as_timedelta
+
         sock = bind(addr, port)
         port = sock.getsockname()[1]
         store = dist.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,

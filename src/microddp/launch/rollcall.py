@@ -18,11 +18,12 @@ import errno
 import socket
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from ..comms.rendezvous import bind
 from ..errors import MicroDDPError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 # No machine answers at the address: a retry cannot help (host 0 being slow to start is
 # ECONNREFUSED or a timeout instead, retried until the deadline).
@@ -90,6 +91,11 @@ def roll_call(master_addr: str, port: int, nnodes: int, node_rank: int,
               timeout_s: float) -> None:
     """Return once all `nnodes` hosts have answered at master_addr:port; else raise
     MicroDDPError with one line naming what is missing."""
+    # Here, not above: `microddp run --help` and its argument errors need no torch.
+    import torch.distributed as dist
+
+    from ..comms.rendezvous import bind
+
     addr = _resolve(master_addr)
     deadline = time.monotonic() + timeout_s
     wait = timedelta(seconds=timeout_s)

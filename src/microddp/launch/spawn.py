@@ -21,8 +21,6 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
-import torch
-
 from ..errors import MicroDDPError
 from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
@@ -118,6 +116,8 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
     die_with_parent()
     os.environ.clear()
     os.environ.update(env)
+    import torch  # here, not above: `microddp run`'s launcher imports this module, needs no torch
+
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     from ..comms import world
 
@@ -152,7 +152,9 @@ def _context(start_method: str | None):
         start_method = "forkserver" if sys.platform == "linux" else "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["microddp.launch.spawn"])
+        # comms first: `import microddp` no longer imports it (nor torch), and every rank needs
+        # both, imported once in the server rather than once per rank.
+        ctx.set_forkserver_preload(["microddp.comms", "microddp.launch.spawn"])
     return ctx
 
 

@@ -9,14 +9,17 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..data import DATASETS
-from ..dp.engines import ENGINES
+from ..dp.engine_names import ENGINES
 from ..errors import MicroDDPError
 from ..flags import at_least, positive
-from ..ps import PSConfig, parse_staleness, parse_straggler
+
+if TYPE_CHECKING:
+    from ..ps import PSConfig
+
+# torch, the data sets and the parameter server's settings are imported where a check needs
+# them, not above: `microddp train --help` builds this parser and must not wait for torch.
 
 OPTIMIZERS = ("sgd", "adam")
 # How the job spreads the model over ranks; each name has its procedure in train/strategies/,
@@ -192,6 +195,8 @@ def _choice(value, allowed: tuple, what: str) -> None:
 
 def max_sensible_nproc() -> int:
     """One rank per GPU; on CPU, beyond a few ranks per core they only wait for each other."""
+    import torch
+
     if torch.cuda.is_available():
         return max(1, torch.cuda.device_count())
     return max(1, 4 * (os.cpu_count() or 1))
@@ -199,6 +204,10 @@ def max_sensible_nproc() -> int:
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Raise MicroDDPError naming the first bad setting and how to fix it."""
+    import torch
+
+    from ..data import DATASETS
+
     _choice(cfg.dataset, DATASETS, "dataset")
     if cfg.dataset == "digits" and importlib.util.find_spec("sklearn") is None:
         raise MicroDDPError("the digits data set ships with scikit-learn, which is not "
@@ -313,6 +322,8 @@ def _check_strategy(cfg: TrainConfig, n: int) -> None:
 
 def ps_config(cfg: TrainConfig, steps: int) -> PSConfig:
     """The parameter-server settings of an async run of `steps` global batches."""
+    from ..ps import PSConfig, parse_staleness, parse_straggler
+
     return PSConfig(steps=steps, lr=cfg.learning_rate, staleness=parse_staleness(cfg.staleness),
                     backup_workers=cfg.backup_workers, staleness_lr=cfg.staleness_lr,
                     stragglers=parse_straggler(cfg.straggler))
@@ -334,6 +345,8 @@ def _check_async(cfg: TrainConfig, n: int) -> None:
 
 
 def _check_sync(cfg: TrainConfig, n: int) -> None:
+    from ..ps import parse_staleness, parse_straggler
+
     for rank, factor in parse_straggler(cfg.straggler).items():
         if not 0 <= rank < n or not factor >= 1:
             raise MicroDDPError(f"--straggler {rank}:{factor:g}: the rank must be one of 0.."
