@@ -36,6 +36,15 @@ NO_NETEM = ("this kernel has no tc netem qdisc (CONFIG_NET_SCH_NETEM), so a link
 IFNAME = "mddp0"
 
 
+def _tool(name: str) -> str:
+    """Where an iproute2 tool is: on PATH, or in the sbin folders a root shell has on PATH and
+    a bare environment (`env -i`, some CI runners) does not (Debian puts `tc` only there)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin") or name
+
+
+TC = _tool("tc")
+
+
 def unavailable() -> str | None:
     """Why namespaces cannot be made here (a pytest skip reason), or None."""
     if os.geteuid() != 0:
@@ -93,14 +102,14 @@ class Fabric:
             if delay:  # netem adds the delay (and the rate with it)
                 netem = ["delay", delay] + (["rate", rate] if rate else [])
                 try:
-                    _ip("tc", "qdisc", "add", "dev", IFNAME, "root", "netem", "limit", "100000",
+                    _ip(TC, "qdisc", "add", "dev", IFNAME, "root", "netem", "limit", "100000",
                         *netem, ns=ns)
                 except RuntimeError as e:
                     if "unknown" not in str(e):
                         raise
                     raise RuntimeError(NO_NETEM) from None
             elif rate:  # a token bucket: in every kernel, where netem often is not
-                _ip("tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate,
+                _ip(TC, "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate,
                     "burst", "512kb", "latency", "50ms", ns=ns)
 
     def __enter__(self) -> Fabric:

@@ -265,7 +265,7 @@ SEND = ("import socket, time\nfor _ in range(200):\n    try: c = socket.create_c
 
 
 def _qdisc_stats(net, host: int) -> str:
-    done = subprocess.run(net.command(host, ["tc", "-s", "qdisc", "show", "dev",
+    done = subprocess.run(net.command(host, [netns_helpers.TC, "-s", "qdisc", "show", "dev",
                                              netns_helpers.IFNAME]),
                           capture_output=True, text=True, timeout=30)
     return done.stdout
