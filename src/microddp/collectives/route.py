@@ -43,12 +43,18 @@ ORDERED = frozenset({"sum", "avg", "product"})  # float results that depend on t
 _this = sys.modules[__name__]
 
 
+def _fits(tensor: torch.Tensor, op: str) -> bool:
+    """Whether shared memory can carry this tensor and op: a contiguous CPU tensor of one of
+    its dtypes, and one of its ops."""
+    return (tensor.device.type == "cpu" and tensor.dtype in DTYPES and op in OPS
+            and tensor.layout == torch.strided and tensor.is_contiguous())
+
+
 def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | None:
     """The all-reduce to call for this tensor on this group: shared memory's, or None for the
     group's backend. Every rank of the group must ask at the same point (the first time,
     the ranks agree on the group's transport through the store)."""
-    if (tensor.device.type != "cpu" or tensor.dtype not in DTYPES or op not in OPS
-            or tensor.layout != torch.strided or not tensor.is_contiguous()):
+    if not _fits(tensor, op):
         return None
     state = shm.shared(group)
     if state is None:
@@ -75,8 +81,7 @@ def intra_host_path(tensor: torch.Tensor, op: str, group) -> SharedGroup | None:
     of the group must ask first at the same point) and shared memory handles this tensor and
     op; else None, and the steps go through gloo's send/recv. No exception for float sums on
     3+ ranks here: the hierarchy adds in an order of its own either way."""
-    if (tensor.device.type != "cpu" or tensor.dtype not in DTYPES or op not in OPS
-            or tensor.layout != torch.strided or not tensor.is_contiguous()):
+    if not _fits(tensor, op):
         return None
     state = shm.shared(group)
     return state.group if state is not None else None
