@@ -30,10 +30,17 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 OPS = ["sum", "avg", "product", "min", "max"]
 
 
+# The random part of the segments the sweep tests plant on purpose, as if a dead job had left
+# them. The check below ignores them: with xdist, a test on another worker may plant one while
+# this test runs (a killed-rank test once failed on another test's plant).
+PLANTED = "0badc0ffee"
+
+
 def left_behind() -> set[str]:
     """microddp segments in /dev/shm whose creator has exited (other tests running beside
     this one may hold a live one for a moment, while their ranks attach)."""
     return {n for n in os.listdir(transport.SHM_DIR) if n.startswith(transport.PREFIX)
+            and not n.split("-")[-1].startswith(PLANTED)
             and not transport.alive(int(n[len(transport.PREFIX):].split("-")[1]))}
 
 
@@ -280,23 +287,19 @@ def test_a_bad_microddp_transport_is_one_clear_error(monkeypatch):
         shm_attach.wanted()
 
 
-def test_sweep_removes_segments_of_dead_processes_only():
+def test_sweep_removes_segments_of_dead_processes_only(tmp_path):
+    # in a folder of its own: a sweep run by another worker's test cannot take the plant first
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     ns = transport.segment_name().split("-")[2]
-    stale = f"{transport.PREFIX}{ns}-{dead.pid}-0badc0ffee00"
-    live = f"{transport.PREFIX}{ns}-{os.getpid()}-0badc0ffee01"
+    stale = f"{transport.PREFIX}{ns}-{dead.pid}-{PLANTED}00"
+    live = f"{transport.PREFIX}{ns}-{os.getpid()}-{PLANTED}01"
     for name in (stale, live):
-        open(os.path.join(transport.SHM_DIR, name), "w").close()
-    try:
-        removed = transport.sweep()
-        assert stale in removed and live not in removed
-        assert not os.path.exists(os.path.join(transport.SHM_DIR, stale))
-        assert os.path.exists(os.path.join(transport.SHM_DIR, live))
-    finally:
-        for name in (stale, live):
-            if os.path.exists(os.path.join(transport.SHM_DIR, name)):
-                os.unlink(os.path.join(transport.SHM_DIR, name))
+        (tmp_path / name).touch()
+    removed = transport.sweep(str(tmp_path))
+    assert stale in removed and live not in removed
+    assert not (tmp_path / stale).exists()
+    assert (tmp_path / live).exists()
 
 
 # -- a killed rank: the survivors raise, within the deadline ------------------------------------
@@ -415,7 +418,7 @@ def test_the_first_set_up_sweeps_away_a_dead_jobs_segment():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     ns = transport.segment_name().split("-")[2]
-    stale = os.path.join(transport.SHM_DIR, f"{transport.PREFIX}{ns}-{dead.pid}-0badc0ffee02")
+    stale = os.path.join(transport.SHM_DIR, f"{transport.PREFIX}{ns}-{dead.pid}-{PLANTED}02")
     open(stale, "w").close()
     try:
         # MICRODDP_TRANSPORT unset: shared memory, and its first set-up sweeps
