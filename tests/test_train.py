@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (optimizers import it on first use: forked ranks inherit it)
 
 import microddp
 from microddp.errors import MicroDDPError

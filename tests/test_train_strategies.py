@@ -24,7 +24,6 @@ import time
 import psutil
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (optimizers import it on first use: forked ranks inherit it)
 
 import microddp
 from cli_examples import command_lines, run_command
