@@ -3,6 +3,7 @@ rank, shards are balanced to within one element, and padding fills only the slot
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,9 +87,26 @@ def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
 def test_buckets_follow_backward_order_and_split_at_the_cap_and_at_groups():
     assert zero.by_size([4, 4, 4, 4], [0, 0, 0, 0], 8) == [[3, 2], [1, 0]]
     assert zero.by_size([4, 4, 4, 4], [0, 0, 1, 1], 100) == [[3, 2], [1, 0]]
-    assert zero.by_size([50, 1], [0, 0], 8) == [[1], [0]]  # a big tensor gets its own bucket
+    # a bucket closes once it holds its cap or more, as DDP's do: the tensor that reaches the
+    # cap joins the bucket rather than opening the next one
+    assert zero.by_size([50, 1], [0, 0], 8) == [[1, 0]]
+    assert zero.by_size([50, 1, 1], [0, 0, 0], 2) == [[2, 1], [0]]
     # a small first bucket (DDP's 1 MiB), then the usual cap
     assert zero.by_size([4, 4, 4, 4, 4], [0] * 5, 100, first_cap_elements=4) == [[4], [3, 2, 1, 0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+       cap=st.integers(1, 600), first=st.integers(1, 600))
+def test_buckets_are_the_ones_torch_ddp_rebuilds_in_backward_order(numels, cap, first):
+    # DDP's rebuilt buckets follow the gradients' arrival order (reverse parameter order, as
+    # backward makes them ready) with a small first cap: ZeRO's buckets are the same ones
+    tensors = [torch.empty(n) for n in numels]
+    order = list(reversed(range(len(numels))))
+    expected, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], [4 * first, 4 * cap], [False] * len(tensors), order)
+    got = zero.by_size(numels, [0] * len(numels), cap, first_cap_elements=first)
+    assert got == [list(b) for b in expected]
 
 
 def test_a_bad_plan_is_one_clear_error():

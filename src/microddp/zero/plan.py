@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..dp.buckets import plan_by_size
 from ..errors import MicroDDPError
 
 
@@ -150,18 +151,10 @@ def build(numels: Sequence[int], groups: Sequence[int], bucket_params: Sequence[
 
 def by_size(numels: Sequence[int], groups: Sequence[int], cap_elements: int,
             first_cap_elements: int | None = None) -> list[list[int]]:
-    """Buckets for gradient reduction: parameters in reverse order (the order backward makes
-    their gradients ready, as DDP assumes), a new bucket when one would pass its cap or the
-    parameter group changes. The first bucket's cap is `first_cap_elements` if given: a small
-    first bucket (DDP's 1 MiB) starts communicating while most of backward is still to run."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i in reversed(range(len(numels))):
-        cap = first_cap_elements if len(buckets) == 1 and first_cap_elements else cap_elements
-        if (not buckets or size + numels[i] > cap and buckets[-1]
-                or groups[buckets[-1][0]] != groups[i]):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += numels[i]
-    return buckets
+    """Buckets for gradient reduction, planned as DDP plans its rebuilt buckets
+    (dp.buckets.plan_by_size): parameters in reverse order (the order backward makes their
+    gradients ready), one open bucket per parameter group, each closed once it holds its cap
+    or more. The first bucket's cap is `first_cap_elements` if given: a small first bucket
+    (DDP's 1 MiB) starts communicating while most of backward is still to run."""
+    limits = [cap_elements] if not first_cap_elements else [first_cap_elements, cap_elements]
+    return plan_by_size(numels, groups, limits, order=range(len(numels) - 1, -1, -1))
