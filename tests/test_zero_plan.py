@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microddp import MicroDDPError, zero
-from microddp.zero.flat import flat_views, pack, take_own
+from microddp.zero.flat import flat_views, pack, part, take_own
 
 
 def owners(plan):
@@ -37,10 +37,6 @@ def test_every_element_owned_once_and_shards_balanced_within_one(numels, world_s
         assert len({groups[i] for i in b.params}) <= 1
     owned = [plan.owned(r) for r in range(world_size)]
     assert max(owned) - min(owned) <= 1 and sum(owned) == sum(numels)
-    # each rank's shard of a group is its pieces of the group's buckets, end to end
-    for g, per_rank in enumerate(plan.shard_numel):
-        for r in range(world_size):
-            assert per_rank[r] == sum(b.sizes[r] for b in plan.buckets if b.group == g)
 
 
 def test_a_parameter_straddling_ranks_is_split_by_elements_not_given_whole():
@@ -63,9 +59,16 @@ def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
     tensors = [torch.randn(2, 3), torch.randn(0), torch.randn(5)]
     plan = zero.build([6, 0, 5], [0, 0, 0], [[2, 0, 1]], 4)
     (b,) = plan.buckets
-    flat = torch.empty(b.numel)
-    pack(b, tensors, flat, 0.5)  # gradients, halved on the way in
-    assert torch.equal(flat, torch.cat([tensors[2], tensors[0].reshape(-1)]) * 0.5)
+    whole = torch.cat([tensors[2], tensors[0].reshape(-1)])
+    for rank in range(4):  # gradients, halved on the way in, split into own part and the rest
+        own, rest = torch.empty(b.sizes[rank]), torch.empty(b.numel - b.sizes[rank])
+        pack(b, rank, tensors, own, rest, 0.5)
+        lo, hi = b.start(rank), b.start(rank) + b.sizes[rank]
+        assert torch.equal(own, whole[lo:hi] * 0.5)
+        assert torch.equal(rest, torch.cat([whole[:lo], whole[hi:]]) * 0.5)
+        for r in range(4):  # each rank's part, as the reduce to that rank sends it
+            assert torch.equal(part(b, r, rank, own, rest),
+                               whole[b.start(r):b.start(r) + b.sizes[r]] * 0.5)
     # the flat buffer the parameters become views of holds rank r's elements from start(r):
     # what rank r is reduced to and broadcasts from
     params = [t.clone() for t in tensors]
@@ -79,9 +82,9 @@ def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
         assert torch.equal(mine, flat[b.start(r):b.start(r) + b.sizes[r]])
     flat.fill_(7)  # writing the buffer writes the parameters
     assert all(bool((t == 7).all()) for t in params)
-    missing = torch.ones(b.numel)
-    pack(b, [None, None, None], missing)  # a gradient backward never made counts as zero
-    assert missing.abs().sum() == 0
+    own, rest = torch.ones(b.sizes[1]), torch.ones(b.numel - b.sizes[1])
+    pack(b, 1, [None, None, None], own, rest)  # a gradient backward never made counts as zero
+    assert own.abs().sum() == 0 and rest.abs().sum() == 0
 
 
 def test_buckets_follow_backward_order_and_split_at_the_cap_and_at_groups():
