@@ -1,5 +1,6 @@
 """The sharding plan is plain data: every element of every parameter is owned by exactly one
-rank, shards are balanced to within one element, and padding fills only the slots' ends."""
+rank, shards are balanced to within one element, buckets are DDP's; a bucket packs into the
+rank's own part and the others', and the others' buffer goes once sent."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microddp import MicroDDPError, zero
+from microddp.zero.comm import free_when_sent
 from microddp.zero.flat import flat_views, pack, part, take_own
 
 
@@ -117,3 +119,20 @@ def test_a_bad_plan_is_one_clear_error():
         zero.build([1, 2], [0, 0], [[0]], 2)
     with pytest.raises(MicroDDPError, match="mixes parameter groups"):
         zero.build([1, 2], [0, 1], [[0, 1]], 2)
+
+
+def test_a_packed_buffer_is_released_when_the_last_collective_sending_it_completes():
+    class Sent:  # a stand-in for a collective's handle: its future completes when set
+        def __init__(self):
+            self.future = torch.futures.Future()
+
+        def get_future(self):
+            return self.future
+
+    handles, buffer = [Sent(), Sent()], torch.ones(1000)
+    released = free_when_sent(handles, buffer)
+    handles[1].future.set_result([buffer])
+    assert buffer.untyped_storage().nbytes() == 4000  # one reduce still sending it
+    handles[0].future.set_result([buffer])
+    released.wait()
+    assert buffer.untyped_storage().nbytes() == 0
