@@ -55,3 +55,16 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert cli.main(["bench", "zero", *args]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_the_a_a_control_is_compared_with_torch_zero1_when_asked_for():
+    names = ["zero1", "torch-zero1", bench_zero.CONTROL]
+    mem = {k: 8 for k in bench_zero.KEYS}
+    ranks = [{"times": {n: [0.01, 0.02, 0.03] for n in names},
+              "memory": {n: mem for n in names}} for _ in range(2)]
+    res = bench_zero.summarize(2, ranks, names)
+    assert set(res["versus_torch"]) == {"zero1/torch-zero1",
+                                        f"{bench_zero.CONTROL}/torch-zero1"}
+    text = bench_zero.table([res], 10)
+    assert f"    2 {bench_zero.CONTROL} " in text  # its name fits its column
+    assert f"{bench_zero.CONTROL}/torch-zero1: step time" in text

@@ -43,8 +43,9 @@ def test_every_stage_cuts_what_it_says_and_trains_like_dp(n):
     assert list(rows) == ["plain DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
     (p, g, o, _, sent), _ = rows["plain DP"]
     assert o == pytest.approx(2 * p, rel=0.01)
-    # ZeRO-1 keeps the full gradients; its averaged shard arrives beside them in backward
-    expect = {"ZeRO-1": (p + p / n, g + g / n, o / n, 2), "ZeRO-2": (p + p / n, g / n, o / n, 2),
+    # ZeRO-1 keeps the full gradients; its averaged shard arrives beside them in backward.
+    # ZeRO-1/2's shard is a view of the full parameters: no second copy of it
+    expect = {"ZeRO-1": (p, g + g / n, o / n, 2), "ZeRO-2": (p, g / n, o / n, 2),
               "ZeRO-3": (p / n, g / n, o / n, 3)}
     for name, (params, grads, opt, factor) in expect.items():
         (mp, mg, mo, _, ms), same = rows[name]
@@ -60,6 +61,12 @@ def test_each_stage_script_matches_dp(stage):
     assert table(out)[f"ZeRO-{stage}"][1].endswith(" True")
     ours, dp = re.search(r"parameter checksum (\S+) \(plain DP: (\S+)\)", out).groups()
     assert float(ours) == pytest.approx(float(dp), abs=1e-4)
+    if stage == 2:  # the packed gradients in flight: at least one bucket's, at most all of them
+        held, biggest, every, full = map(float, re.search(
+            r"(\d+) buckets of .*held at once during backward\s+(\S+) KiB; largest bucket's\s+"
+            r"(\S+) KiB, all buckets'\s+(\S+) KiB, the full gradient\s+(\S+) KiB", out
+        ).groups()[1:])
+        assert biggest <= held <= every < full
 
 
 def test_on_a_small_model_sharding_saves_next_to_nothing():

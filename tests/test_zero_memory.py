@@ -47,6 +47,17 @@ def measured(world):
             z.zero_grad()
         out[stage] = z.memory()
         out[stage, "between steps"] = z.measure_now()
+        # the packed gradients beyond the shard: the most held at once during backward, and
+        # the largest one bucket's packing needs (its other ranks' parts)
+        # (at most all of them, if no bucket's reduce completed before backward ended)
+        rest = [(b.numel - b.sizes[world.rank]) * 4 for b in z.plan.buckets]
+        out[stage, "packed"] = (z.reducer.peak_packed_bytes, max(rest), sum(rest))
+        if stage < 3:  # the shard the optimizer steps is this rank's part of the flat buffer
+            b = z.plan.buckets[0]
+            shard, flat = z.shards.params[b.index], z.flats[b.index]
+            out[stage, "shard in place"] = (
+                shard.data_ptr() == flat[b.start(world.rank):].data_ptr()
+                and shard.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr())
     params = sum(p.numel() * 4 for p in ddp.module.parameters())
     return out, params
 
@@ -65,8 +76,12 @@ def test_each_stage_shards_what_it_says_measured():
             # during backward; ZeRO-2/3 keep only the shard
             assert m["grads"] == pytest.approx(p + p / n if stage == 1 else p / n,
                                                rel=0.01), stage
-            # ZeRO-1/2 keep the full parameters, plus their shard as the optimizer's copy
-            assert m["params"] == pytest.approx(p / n if stage == 3 else p + p / n, rel=0.01)
+            # ZeRO-1/2 keep the full parameters, their shard a view of them; ZeRO-3 the shard
+            assert m["params"] == (p if stage < 3 else pytest.approx(p / n, rel=0.01))
+            if stage < 3:
+                assert out[stage, "shard in place"]
+            peak, biggest, everything = out[stage, "packed"]
+            assert biggest <= peak <= everything
             factor = 3 if stage == 3 else 2
             assert m["sent_per_step"] == pytest.approx(factor * (n - 1) / n * p, rel=0.01)
         between = out[3, "between steps"]

@@ -1,13 +1,16 @@
 """The sharding plan is plain data: every element of every parameter is owned by exactly one
-rank, shards are balanced to within one element, and padding fills only the slots' ends."""
+rank, shards are balanced to within one element, buckets are DDP's; a bucket packs into the
+rank's own part and the others', and the others' buffer goes once sent."""
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microddp import MicroDDPError, zero
-from microddp.zero.flat import flat_views, pack, take_own
+from microddp.zero.comm import free_when_sent
+from microddp.zero.flat import flat_views, pack, part, take_own
 
 
 def owners(plan):
@@ -36,10 +39,6 @@ def test_every_element_owned_once_and_shards_balanced_within_one(numels, world_s
         assert len({groups[i] for i in b.params}) <= 1
     owned = [plan.owned(r) for r in range(world_size)]
     assert max(owned) - min(owned) <= 1 and sum(owned) == sum(numels)
-    # each rank's shard of a group is its pieces of the group's buckets, end to end
-    for g, per_rank in enumerate(plan.shard_numel):
-        for r in range(world_size):
-            assert per_rank[r] == sum(b.sizes[r] for b in plan.buckets if b.group == g)
 
 
 def test_a_parameter_straddling_ranks_is_split_by_elements_not_given_whole():
@@ -62,9 +61,16 @@ def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
     tensors = [torch.randn(2, 3), torch.randn(0), torch.randn(5)]
     plan = zero.build([6, 0, 5], [0, 0, 0], [[2, 0, 1]], 4)
     (b,) = plan.buckets
-    flat = torch.empty(b.numel)
-    pack(b, tensors, flat, 0.5)  # gradients, halved on the way in
-    assert torch.equal(flat, torch.cat([tensors[2], tensors[0].reshape(-1)]) * 0.5)
+    whole = torch.cat([tensors[2], tensors[0].reshape(-1)])
+    for rank in range(4):  # gradients, halved on the way in, split into own part and the rest
+        own, rest = torch.empty(b.sizes[rank]), torch.empty(b.numel - b.sizes[rank])
+        pack(b, rank, tensors, own, rest, 0.5)
+        lo, hi = b.start(rank), b.start(rank) + b.sizes[rank]
+        assert torch.equal(own, whole[lo:hi] * 0.5)
+        assert torch.equal(rest, torch.cat([whole[:lo], whole[hi:]]) * 0.5)
+        for r in range(4):  # each rank's part, as the reduce to that rank sends it
+            assert torch.equal(part(b, r, rank, own, rest),
+                               whole[b.start(r):b.start(r) + b.sizes[r]] * 0.5)
     # the flat buffer the parameters become views of holds rank r's elements from start(r):
     # what rank r is reduced to and broadcasts from
     params = [t.clone() for t in tensors]
@@ -78,17 +84,34 @@ def test_a_bucket_is_its_parameters_end_to_end_and_each_rank_owns_a_part():
         assert torch.equal(mine, flat[b.start(r):b.start(r) + b.sizes[r]])
     flat.fill_(7)  # writing the buffer writes the parameters
     assert all(bool((t == 7).all()) for t in params)
-    missing = torch.ones(b.numel)
-    pack(b, [None, None, None], missing)  # a gradient backward never made counts as zero
-    assert missing.abs().sum() == 0
+    own, rest = torch.ones(b.sizes[1]), torch.ones(b.numel - b.sizes[1])
+    pack(b, 1, [None, None, None], own, rest)  # a gradient backward never made counts as zero
+    assert own.abs().sum() == 0 and rest.abs().sum() == 0
 
 
 def test_buckets_follow_backward_order_and_split_at_the_cap_and_at_groups():
     assert zero.by_size([4, 4, 4, 4], [0, 0, 0, 0], 8) == [[3, 2], [1, 0]]
     assert zero.by_size([4, 4, 4, 4], [0, 0, 1, 1], 100) == [[3, 2], [1, 0]]
-    assert zero.by_size([50, 1], [0, 0], 8) == [[1], [0]]  # a big tensor gets its own bucket
+    # a bucket closes once it holds its cap or more, as DDP's do: the tensor that reaches the
+    # cap joins the bucket rather than opening the next one
+    assert zero.by_size([50, 1], [0, 0], 8) == [[1, 0]]
+    assert zero.by_size([50, 1, 1], [0, 0, 0], 2) == [[2, 1], [0]]
     # a small first bucket (DDP's 1 MiB), then the usual cap
     assert zero.by_size([4, 4, 4, 4, 4], [0] * 5, 100, first_cap_elements=4) == [[4], [3, 2, 1, 0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+       cap=st.integers(1, 600), first=st.integers(1, 600))
+def test_buckets_are_the_ones_torch_ddp_rebuilds_in_backward_order(numels, cap, first):
+    # DDP's rebuilt buckets follow the gradients' arrival order (reverse parameter order, as
+    # backward makes them ready) with a small first cap: ZeRO's buckets are the same ones
+    tensors = [torch.empty(n) for n in numels]
+    order = list(reversed(range(len(numels))))
+    expected, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], [4 * first, 4 * cap], [False] * len(tensors), order)
+    got = zero.by_size(numels, [0] * len(numels), cap, first_cap_elements=first)
+    assert got == [list(b) for b in expected]
 
 
 def test_a_bad_plan_is_one_clear_error():
@@ -96,3 +119,20 @@ def test_a_bad_plan_is_one_clear_error():
         zero.build([1, 2], [0, 0], [[0]], 2)
     with pytest.raises(MicroDDPError, match="mixes parameter groups"):
         zero.build([1, 2], [0, 1], [[0, 1]], 2)
+
+
+def test_a_packed_buffer_is_released_when_the_last_collective_sending_it_completes():
+    class Sent:  # a stand-in for a collective's handle: its future completes when set
+        def __init__(self):
+            self.future = torch.futures.Future()
+
+        def get_future(self):
+            return self.future
+
+    handles, buffer = [Sent(), Sent()], torch.ones(1000)
+    released = free_when_sent(handles, buffer)
+    handles[1].future.set_result([buffer])
+    assert buffer.untyped_storage().nbytes() == 4000  # one reduce still sending it
+    handles[0].future.set_result([buffer])
+    released.wait()
+    assert buffer.untyped_storage().nbytes() == 0

@@ -36,7 +36,11 @@ writes zero.json and zero.png into a new runs/bench-zero-DATE-TIME (or --out).
 """
 
 CONTENDERS = ("dp", "zero1", "zero2", "zero3", "torch-zero1", "fsdp2")
-VERSUS = {"zero1": "torch-zero1", "zero3": "fsdp2"}  # the same stage, ours and torch's
+# An A/A control, on request only: a second torch ZeRO-1, identical to the first, so the
+# ratio of the two shows what this machine's noise alone makes of a ratio of medians.
+CONTROL = "torch-zero1-again"
+VERSUS = {"zero1": "torch-zero1", "zero3": "fsdp2",  # the same stage, ours and torch's
+          CONTROL: "torch-zero1"}
 KEYS = ("params", "grads", "optimizer_state")
 
 
@@ -45,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
                    help="world sizes (default 2 4)")
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
-                   help=f"what to run (default {' '.join(CONTENDERS)})")
+                   help=f"what to run (default {' '.join(CONTENDERS)}; add {CONTROL}, a "
+                   "second torch-zero1, for an A/A control of the ratio)")
     p.add_argument("--dim", type=int, default=512, help="FullMLP width (default 512)")
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth (default 8)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
@@ -83,7 +88,7 @@ def _contender(world: World, name: str, dim: int, depth: int, memory: dict):
                 fully_shard(layer)
         fully_shard(model)
         net, opt, held = model, torch.optim.Adam(model.parameters(), lr=lr), model
-    elif name == "torch-zero1":
+    elif name in ("torch-zero1", CONTROL):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         net = nn.parallel.DistributedDataParallel(model)
@@ -94,7 +99,7 @@ def _contender(world: World, name: str, dim: int, depth: int, memory: dict):
 
         net = wrap(model, "microddp")
         opt, held = torch.optim.Adam(model.parameters(), lr=lr), model
-    state = opt.optim if name == "torch-zero1" else opt  # torch's shard lives in .optim
+    state = opt.optim if name in ("torch-zero1", CONTROL) else opt  # torch's shard: .optim
 
     def finish() -> None:
         memory[name] = zero.measure(held, state)
@@ -151,7 +156,8 @@ def _kib(b: float) -> str:
 
 def table(results: list[dict], params: int) -> str:
     """The printed table: measured bytes per rank and step time of every contender."""
-    lines = [f"{'ranks':>5} {'contender':12}{'params':>10}{'grads':>10}{'optimizer':>10}"
+    w = max([12, *(len(name) + 1 for res in results for name in res["contenders"])])
+    lines = [f"{'ranks':>5} {'contender':{w}}{'params':>10}{'grads':>10}{'optimizer':>10}"
              f"{'total':>10}{'vs dp':>7}{'step ms':>9}   (KiB on the rank holding most)"]
     for res in results:
         rows = res["contenders"]
@@ -159,7 +165,7 @@ def table(results: list[dict], params: int) -> str:
         for name, r in rows.items():
             m = max(r["memory_per_rank"], key=lambda m: m["total"])
             rel = f"{m['total'] / dp:>7.2f}" if dp else f"{'-':>7}"
-            lines.append(f"{res['ranks']:>5} {name:12}" + "".join(_kib(m[k]) for k in KEYS)
+            lines.append(f"{res['ranks']:>5} {name:{w}}" + "".join(_kib(m[k]) for k in KEYS)
                          + f"{_kib(m['total'])}{rel}{r['step_ms']:>9.2f}")
         for pair, v in res["versus_torch"].items():
             lo, hi = v["interval_90"]
@@ -213,11 +219,11 @@ def run(args: argparse.Namespace) -> int:
     flags.at_least(0, warmup=args.warmup)
     flags.distinct("ranks", args.ranks)
     flags.distinct("contenders", args.contenders)
-    unknown = [c for c in args.contenders if c not in CONTENDERS]
+    unknown = [c for c in args.contenders if c not in (*CONTENDERS, CONTROL)]
     if unknown:
         raise MicroDDPError(f"unknown contender(s) {', '.join(unknown)}; choose from "
-                            f"{', '.join(CONTENDERS)}")
-    names = [c for c in CONTENDERS if c in args.contenders]
+                            f"{', '.join(CONTENDERS)} (and {CONTROL}, an A/A control)")
+    names = [c for c in (*CONTENDERS, CONTROL) if c in args.contenders]
     params = sum(p.numel() for p in _model(args.dim, args.depth).parameters())
     with outputs.run_folder(args.out, "bench-zero") as out:
         load = os.getloadavg()

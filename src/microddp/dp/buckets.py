@@ -8,7 +8,7 @@ bucket exactly as PyTorch's reducer does, so bucket boundaries (and hence result
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -26,18 +26,27 @@ def plan_buckets(params: Sequence[torch.Tensor], limits: Sequence[int],
     (dtype, device), and closes it once it holds `limit` bytes or more; the last limit repeats.
     Without `order`, buckets are sorted by their smallest index; with it, kept in walk order.
     """
-    if not params:
+    return plan_by_size([p.numel() * p.element_size() for p in params],
+                        [(p.dtype, p.device) for p in params], limits, order)
+
+
+def plan_by_size(sizes: Sequence[int], keys: Sequence[Hashable], limits: Sequence[int],
+                 order: Sequence[int] | None = None) -> list[list[int]]:
+    """`plan_buckets` over plain numbers: items of `sizes` (any unit, `limits` in the same),
+    one open bucket per distinct key (parameters that cannot share a buffer, or a ZeRO
+    parameter group), each closed once it holds its limit or more. ZeRO plans its buckets
+    with this too, so its bucket boundaries are DDP's."""
+    if not sizes:
         return []
-    walk = list(range(len(params))) if order is None else list(order)
+    walk = list(range(len(sizes))) if order is None else list(order)
     done: list[list[int]] = []
-    open_: dict[tuple, tuple[list[int], int]] = {}  # key -> (indices, bytes)
-    limit_pos: dict[tuple, int] = {}
+    open_: dict[Hashable, tuple[list[int], int]] = {}  # key -> (indices, size)
+    limit_pos: dict[Hashable, int] = {}
     for i in walk:
-        p = params[i]
-        key = (p.dtype, p.device)
+        key = keys[i]
         indices, size = open_.get(key, ([], 0))
         indices.append(i)
-        size += p.numel() * p.element_size()
+        size += sizes[i]
         pos = limit_pos.setdefault(key, 0)
         if size >= limits[pos]:
             done.append(indices)

@@ -28,6 +28,7 @@ import torch
 
 from .. import comms
 from .. import spans as trace
+from .flat import part
 from .plan import Bucket
 
 
@@ -48,17 +49,18 @@ class Sent:
         self.last_step, self._at_step = self.total - self._at_step, self.total
 
 
-def reduce_to_owners(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) -> list:
-    """Start summing `flat` (the bucket's gradients end to end) over ranks, each rank's part
-    into that rank's `flat` only: one reduce per rank that owns any. Returns the handles;
-    once waited, `flat.narrow(0, bucket.start(rank), bucket.sizes[rank])` holds this rank's
-    sum (the rest of `flat` is left unspecified)."""
+def reduce_to_owners(bucket: Bucket, own: torch.Tensor, rest: torch.Tensor, rank: int,
+                     sent: Sent) -> list:
+    """Start summing the bucket's gradients (packed by flat.pack into `own`, this rank's part,
+    and `rest`, the others') over ranks, each rank's part into that rank's `own` only: one
+    reduce per rank that owns any. Returns the handles; once waited, `own` holds this rank's
+    sum (`rest` is left unspecified)."""
     handles = []
     for r, size in enumerate(bucket.sizes):
         if size:
-            part = flat.narrow(0, bucket.start(r), size)
-            handles.append(comms.reduce(part, op="sum", group_dst=r, async_op=True))
-    sent.add_bytes((bucket.numel - bucket.sizes[rank]) * flat.element_size())
+            handles.append(comms.reduce(part(bucket, r, rank, own, rest), op="sum",
+                                        group_dst=r, async_op=True))
+    sent.add_bytes((bucket.numel - bucket.sizes[rank]) * own.element_size())
     return handles
 
 
@@ -73,6 +75,17 @@ def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) 
             handles.append(comms.broadcast(part, group_src=r, async_op=True))
     sent.add_bytes((bucket.world_size - 1) * bucket.sizes[rank] * flat.element_size())
     return handles
+
+
+def free_when_sent(handles: Sequence, buffer: torch.Tensor) -> torch.futures.Future:
+    """Release `buffer`'s memory as soon as the last of `handles` (the collectives sending
+    it) completes, from the thread that completes it, rather than when someone waits: during
+    backward a bucket's packed gradients live only while they travel. Returns the future to
+    wait for that release."""
+    def release(_done: torch.futures.Future) -> None:
+        buffer.untyped_storage().resize_(0)
+
+    return torch.futures.collect_all([h.get_future() for h in handles]).then(release)
 
 
 def trace_when_done(handles: Sequence, name: str, launched: float, **args) -> None:

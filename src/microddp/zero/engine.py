@@ -50,7 +50,8 @@ class Zero(nn.Module):
     DDP's does: by default 25 MiB after a first bucket of 1 MiB (so communication starts
     early in backward); given, every bucket gets that cap. Stage 3 uses one bucket per module
     (per parameter group within it). In stages 1 and 2 each bucket's parameters become views
-    of one flat buffer, which the updated shards are broadcast into.
+    of one flat buffer, this rank's shard a view of its part of it: the optimizer updates
+    that part in place, and the other ranks' updated parts are broadcast into the rest.
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type, stage: int = 1,
@@ -85,7 +86,12 @@ class Zero(nn.Module):
             first = FIRST_BUCKET_BYTES // size if bucket_cap_mb is None else None
             bucket_params = by_size(numels, groups, cap, first)
         self.plan = build(numels, groups, bucket_params, self.world_size)
-        self.shards = Shards(self.plan, self.rank, params, options, optimizer_class, defaults)
+        # Stages 1 and 2: each bucket's parameters live in one flat buffer, and this rank's
+        # shard is a view of its part of it (ZeRO-3's sharder makes its own, emptied between
+        # uses, so its shards are copies).
+        self.flats = ([flat_views(b, params) for b in self.plan.buckets] if stage < 3 else [])
+        self.shards = Shards(self.plan, self.rank, params, options, optimizer_class, defaults,
+                             flats=self.flats if stage < 3 else None)
         self.optimizer = self.shards.optimizer
         self.sent = Sent()
         self._in_no_sync = False
@@ -98,9 +104,6 @@ class Zero(nn.Module):
         self.reducer = GradReducer(self.plan, params, self.shards, self.sent, on_reduced,
                                    keep_grads=stage == 1)
         self._hooks = self.reducer.attach_hooks()
-        # Stages 1 and 2: each bucket's parameters live in one flat buffer (ZeRO-3's sharder
-        # makes its own, emptied between uses).
-        self.flats = ([flat_views(b, params) for b in self.plan.buckets] if stage < 3 else [])
         if self.sharder is not None:
             self.reducer.on_end = self.sharder.free_all
 
@@ -165,7 +168,8 @@ class Zero(nn.Module):
         broadcasts start before the first wait, so they travel together."""
         handles = []
         for b, flat in zip(self.plan.buckets, self.flats, strict=True):
-            self.shards.put_own(b, flat)
+            # this rank's elements are in `flat` already: the shard the optimizer stepped is
+            # a view of them
             launched = time.perf_counter()
             sent = broadcast_shards(b, flat, self.rank, self.sent)
             trace_when_done(sent, f"all-gather bucket {b.index}", launched, bucket=b.index,

@@ -3,9 +3,13 @@
 Every stage reduces during backward: a post-accumulate-grad hook counts each bucket's ready
 gradients and starts the bucket's reduce-scatter as soon as the last one arrives,
 asynchronously, so the communication runs while backward computes the earlier layers (as
-DDP's buckets do). ZeRO-2 and ZeRO-3 drop a bucket's full gradients as soon as they are copied
-out, so no rank ever holds the whole model's gradient; ZeRO-1 keeps them (its gradients are
-not sharded, only its optimizer state). One end-of-backward callback waits for every bucket.
+DDP's buckets do). Packing a bucket writes the rank's own part (averaged: divided by N on
+the way in) straight into its shard gradient, which the reduce to this rank then sums into, and
+the other ranks' parts into a buffer that is released as soon as its reduces complete (see
+`peak_packed_bytes`). ZeRO-2 and ZeRO-3 drop a bucket's full gradients once packed, so no rank
+holds the whole model's gradient at once unless every bucket is still in flight; ZeRO-1 keeps
+them (its gradients are not sharded, only its optimizer state). One end-of-backward callback
+waits for every bucket.
 Traced, each bucket's reduce is a "reduce-scatter bucket k" span on the communication track
 and the end-of-backward wait a "wait comm" span, named as DDP's reducer names its own.
 """
@@ -18,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import spans as trace
-from .comm import Sent, reduce_to_owners, trace_when_done
+from .comm import Sent, free_when_sent, reduce_to_owners, trace_when_done
 from .flat import pack
 from .plan import Bucket, ShardPlan
 from .shards import Shards
@@ -36,7 +40,12 @@ class GradReducer:
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.on_end: Callable[[], None] | None = None  # ZeRO-3 frees what is still gathered
         self._bucket_of = {p: b.index for b in plan.buckets for p in b.params}
-        self._pending: list[tuple[Bucket, list, torch.Tensor]] = []
+        self._pending: list[tuple[Bucket, list, torch.futures.Future, torch.Tensor | None]] = []
+        self._in_flight: list[torch.Tensor] = []
+        self._peak = 0
+        # The most bytes of packed gradients (other ranks' parts, waiting to be sent) this rank
+        # held at once during the last backward: measured from their storages, not computed.
+        self.peak_packed_bytes = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -52,32 +61,45 @@ class GradReducer:
         for i in bucket.params:
             grads[i] = self.params[i].grad
         if bucket.numel:
-            like = self.params[bucket.params[0]]
-            flat = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+            rank = self.shards.rank
+            own, add_after = self.shards.grad_target(bucket, replace=self.keep_grads)
+            rest = own.new_empty(bucket.numel - bucket.sizes[rank])
             # Divided before the sum, as DDP does: one pass, and no division after the wait.
-            pack(bucket, grads, flat, 1.0 / self.plan.world_size)
+            pack(bucket, rank, grads, own, rest, 1.0 / self.plan.world_size)
             launched = time.perf_counter()
-            handles = reduce_to_owners(bucket, flat, self.shards.rank, self.sent)
+            handles = reduce_to_owners(bucket, own, rest, rank, self.sent)
             trace_when_done(handles, f"reduce-scatter bucket {bucket.index}", launched,
-                            bucket=bucket.index, bytes=flat.numel() * flat.element_size())
-            self._pending.append((bucket, handles, flat))
+                            bucket=bucket.index, bytes=bucket.numel * own.element_size())
+            self._pending.append((bucket, handles, free_when_sent(handles, rest),
+                                  own if add_after else None))
+            self._track(rest)
         if not self.keep_grads:
             for i in bucket.params:
                 self.params[i].grad = None
         if self.on_reduced is not None:
             self.on_reduced(bucket)
 
+    def _track(self, rest: torch.Tensor) -> None:
+        # The packed buffers still allocated, measured now that one more was made (the only
+        # moment their total grows): the most this backward held beyond the shard gradient.
+        self._in_flight = [t for t in self._in_flight if t.untyped_storage().nbytes()] + [rest]
+        held = sum(t.untyped_storage().nbytes() for t in self._in_flight)
+        self._peak = max(self._peak, held)
+
     def wait(self) -> None:
-        """Wait for every started bucket and add its averaged part to the shard gradient."""
-        rank, t0 = self.shards.rank, time.perf_counter()
-        for bucket, handles, flat in self._pending:
+        """Wait for every started bucket (its averaged part is in the shard gradient, or is
+        added to it now)."""
+        t0 = time.perf_counter()
+        for bucket, handles, freed, extra in self._pending:
             for handle in handles:
                 handle.wait()
-            self.shards.add_grad(bucket, flat.narrow(0, bucket.start(rank), bucket.sizes[rank]),
-                                 replace=self.keep_grads)
+            freed.wait()
+            if extra is not None:
+                self.shards.add_grad(bucket, extra)
         if self._pending and trace.enabled():
             trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self._pending.clear()
+        self.peak_packed_bytes, self._peak, self._in_flight = self._peak, 0, []
 
     def attach_hooks(self) -> list:
         """Reduce each bucket during backward, as soon as it is complete."""

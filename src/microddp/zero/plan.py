@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..dp.buckets import plan_by_size
 from ..errors import MicroDDPError
 
 
@@ -38,8 +39,7 @@ class Piece:
 class Bucket:
     """Parameters flattened together and cut into one part per rank.
 
-    `params` index the plan's parameter list; `sizes[r]` is how many real elements rank r owns;
-    `shard_offset[r]` is where they sit in rank r's shard of the bucket's parameter group.
+    `params` index the plan's parameter list; `sizes[r]` is how many elements rank r owns.
     """
 
     index: int
@@ -49,7 +49,6 @@ class Bucket:
     sizes: tuple[int, ...]
     cap: int
     pieces: tuple[Piece, ...]
-    shard_offset: tuple[int, ...]
 
     @property
     def numel(self) -> int:
@@ -68,14 +67,12 @@ class Bucket:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Buckets over `numels` (one entry per sharded parameter) for `world_size` ranks;
-    `shard_numel[g][r]` is the size of rank r's shard of parameter group g."""
+    """Buckets over `numels` (one entry per sharded parameter) for `world_size` ranks."""
 
     world_size: int
     numels: tuple[int, ...]
     groups: tuple[int, ...]
     buckets: tuple[Bucket, ...]
-    shard_numel: tuple[tuple[int, ...], ...]
 
     def owned(self, rank: int) -> int:
         """Elements rank `rank` owns over all buckets."""
@@ -124,8 +121,6 @@ def build(numels: Sequence[int], groups: Sequence[int], bucket_params: Sequence[
         raise MicroDDPError("a sharding plan needs every parameter in exactly one bucket; got "
                             f"buckets {list(map(list, bucket_params))} for {len(numels)} "
                             "parameters")
-    n_groups = max(groups, default=-1) + 1
-    shard_numel = [[0] * world_size for _ in range(n_groups)]
     buckets, spare_so_far = [], 0
     for index, params in enumerate(bucket_params):
         group_ids = {groups[i] for i in params}
@@ -137,31 +132,19 @@ def build(numels: Sequence[int], groups: Sequence[int], bucket_params: Sequence[
         total = sum(sizes_numel)
         sizes = split(total, world_size, spare_so_far % world_size)
         spare_so_far += total % world_size
-        offsets = tuple(shard_numel[group][r] for r in range(world_size))
-        for r in range(world_size):
-            shard_numel[group][r] += sizes[r]
         buckets.append(Bucket(index=index, group=group, params=tuple(params),
                               numels=sizes_numel, sizes=tuple(sizes), cap=max(sizes),
-                              pieces=tuple(_pieces(params, sizes_numel, sizes)),
-                              shard_offset=offsets))
+                              pieces=tuple(_pieces(params, sizes_numel, sizes))))
     return ShardPlan(world_size=world_size, numels=tuple(numels), groups=tuple(groups),
-                     buckets=tuple(buckets), shard_numel=tuple(map(tuple, shard_numel)))
+                     buckets=tuple(buckets))
 
 
 def by_size(numels: Sequence[int], groups: Sequence[int], cap_elements: int,
             first_cap_elements: int | None = None) -> list[list[int]]:
-    """Buckets for gradient reduction: parameters in reverse order (the order backward makes
-    their gradients ready, as DDP assumes), a new bucket when one would pass its cap or the
-    parameter group changes. The first bucket's cap is `first_cap_elements` if given: a small
-    first bucket (DDP's 1 MiB) starts communicating while most of backward is still to run."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i in reversed(range(len(numels))):
-        cap = first_cap_elements if len(buckets) == 1 and first_cap_elements else cap_elements
-        if (not buckets or size + numels[i] > cap and buckets[-1]
-                or groups[buckets[-1][0]] != groups[i]):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += numels[i]
-    return buckets
+    """Buckets for gradient reduction, planned as DDP plans its rebuilt buckets
+    (dp.buckets.plan_by_size): parameters in reverse order (the order backward makes their
+    gradients ready), one open bucket per parameter group, each closed once it holds its cap
+    or more. The first bucket's cap is `first_cap_elements` if given: a small first bucket
+    (DDP's 1 MiB) starts communicating while most of backward is still to run."""
+    limits = [cap_elements] if not first_cap_elements else [first_cap_elements, cap_elements]
+    return plan_by_size(numels, groups, limits, order=range(len(numels) - 1, -1, -1))

@@ -1,10 +1,14 @@
 """This rank's shard of the parameters, and the optimizer that steps only that shard.
 
-One flat shard parameter per parameter group: the rank's elements of every bucket of the group,
-end to end. The user's optimizer class is built over these shard parameters with the group's
-own options (lr, weight decay, ...), so any torch.optim optimizer whose update is element-wise
-(SGD, Adam, AdamW, ...) gives the same numbers as on the full parameters, and its state (Adam's
-two moments) exists for 1/N of the elements only.
+One shard parameter per bucket: the rank's elements of the bucket (`sizes[rank]` of them). In
+stages 1 and 2 it is a view of the bucket's flat parameter buffer, which the module's
+parameters are views of too: the optimizer updates the rank's elements in place, where the
+broadcast of them starts from, with no copy back and no second copy of them held. In stage 3
+the flat buffers are emptied between uses, so the shard has its own storage. The user's
+optimizer class is built over the shard parameters, each parameter group with its buckets'
+shards and its own options (lr, weight decay, ...), so any torch.optim optimizer whose update
+is element-wise (SGD, Adam, AdamW, ...) gives the same numbers as on the full parameters, and
+its state (Adam's two moments) exists for 1/N of the elements only.
 """
 
 from __future__ import annotations
@@ -57,20 +61,25 @@ def trainable_groups(module: nn.Module, param_groups: Iterable[Any] | None
 
 
 class Shards:
-    """This rank's shard parameters (one per group), views of them per bucket, and the inner
-    optimizer over them."""
+    """This rank's shard parameters (one per bucket) and the inner optimizer over them."""
 
     def __init__(self, plan: ShardPlan, rank: int, params: Sequence[torch.Tensor],
-                 options: Sequence[dict], optimizer_class: type, defaults: dict) -> None:
+                 options: Sequence[dict], optimizer_class: type, defaults: dict,
+                 flats: Sequence[torch.Tensor] | None = None) -> None:
+        """`flats` (stages 1 and 2): each bucket's flat parameter buffer, which the shards
+        become views of; without them (stage 3) each shard is a copy of the rank's elements."""
         self.plan, self.rank = plan, rank
         like = params[0] if params else torch.empty(0)
-        self.params = [nn.Parameter(torch.zeros(plan.shard_numel[g][rank], dtype=like.dtype,
-                                                device=like.device))
-                       for g in range(len(options))]
+        self.params: list[nn.Parameter] = []
         for b in plan.buckets:
-            take_own(b, rank, params, self.view(b))
-        groups = [{**opts, "params": [shard]} for opts, shard in zip(options, self.params,
-                                                                       strict=True)]
+            if flats is not None:
+                own = flats[b.index].narrow(0, b.start(rank), b.sizes[rank])
+            else:
+                own = torch.empty(b.sizes[rank], dtype=like.dtype, device=like.device)
+                take_own(b, rank, params, own)
+            self.params.append(nn.Parameter(own))  # shares `own`'s memory
+        groups = [{**opts, "params": [self.params[b.index] for b in plan.buckets
+                                      if b.group == g]} for g, opts in enumerate(options)]
         try:
             self.optimizer = optimizer_class(groups, **defaults)
         except (TypeError, ValueError) as e:
@@ -80,23 +89,32 @@ class Shards:
                                 ) from e
 
     def view(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's elements of `bucket` inside its group's shard parameter."""
-        return self.params[bucket.group].data.narrow(0, bucket.shard_offset[self.rank],
-                                                     bucket.sizes[self.rank])
+        """This rank's elements of `bucket`: its shard parameter's data."""
+        return self.params[bucket.index].data
 
-    def add_grad(self, bucket: Bucket, reduced: torch.Tensor, replace: bool = False) -> None:
-        """Accumulate a bucket's averaged part (this rank's `sizes[rank]` elements) into this
-        rank's shard gradient; with `replace`, overwrite it instead (ZeRO-1, whose reduction
-        is of the full gradient accumulated since zero_grad, earlier reductions included)."""
-        shard = self.params[bucket.group]
+    def grad_target(self, bucket: Bucket, replace: bool) -> tuple[torch.Tensor, bool]:
+        """Where this rank's reduced part of `bucket` should land, and whether it must be
+        added to the shard gradient afterwards. The shard gradient itself when there is none
+        yet or when it is replaced (ZeRO-1, whose reduction is of the full gradient
+        accumulated since zero_grad): the reduction writes it directly, no copy. Else (a
+        second synchronized backward before zero_grad) a new tensor, added after the wait."""
+        shard = self.params[bucket.index]
         if shard.grad is None:
-            shard.grad = torch.zeros_like(shard)
-        part = shard.grad.narrow(0, bucket.shard_offset[self.rank], bucket.sizes[self.rank])
-        part.copy_(reduced) if replace else part.add_(reduced)
+            shard.grad = torch.empty_like(shard)
+            return shard.grad, False
+        if replace:
+            return shard.grad, False
+        return torch.empty_like(shard), True
+
+    def add_grad(self, bucket: Bucket, reduced: torch.Tensor) -> None:
+        """Accumulate a bucket's averaged part (this rank's `sizes[rank]` elements) into this
+        rank's shard gradient."""
+        self.params[bucket.index].grad.add_(reduced)
 
     def put_own(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """Copy this rank's elements of `bucket` into `flat` (the bucket's parameters end to
-        end), where the broadcast of them starts from."""
+        end), where the broadcast of them starts from (stage 3: in stages 1 and 2 they are
+        there already)."""
         flat.narrow(0, bucket.start(self.rank), bucket.sizes[self.rank]).copy_(self.view(bucket))
 
     def zero_grad(self) -> None:

@@ -74,10 +74,10 @@ class Sharded(Strategy):
             for pc in b.pieces:
                 if pc.rank != rank:
                     continue
-                at = b.shard_offset[rank] + pc.offset
-                shard = shards.params[b.group]
+                shard = shards.params[b.index]
                 out.append(sharded.Piece(names[id(self.model.sharded[pc.param])], pc.start,
-                                         shard.data.narrow(0, at, pc.length), shard, at))
+                                         shard.data.narrow(0, pc.offset, pc.length), shard,
+                                         pc.offset))
         return out
 
     def save_shards(self, folder: Path, run: str, common, keep: int) -> None:
