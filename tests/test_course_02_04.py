@@ -4,22 +4,18 @@ numbers."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from microddp.collectives.ring import PIPELINE_SEGMENT
+from script_runner import output
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(script: str, timeout: float = 150) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "course" / script)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+def run(script: str) -> str:
+    return output(ROOT / "course" / script)
 
 
 def test_ping_pong():
@@ -126,7 +122,7 @@ def math_log2(p: int) -> int:
 
 
 def test_shared_memory_matches_gloo_and_prints_the_table():
-    out = run("04_allreduce_algorithms/shared_memory.py", timeout=300)
+    out = run("04_allreduce_algorithms/shared_memory.py")
     assert "shared memory taken: yes; 16 MiB of random floats, equal to gloo's bit for bit: yes" in out
     rows = re.findall(r"^\s+(\d+ [KM]iB)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
                       out, re.M)

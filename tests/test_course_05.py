@@ -2,21 +2,19 @@
 every stage ends with the monolith's parameters and losses."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from script_runner import output, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = ROOT / "course" / "05_data_parallel"
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(CHAPTER / script), *args], capture_output=True,
-                          text=True, timeout=180, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return output(CHAPTER / script, *args)
 
 
 def numbers(out: str) -> tuple[list[float], float]:
@@ -74,8 +72,7 @@ def test_compare_table_shows_every_stage_within_float_rounding(monolith):
 
 @pytest.mark.parametrize("script", ["naive.py", "ddp.py"])
 def test_a_world_size_that_does_not_divide_the_batch_is_one_line_and_exit_2(script):
-    done = subprocess.run([sys.executable, str(CHAPTER / script), "-n", "5"], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    done = run_script(CHAPTER / script, "-n", "5", fresh=True)  # the interpreter's own exit
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert ("--world-size 5: every rank takes an equal share of the global batch of 48, so the "

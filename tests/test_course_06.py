@@ -1,20 +1,17 @@
 """Chapter 6's scripts run as a learner runs them, and print the numbers the chapter promises."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from script_runner import output
 
 COURSE = Path(__file__).resolve().parents[1] / "course" / "06_training"
 
 
 def _run(name: str) -> str:
-    done = subprocess.run([sys.executable, str(COURSE / name)], capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    return output(COURSE / name)
 
 
 def _number(pattern: str, text: str) -> float:

@@ -2,24 +2,20 @@
 
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from script_runner import output
+
 COURSE = Path(__file__).resolve().parents[1] / "course" / "07_observability"
 
 
 def _run(name: str, *args: str, **env: str) -> str:
-    done = subprocess.run([sys.executable, str(COURSE / name), *args], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, **env})
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    return output(COURSE / name, *args, **env)
 
 
 def _line_of(name: str, text: str) -> int:

@@ -4,23 +4,19 @@ every schedule ends with one process's parameters, and the hybrid's replicas tal
 step."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from microddp import pipeline
+from script_runner import output, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = ROOT / "course" / "08_pipeline"
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(CHAPTER / script), *args], capture_output=True,
-                          text=True, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return output(CHAPTER / script, *args)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -55,8 +51,7 @@ def test_every_schedule_ends_with_one_process_parameters(args):
 
 
 def test_too_many_ranks_is_one_line_and_exit_2():
-    done = subprocess.run([sys.executable, str(CHAPTER / "naive_model_parallel.py"), "-n", "9"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = run_script(CHAPTER / "naive_model_parallel.py", "-n", "9", fresh=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 

@@ -3,11 +3,11 @@ bytes per parameter under plain DP with Adam, each stage's memory cut to 1/N whe
 says, the same parameters as plain DP, and a small model on which sharding saves ~nothing."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from script_runner import output
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = ROOT / "course" / "09_zero"
@@ -16,10 +16,7 @@ ROW = re.compile(r"^(plain DP|ZeRO-\d)\s+" + r"\s+".join([r"(\S+) KiB"] * 5)
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(CHAPTER / script), *args], capture_output=True,
-                          text=True, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return output(CHAPTER / script, *args)
 
 
 def table(out: str) -> dict[str, tuple[list[float], str]]:

@@ -3,21 +3,18 @@ staleness 0 and one update per global batch, async one update per gradient, SSP 
 never pass their bound, backup workers use N-b gradients per step and drop the late ones."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from script_runner import output
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER = ROOT / "course" / "10_async"
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(CHAPTER / script), *args], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return output(CHAPTER / script, *args)
 
 
 def test_sync_vs_async_table():

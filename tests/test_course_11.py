@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from script_runner import output
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_hierarchical_sends_fewer_bytes_between_hosts_for_the_same_sum():
-    proc = subprocess.run([sys.executable, str(ROOT / "course/11_many_hosts/hierarchical.py")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = output(ROOT / "course/11_many_hosts/hierarchical.py")
     # flat ring on 4 ranks: ranks 1 and 3 send 2(p-1)/p = 1.5 x 4 MiB each to the other host
     assert ("flat ring:    12.00 MiB cross between the hosts (ranks 1, 3 send 6.00 MiB each)"
             in out), out
