@@ -4,6 +4,12 @@ deadline and kills its ranks, so a bug fails a test instead of hanging CI."""
 import os
 
 import pytest
+import torch._dynamo  # noqa: F401
+
+# Why torch._dynamo here: most tests' ranks build a torch.optim optimizer, whose first use
+# imports it (1.2 s on an idle core). Imported in this process before the first spawn, each
+# worker's forkserver preloads it (microddp.launch.spawn), so it is paid once per worker rather
+# than once per rank per test.
 
 # Ranks in tests must fail fast rather than wait PyTorch's default half hour.
 os.environ.setdefault("MICRODDP_TIMEOUT", "60")

@@ -153,11 +153,15 @@ def _context(start_method: str | None):
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # comms first: `import microddp` no longer imports it (nor torch), and every rank needs
-        # both, imported once in the server rather than once per rank. torch._dynamo too: a
-        # rank's first torch.optim optimizer imports it (Optimizer.__init__ is wrapped to keep
-        # dynamo out), and that import costs more than torch's own (1.2 s against 1.0 s idle
-        # here), paid by every rank of every job; once in the server, ranks start with it.
-        ctx.set_forkserver_preload(["microddp.comms", "microddp.launch.spawn", "torch._dynamo"])
+        # both, imported once in the server rather than once per rank.
+        preload = ["microddp.comms", "microddp.launch.spawn"]
+        # torch._dynamo too if the caller has it: a first torch.optim optimizer imports it
+        # (Optimizer.__init__ is wrapped to keep dynamo out), at a cost above torch's own
+        # (1.2 s against 1.0 s on an idle core here), which every rank that trains would pay
+        # again. Not always: a script whose ranks only communicate would pay it for nothing.
+        if "torch._dynamo" in sys.modules:
+            preload.append("torch._dynamo")
+        ctx.set_forkserver_preload(preload)
     return ctx
 
 
