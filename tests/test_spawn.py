@@ -161,3 +161,28 @@ def test_spawn_under_a_launcher_warns_that_every_worker_runs_the_whole_job(tmp_p
     alone = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                            timeout=120)
     assert alone.returncode == 0 and "warning" not in alone.stderr, alone.stderr
+
+
+PRELOADED = """
+import sys
+{imports}
+from microddp.launch import spawn
+
+def has_dynamo(world):
+    return "torch._dynamo" in sys.modules
+
+if __name__ == "__main__":
+    print(spawn(has_dynamo, 2, timeout=120))
+"""
+
+
+@pytest.mark.parametrize("imports, expected", [("", "[False, False]"),
+                                               ("import torch._dynamo", "[True, True]")])
+def test_ranks_start_with_torch_dynamo_only_when_the_caller_has_it(tmp_path, imports, expected):
+    # a fresh interpreter each: this process's forkserver already runs with what conftest loaded
+    script = tmp_path / "preload.py"
+    script.write_text(PRELOADED.format(imports=imports))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
