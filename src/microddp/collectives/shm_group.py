@@ -174,19 +174,22 @@ class SharedGroup:
         """`flat` reduced over the group with `op`, in place: one synchronisation for small tensors, reduce-scatter then gather for large ones, in slot-sized pieces."""
         cap = self.slot // flat.element_size()
         total = flat.numel()
-        small = total * flat.element_size() <= self.small
         if total <= cap:  # one piece: no slicing (most calls)
-            self._all_reduce_piece(flat, op, small)
+            self._all_reduce_piece(flat, op)
             return
         for start in range(0, total, cap):
-            self._all_reduce_piece(flat[start:start + cap], op, small)
+            self._all_reduce_piece(flat[start:start + cap], op)
 
-    def _all_reduce_piece(self, piece: torch.Tensor, op: str, small: bool) -> None:
+    def _all_reduce_piece(self, piece: torch.Tensor, op: str) -> None:
+        # Small or large by the piece's size, not the whole tensor's: on 2 ranks every piece
+        # of a tensor larger than a slot is "small" (one synchronisation, no copy out), which
+        # the large path would spend a second synchronisation and a copy out on.
         seq = self._step()
-        cut = self.cut(piece.dtype, piece.numel())[seq & 1]
+        m = piece.numel()
+        cut = self.cut(piece.dtype, m)[seq & 1]
         cut.inputs[self.rank].copy_(piece)
         self._barrier(self.arrive, seq, "all_reduce")
-        if small:
+        if m * piece.element_size() <= self.small:
             fold_into(op, cut.inputs, piece, self.rank)
             return
         if cut.share.numel():
