@@ -340,8 +340,8 @@ def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -
           "ratio of medians")
     if "shm" in shown:
         print("shm = microddp.comms.all_reduce through shared memory; bound = the least time "
-              "this host's memory allows it\n  (2 copies and (p-1) adds of n/p bytes, or 1 copy "
-              "and (p-1) adds of n bytes, timed beside it)")
+              "this host's memory allows it\n  (per slot-sized piece: 2 copies and (p-1) "
+              "in-place adds of a p-th, or 1 copy and (p-1) in-place adds, timed beside it)")
     if args.control:
         print(f"{CONTROL} = gloo's all_reduce timed again: a gap between gloo and an algorithm "
               f"no larger than gloo-2's is within this run's noise")
