@@ -134,6 +134,29 @@ def test_random_floats_on_three_ranks_match_gloo_to_rounding(small_buffers):
         assert bad == []
 
 
+def _results(world):
+    """Every float op's result at sizes around the thresholds, through shared memory."""
+    out = {}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        esize = torch.empty(0, dtype=dtype).element_size()
+        for op in OPS:
+            for numel in _numels(esize, SLOT, SMALL, world.world_size):
+                x = _values(world.rank, numel, dtype, op, exact=False)
+                C.shm_all_reduce(x, op)
+                out[f"{dtype} {op} {numel}"] = x
+    return out
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_every_rank_gets_the_same_bits_for_random_floats(n, small_buffers):
+    # Ranks 0 and 1 add in place, starting from their own input (x1 + x0 on rank 1), later
+    # ranks from x0 + x1: the same bits only because addition, multiplication, min and max
+    # commute exactly, which this checks on every path.
+    first, *others = mdp.spawn(_results, n, timeout=240)
+    for rank, results in enumerate(others, start=1):
+        assert [k for k, v in first.items() if not torch.equal(v, results[k])] == [], rank
+
+
 def _defaults(world):
     slot = shm_group.SLOT_BYTES
     return _against_gloo(world, False, [torch.float32], ["sum"], slot, slot)

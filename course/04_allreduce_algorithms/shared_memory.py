@@ -71,7 +71,7 @@ def main() -> None:
     print("  is a system call and a hand-over to gloo's thread on each side: tens of")
     print("  microseconds before the first byte moves, and two copies per byte after.")
     print("  shared memory: each rank copies its tensor into a segment both ranks map, waits")
-    print("  for a counter the other rank writes (no system call), reduces, and copies out.")
+    print("  for a counter the other rank writes, and adds the other's copy into its own tensor.")
     print("  Small tensors: one wait instead of a round trip through the kernel. Large ones:")
     print("  the memory bus is the limit (the bound column), shared by both ranks.")
 

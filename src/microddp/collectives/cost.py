@@ -97,17 +97,25 @@ class CostModel:
         return (p - 1) * self._msg(n / p)
 
     def shm_all_reduce(self, n: float, p: int, slot: float = 4 << 20,
-                       small: float = 64 << 10) -> float:
+                       small: float | None = None) -> float:
         """Through shared memory (shm_group.py), where alpha is one synchronisation (a wait
-        on the peers' counters), beta the cost of copying a byte, gamma of reducing one. Up
-        to `small` bytes: one synchronisation, one copy in, p-1 reductions of n bytes. Above:
-        per chunk of at most `slot` bytes two synchronisations; the tensor copied in and out,
-        and p-1 reductions of its n/p slice."""
+        on the peers' counters), beta the cost of copying a byte, gamma of reducing one. In
+        pieces of at most `slot` bytes; a piece up to `small` bytes (default: the slot on 2
+        ranks, 64 KiB on more, as shm_group.sizes) takes one synchronisation, one copy in
+        and p-1 reductions of the piece; a larger one two synchronisations, a copy in and one
+        out, and p-1 reductions of its n/p slice."""
         if p <= 1:
             return 0.0
-        if n <= small:
-            return self.alpha + n * self.beta + (p - 1) * n * self.gamma
-        return 2 * math.ceil(n / slot) * self.alpha + 2 * n * self.beta + (p - 1) * n / p * self.gamma
+        if small is None:
+            small = slot if p == 2 else 64 << 10
+
+        def piece(m: float) -> float:
+            if m <= small:
+                return self.alpha + m * self.beta + (p - 1) * m * self.gamma
+            return 2 * self.alpha + 2 * m * self.beta + (p - 1) * m / p * self.gamma
+
+        whole, rest = divmod(n, slot) if n > slot else (0, n)
+        return whole * piece(slot) + (piece(rest) if rest else 0.0)
 
     def predict(self, algorithm: str, nbytes: float, p: int, **options) -> float:
         """Predicted seconds for `algorithm` (a name from ALGORITHMS, or shm_all_reduce) on

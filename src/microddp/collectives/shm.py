@@ -144,7 +144,9 @@ def _check_list(tensors: list, name: str, like: torch.Tensor, like_name: str, si
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.data.view(-1)  # .data: the write is not autograd's business (written() says it)
+    # .data: the write is not autograd's business (written() says it); no view of a flat one
+    data = t.data
+    return data if data.dim() == 1 else data.view(-1)
 
 
 def _run(state: _State, body: Callable[[SharedGroup], None], result: list, async_op: bool,
@@ -180,12 +182,20 @@ def shm_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
     return _run(state, lambda g: g.all_reduce(flat, name), [tensor], async_op, finish)
 
 
+def _all_reduce_here(group: SharedGroup, flat: torch.Tensor, op: str) -> None:
+    """A blocking all-reduce on the caller's thread (the lane's `run_now`), which spins."""
+    group.yielding = False
+    group.all_reduce(flat, op)
+
+
 def all_reduce_unversioned(tensor: torch.Tensor, op: str, group, async_op: bool) -> ShmWork | None:
     """shm_all_reduce as microddp.comms calls it (route.py), after its own checks: like
     torch's collectives, it leaves autograd's version counter alone, and "avg" is its caller's
     division."""
     state = shared(group)
     flat = _flat(tensor)
+    if not async_op and state.lane.run_now(_all_reduce_here, state.group, flat, op):
+        return None
     return _run(state, lambda g: g.all_reduce(flat, op), [tensor], async_op)
 
 

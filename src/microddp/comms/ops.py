@@ -87,8 +87,12 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
     route = current_route()
     fast = route.all_reduce_path(tensor, name, group) if route is not None else None
     if fast is not None:  # shared memory between the ranks of this host (collectives/route.py)
-        return _result(fast(tensor, "sum" if name == "avg" else name, group, async_op),
-                       async_op, finish)
+        work = fast(tensor, "sum" if name == "avg" else name, group, async_op)
+        if work is None and not async_op:  # done already, on this thread: no handle to make
+            if finish is not None:
+                finish()
+            return None
+        return _result(work, async_op, finish)
     return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
                    async_op, finish)
 

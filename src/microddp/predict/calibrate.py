@@ -109,12 +109,15 @@ def fit_alpha_beta(sizes: list[int], times: list[float], world: int) -> tuple[fl
     return max(a, 1e-7) / (2 * (world - 1)), 2 * (world - 1) / world / max(b, 1e-15)
 
 
-def fit_shm(sizes: list[int], times: list[float]) -> tuple[float, float]:
+def fit_shm(sizes: list[int], times: list[float], world: int = 2) -> tuple[float, float]:
     """Fit t = a + b n to all-reduce times through shared memory, read as CostModel's
-    shm_all_reduce with chunks of a slot: a = 2 alpha per chunk, b = 2 beta (a copy in and one
-    out; the reduction folded in). Returns (alpha seconds per synchronisation, bytes/s)."""
+    shm_all_reduce (the reduction folded into beta): on 2 ranks every size up to a slot takes
+    one synchronisation and one copy in, a = alpha and b = beta; on more, most of them two
+    and a copy in and one out, a = 2 alpha and b = 2 beta. Returns (alpha seconds per
+    synchronisation, bytes/s)."""
     a, b = fit_line(sizes, times)
-    return max(a, 1e-7) / 2, 2 / max(b, 1e-15)
+    k = 1 if world == 2 else 2
+    return max(a, 1e-7) / k, k / max(b, 1e-15)
 
 
 def _path(world: World) -> str:
@@ -132,7 +135,7 @@ def alpha_beta(world: int = 2, repeats: int = 15) -> tuple[float, float, float, 
     ranks = spawn(_allreduce_times, world, args=(SIZES, repeats), timeout=300, backend="gloo")
     busy = statistics.mean(cpu for _, cpu, _ in ranks)
     path = ranks[0][2]
-    fit = (fit_shm(SIZES, ranks[0][0]) if path == "shm"
+    fit = (fit_shm(SIZES, ranks[0][0], world) if path == "shm"
            else fit_alpha_beta(SIZES, ranks[0][0], world))
     return (*fit, busy, path)
 
