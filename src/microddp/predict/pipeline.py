@@ -1,12 +1,20 @@
 """Predict a pipeline step: the schedule played with each action's cost and each message's.
 
 With a calibration of this host (`microddp predict --calibrate`, `pipeline_costs`), an action
-costs what the interpreter measured there: a fixed cost per action and per block plus the
-FLOPs at the measured rate, so a micro-batch of 8 rows costs its per-operation overheads and
-not 1/4 of a 32-row one; a message costs the measured ping-pong latency plus its bytes at the
-measured bandwidth, and its sender the measured hand-off (isend posted and completed); the step adds its measured
-fixed cost (optimizer, zero_grad). With more ranks than the calibration ran at once (one per
-core), compute stretches by ranks / cores: they time-share the cores (sleep does not).
+costs what the interpreter measured there: a fixed cost per action, per block and per weight
+plus the FLOPs at the measured rate, so a micro-batch of 8 rows costs its per-operation
+overheads and not 1/4 of a 32-row one; the last stage alone adds its head, loss and
+`loss.item()`; and every action is stretched by the measured mean over median of the
+actions (a step pays the ones a busy host delays too). A message costs the measured latency
+plus its bytes at the measured bandwidth; its sender pays the measured hand-off (isend
+posted and completed) and its receiver its own receive time (the wait, posting the next
+receive); a receive that gets there before its message (it waits) pays, on top, the wake-up
+measured with two ranks in the pipeline's own pattern (a busy sender, a receiver blocked in
+a receive posted ahead): the time from the message's due arrival to the woken rank running
+again, which on a host whose cores the ranks share is most of what a message costs. The
+step adds its measured fixed cost (optimizer, zero_grad). With more ranks than the
+calibration ran at once (one per core), compute stretches by ranks / cores: they time-share
+the cores (sleep does not).
 
 Without it (a preset), a stage's forward of one micro-batch costs its blocks' FLOPs (2 per weight per sample) at the
 rank's rate, plus, with `--sleep-ms`, the sleep `microddp bench pipeline --compute sleep` adds
@@ -63,8 +71,10 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
     cost = (_calibrated_cost(job, blocks, costs, mb, sleep) if costs is not None
             else _flops_cost(job, blocks, hw, mb, sleep))
     if costs is not None:
-        transfer, send = costs.message(message), costs.send
-        receive, wake = costs.receive, costs.wake
+        # a send's and a receive's own time run on their rank's clock as compute does: the
+        # host delays them as often (the tail); the transfer and the wake-up are waits
+        transfer, send = costs.message(message), costs.send * costs.tail
+        receive, wake = costs.receive * costs.tail, costs.wake
         fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
                     for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
     else:
