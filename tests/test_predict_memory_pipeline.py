@@ -143,6 +143,17 @@ def test_the_head_and_loss_cost_the_last_stage_only_and_the_tail_stretches_compu
     assert stretched == pytest.approx(base + 0.5 * 2 * (f + b), rel=1e-9)
 
 
+def test_describe_names_the_stages_the_split_really_makes():
+    # depth 11 over 2 ranks: stages of 6 and 5 blocks; interleaved (v = 2): 3, 3, 3, 2
+    costs = _costs()
+    line = pp.describe(pp.PipelineJob(2, 4, 16, 11, 8, virtual=2), INSTANT, costs)
+    sizes = [int(k) for k in re.findall(r"for (\d+) blocks", line)]
+    assert sizes == [6, 5, 3, 2]
+    assert f"F {1e3 * costs.forward(5, 2, 16):.3f} ms" in line  # 2 rows: batch 8 in 4
+    one = pp.describe(pp.PipelineJob(2, 4, 16, 11, 8, virtual=1), INSTANT, costs)
+    assert [int(k) for k in re.findall(r"for (\d+) blocks", one)] == [6, 5]
+
+
 def test_a_receive_costs_its_own_time_and_a_wake_up_where_it_waits():
     schedule = pipeline.build("gpipe", 2, 1)  # rank 0: F SEND_ACT RECV_GRAD B; rank 1: RECV F B SEND
     base = pipeline.simulate(schedule).makespan  # F + F + B + B = 6
