@@ -173,17 +173,20 @@ def test_wake_and_receive_are_read_from_the_two_ranks_clocks():
     from microddp.predict import pipeline_messages as pm
 
     # blocked phase: (send post) and (receive post, wait start, wait end); message due 10 after
-    sends = {"blocked": [0.0, 0.0, 100.0, 200.0, 300.0], "ready": [0.0, 0.0, 10.0, 20.0, 30.0]}
+    sends = {"blocked": [0.0, 0.0, 100.0, 200.0, 300.0, 400.0],
+             "ready": [0.0, 0.0, 10.0, 20.0, 30.0, 40.0]}
     recvs = {"blocked": [(0, 0, 0), (0, 0, 0),
                          (50.0, 90.0, 114.0),    # waited from before due: 4 late
                          (150.0, 195.0, 216.0),  # 6 late
-                         (310.0, 320.0, 400.0)],  # posted after its send: left out
+                         (250.0, 300.0, 330.0),  # 20 late: the mean is 10 (the median 6)
+                         (410.0, 420.0, 500.0)],  # posted after its send: left out
              "ready": [(0, 0, 0), (0, 0, 0),
                        (5.0, 30.0, 31.0),   # there already: 1
                        (15.0, 40.0, 43.0),  # 3
-                       (25.0, 36.0, 99.0)]}  # waited before due: not a ready receive
+                       (25.0, 60.0, 70.0),  # 10: the median of 1, 3, 10 is 3
+                       (35.0, 46.0, 99.0)]}  # waited before due: not a ready receive
     wake, receive = pm.wake_and_receive(sends, recvs, message=10.0)
-    assert wake == pytest.approx(5.0) and receive == pytest.approx(2.0)
+    assert wake == pytest.approx(10.0) and receive == pytest.approx(3.0)
     # nothing to read: 0, never a negative cost
     early = {"blocked": [(0, 0, 0), (0, 0, 0), (50.0, 90.0, 105.0)], "ready": []}
     assert pm.wake_and_receive({"blocked": [0, 0, 100.0], "ready": []}, early, 10.0) == (0, 0)

@@ -150,16 +150,22 @@ def _pattern_job(world: World, repeats: int) -> dict[str, list]:
 def wake_and_receive(sends: dict[str, list[float]], recvs: dict[str, list[tuple]],
                      message: float, skip: int = 2) -> tuple[float, float]:
     """(wake, receive) from the pattern job's times (per phase, rank 0's send posts and rank
-    1's (receive post, wait start, wait end)), each a median, never below 0, the first `skip`
-    messages of a phase left out as warm-up:
+    1's (receive post, wait start, wait end)), never below 0, the first `skip` messages of a
+    phase left out as warm-up:
 
-    - wake: over the blocked phase's receives posted before their send and waited for before
-      the message was due (send post + `message`, latency + bytes / bandwidth): how much later
-      than due the wait returned;
-    - receive: over the ready phase's receives posted before their send and waited for after
-      it was due: the wait and the posting of the next receive."""
+    - wake: the mean, over the blocked phase's receives posted before their send and waited
+      for before the message was due (send post + `message`, latency + bytes / bandwidth), of
+      how much later than due the wait returned. The mean, not the median: a step pays every
+      wake-up, and on a host whose cores other processes hold a few of them take a
+      scheduler's time slice (milliseconds) while most take tens of microseconds;
+    - receive: the median, over the ready phase's receives posted before their send and
+      waited for after it was due, of the wait and the posting of the next receive (its
+      tail is the actions' tail, which `predict` applies to it)."""
     def median(values: list[float]) -> float:
         return max(statistics.median(values), 0.0) if values else 0.0
+
+    def mean(values: list[float]) -> float:
+        return max(statistics.mean(values), 0.0) if values else 0.0
 
     blocked = list(zip(sends["blocked"], recvs["blocked"], strict=True))[skip:]
     wake = [end - (sent + message) for sent, (post, start, end) in blocked
@@ -167,7 +173,7 @@ def wake_and_receive(sends: dict[str, list[float]], recvs: dict[str, list[tuple]
     ready = list(zip(sends["ready"], recvs["ready"], strict=True))[skip:]
     receive = [end - start for sent, (post, start, end) in ready
                if post < sent and start >= sent + message]
-    return median(wake), median(receive)
+    return mean(wake), median(receive)
 
 
 def measure(repeats: int = 16) -> MessageCosts:
@@ -177,6 +183,6 @@ def measure(repeats: int = 16) -> MessageCosts:
                                  nonnegative=True)
     bandwidth = 1 / per_byte if per_byte > 0 else float("inf")
     send = statistics.median(c for _, _, c in trips)
-    sender, receiver = spawn(_pattern_job, 2, args=(repeats * 2,), timeout=300, backend="gloo")
+    sender, receiver = spawn(_pattern_job, 2, args=(repeats * 4,), timeout=300, backend="gloo")
     wake, receive = wake_and_receive(sender, receiver, latency + PATTERN_BYTES / bandwidth)
     return MessageCosts(latency, bandwidth, send, receive, wake)
