@@ -106,27 +106,83 @@ def test_at_most_window_receives_are_posted_ahead_each_in_program_order(name):
         assert peak == pipeline.runtime.WINDOW  # reached, never passed
 
 
-@pytest.mark.parametrize("name", list(pipeline.BUILDERS))
-def test_a_send_is_waited_for_only_after_its_receiver_has_answered(name):
-    # the runtime waits for a send early only once a message has arrived that the receiver
-    # sent after receiving it (so the wait returns at once); check that order on every rank
-    from microddp.pipeline.runtime import _sends_done_after
-    from microddp.pipeline.schedules import message_key
+def _sends_and_receipts(world, p=3, m=5):
+    """Per schedule, this rank's step as seen from comms: ('received', key, t) when a
+    receive's wait returns, ('waited', key, t) when the program waits for one of its sends,
+    ('end', None, t) when the runtime starts its end-of-step waits (key: runtime._tag's
+    (kind, boundary, micro-batch); t: time.perf_counter, one clock for the host's ranks)."""
+    import time
 
-    schedule = pipeline.build(name, 3, 5)
-    early = 0
-    for rank in range(3):
-        for reply, sent in _sends_done_after(schedule, rank).items():
-            for key in sent:
-                peers = [r for r in range(3) if any(
-                    message_key(a) == key for a in schedule.actions[r] if a.kind.startswith("RECV"))]
-                program = schedule.actions[peers[0]]
-                order = [i for i, a in enumerate(program)
-                         if a.kind.startswith(("RECV", "SEND")) and message_key(a) in (key, reply)]
-                kinds = [program[i].kind[:4] for i in order]
-                assert kinds == ["RECV", "SEND"], (rank, key, reply)  # received, then replied
-                early += 1
-    assert early > 0
+    from microddp import comms
+    from microddp.pipeline import runtime
+
+    events: list = []
+    real_isend, real_irecv, real_note = comms.isend, comms.irecv, runtime.note
+
+    def key(tag):
+        q = tag // m
+        return ("GRAD" if q % 2 else "ACT", q // 2, tag % m)
+
+    class Observed:  # the runtime's handle, noting when its wait is called or returns
+        def __init__(self, handle, what, before):
+            self.handle, self.what, self.before = handle, what, before
+
+        def wait(self):
+            if self.before:
+                events.append(("waited", self.what, time.perf_counter()))
+            out = self.handle.wait()
+            if not self.before:
+                events.append(("received", self.what, time.perf_counter()))
+            return out
+
+    def isend(tensor, *args, tag=0, **kwargs):
+        return Observed(real_isend(tensor, *args, tag=tag, **kwargs), key(tag), True)
+
+    def irecv(tensor, *args, tag=0, **kwargs):
+        return Observed(real_irecv(tensor, *args, tag=tag, **kwargs), key(tag), False)
+
+    def note(what):
+        if isinstance(what, str) and "waiting for its sends" in what:
+            events.append(("end", None, time.perf_counter()))
+        real_note(what)
+
+    # the modules the runtime calls through; this process only
+    runtime.comms.isend, runtime.comms.irecv, runtime.note = isend, irecv, note
+    out = {}
+    for name in pipeline.BUILDERS:
+        schedule = pipeline.build(name, p, m)
+        torch.manual_seed(0)
+        stages = pipeline.split_model(mdp.FullMLP(4, schedule.stages), schedule.stages)
+        mine = {s: stages[s] for s in schedule.stages_of(world.rank)}
+        x, y = torch.randn(2 * m, 4), torch.zeros(2 * m, dtype=torch.long)
+        mdp.comms.barrier()
+        events.clear()
+        pipeline.run_schedule(schedule, mine, x, y, torch.nn.functional.cross_entropy)
+        out[name] = list(events)
+    return out
+
+
+def test_a_send_is_waited_for_early_only_once_its_receiver_has_it():
+    # observed on the running ranks, not worked out again from the schedule: every send is
+    # waited for once; one waited for before the step's end is one its receiver had already
+    # received (its wait returns at once), and every schedule waits for some that early
+    ranks = mdp.launch.spawn(_sends_and_receipts, 3, timeout=180)
+    for name in pipeline.BUILDERS:
+        received = {k: t for r in ranks for kind, k, t in r[name] if kind == "received"}
+        early = 0
+        for r in ranks:
+            events = r[name]
+            end = next(t for kind, _, t in events if kind == "end")
+            waited = [(k, t) for kind, k, t in events if kind == "waited"]
+            assert len({k for k, _ in waited}) == len(waited), name  # each send once
+            for k, t in waited:
+                if t < end:
+                    assert received[k] <= t, (name, k)  # the receiver had it already
+                    early += 1
+        sends = sum(a.kind.startswith("SEND") for prog in pipeline.build(name, 3, 5).actions
+                    for a in prog)
+        assert sum(kind == "waited" for r in ranks for kind, *_ in r[name]) == sends, name
+        assert early > 0, name
 
 
 def test_a_send_without_its_receive_is_named_not_a_bare_stop_iteration():

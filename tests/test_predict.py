@@ -117,8 +117,11 @@ def _fixed_pipeline_costs(monkeypatch):
     the rest of it replace that with fixed figures (test_predict_memory_pipeline.py runs it)."""
     from microddp.predict import calibrate
 
-    costs = calibrate.PipelineCosts(1e-4, 2e-5, 5e10, 2e-4, 4e-5, 4e10, 3e-4, 1e-5, 1e-4, 1e9,
-                                    2e-5, 2, 2)
+    costs = calibrate.PipelineCosts(
+        forward_fixed=1e-4, forward_block=2e-5, forward_weight=1e-9, forward_rate=5e10,
+        backward_fixed=2e-4, backward_block=4e-5, backward_weight=2e-9, backward_rate=4e10,
+        step_fixed=3e-4, step_block=1e-5, last_forward=3e-5, last_backward=6e-5, tail=1.2,
+        latency=1e-4, bandwidth=1e9, send=2e-5, receive=3e-5, wake=2e-4, ranks=2, cores=2)
     monkeypatch.setattr(calibrate, "measure_pipeline", lambda *a: costs)
     return costs
 

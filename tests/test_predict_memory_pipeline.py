@@ -82,28 +82,31 @@ def test_predict_compare_reads_a_bench_pipeline_result(tmp_path, capsys):
 
 
 def _costs(**kw):
-    figures = dict(forward_fixed=1e-4, forward_block=2e-5, forward_rate=5e10,
-                   backward_fixed=2e-4, backward_block=4e-5, backward_rate=4e10,
-                   step_fixed=3e-4, step_block=1e-5, latency=0.0, bandwidth=float("inf"),
-                   send=0.0, ranks=2, cores=2)
+    figures = dict(forward_fixed=1e-4, forward_block=2e-5, forward_weight=1e-9,
+                   forward_rate=5e10, backward_fixed=2e-4, backward_block=4e-5,
+                   backward_weight=3e-9, backward_rate=4e10, step_fixed=3e-4, step_block=1e-5,
+                   last_forward=0.0, last_backward=0.0, tail=1.0, latency=0.0,
+                   bandwidth=float("inf"), send=0.0, receive=0.0, wake=0.0, ranks=2, cores=2)
     return pc.PipelineCosts(**(figures | kw))
 
 
-def test_action_fit_recovers_a_fixed_a_per_block_and_a_per_flop_cost():
+def test_action_fit_recovers_a_fixed_a_per_block_a_per_weight_and_a_per_flop_cost():
     truth = _costs()
     points = [(k, r, d, truth.forward(k, r, d)) for k in (2, 4, 8) for r in (4, 8, 32)
               for d in (128, 512)]
-    fixed, block, rate = pc.fit_actions(points)
-    assert (fixed, block, rate) == pytest.approx((1e-4, 2e-5, 5e10), rel=1e-6)
+    fixed, block, weight, rate = pc.fit_actions(points)
+    assert (fixed, block, weight, rate) == pytest.approx((1e-4, 2e-5, 1e-9, 5e10), rel=1e-6)
     back = [(k, r, d, truth.backward(k, r, d)) for k, r, d, _ in points]
-    assert pc.fit_actions(back, 2.0) == pytest.approx((2e-4, 4e-5, 4e10), rel=1e-6)
+    assert pc.fit_actions(back, 2.0) == pytest.approx((2e-4, 4e-5, 3e-9, 4e10), rel=1e-6)
     # an action that costs the same whatever its size: all fixed, no negative terms
     flat = [(k, r, d, 1e-3) for k, r, d, _ in points]
-    fixed, block, rate = pc.fit_actions(flat)
+    fixed, block, weight, rate = pc.fit_actions(flat)
     assert fixed == pytest.approx(1e-3) and block == pytest.approx(0, abs=1e-12)
-    assert block >= 0 and rate > 1e15  # never negative; no time per FLOP worth counting
-    with pytest.raises(pc.MicroDDPError, match="at least 3"):
-        pc.fit_actions(points[:2])
+    assert block >= 0 and weight >= 0 and rate > 1e15  # never negative
+    with pytest.raises(pc.MicroDDPError, match="at least 4"):
+        pc.fit_actions(points[:3])
+    with pytest.raises(pc.MicroDDPError, match="2 widths"):
+        pc.fit_actions([pt for pt in points if pt[2] == 128])
 
 
 def test_calibrated_actions_fill_the_schedule_by_hand():
@@ -127,6 +130,66 @@ def test_calibrated_actions_fill_the_schedule_by_hand():
     one = pp.predict(four, "gpipe", INSTANT, _costs(cores=4))
     shared = pp.predict(four, "gpipe", INSTANT, _costs(cores=2))
     assert shared["step_s"] == pytest.approx(2 * one["step_s"], rel=1e-9)
+
+
+def test_the_head_and_loss_cost_the_last_stage_only_and_the_tail_stretches_compute():
+    # 2 ranks, 1 micro-batch: F0 F1 B1 B0 in a row; the head's F and B land on stage 1 alone
+    job = pp.PipelineJob(stages=2, microbatches=1, dim=16, depth=4, batch=2)
+    base = pp.predict(job, "gpipe", INSTANT, _costs())["step_s"]
+    head = pp.predict(job, "gpipe", INSTANT, _costs(last_forward=1e-3, last_backward=3e-3))
+    assert head["step_s"] == pytest.approx(base + 4e-3, rel=1e-9)  # once, not per stage
+    f, b = _costs().forward(2, 2, 16), _costs().backward(2, 2, 16)
+    stretched = pp.predict(job, "gpipe", INSTANT, _costs(tail=1.5))["step_s"]
+    assert stretched == pytest.approx(base + 0.5 * 2 * (f + b), rel=1e-9)
+
+
+def test_describe_names_the_stages_the_split_really_makes():
+    # depth 11 over 2 ranks: stages of 6 and 5 blocks; interleaved (v = 2): 3, 3, 3, 2
+    costs = _costs()
+    line = pp.describe(pp.PipelineJob(2, 4, 16, 11, 8, virtual=2), INSTANT, costs)
+    sizes = [int(k) for k in re.findall(r"for (\d+) blocks", line)]
+    assert sizes == [6, 5, 3, 2]
+    assert f"F {1e3 * costs.forward(5, 2, 16):.3f} ms" in line  # 2 rows: batch 8 in 4
+    one = pp.describe(pp.PipelineJob(2, 4, 16, 11, 8, virtual=1), INSTANT, costs)
+    assert [int(k) for k in re.findall(r"for (\d+) blocks", one)] == [6, 5]
+
+
+def test_a_receive_costs_its_own_time_and_a_wake_up_where_it_waits():
+    schedule = pipeline.build("gpipe", 2, 1)  # rank 0: F SEND_ACT RECV_GRAD B; rank 1: RECV F B SEND
+    base = pipeline.simulate(schedule).makespan  # F + F + B + B = 6
+    # every receive of this schedule waits (each message is the other rank's only work): two
+    # receives, each + receive + wake
+    assert pipeline.simulate(schedule, receive=0.25).makespan == pytest.approx(base + 0.5)
+    assert pipeline.simulate(schedule, wake=0.5).makespan == pytest.approx(base + 1.0)
+    # a receive whose message is already there pays no wake-up: in 1F1B with m = 2, rank 1
+    # waits for micro-batch 0's activation (sent at t = 1: F0 starts at 1.5), but finds
+    # micro-batch 1's (sent at t = 2) there after its F0 and B0: F1 follows B0 at once
+    spans = pipeline.simulate(pipeline.build("1f1b", 2, 2), wake=0.5).spans[1]
+    (f0, _, _), (_, b0_end, _), (f1, _, _) = spans[:3]
+    assert f0 == pytest.approx(1.5) and f1 == pytest.approx(b0_end) == pytest.approx(4.5)
+
+
+def test_wake_and_receive_are_read_from_the_two_ranks_clocks():
+    from microddp.predict import pipeline_messages as pm
+
+    # blocked phase: (send post) and (receive post, wait start, wait end); message due 10 after
+    sends = {"blocked": [0.0, 0.0, 100.0, 200.0, 300.0, 400.0],
+             "ready": [0.0, 0.0, 10.0, 20.0, 30.0, 40.0]}
+    recvs = {"blocked": [(0, 0, 0), (0, 0, 0),
+                         (50.0, 90.0, 114.0),    # waited from before due: 4 late
+                         (150.0, 195.0, 216.0),  # 6 late
+                         (250.0, 300.0, 330.0),  # 20 late: the mean is 10 (the median 6)
+                         (410.0, 420.0, 500.0)],  # posted after its send: left out
+             "ready": [(0, 0, 0), (0, 0, 0),
+                       (5.0, 30.0, 31.0),   # there already: 1
+                       (15.0, 40.0, 43.0),  # 3
+                       (25.0, 60.0, 70.0),  # 10: the median of 1, 3, 10 is 3
+                       (35.0, 46.0, 99.0)]}  # waited before due: not a ready receive
+    wake, receive = pm.wake_and_receive(sends, recvs, message=10.0)
+    assert wake == pytest.approx(10.0) and receive == pytest.approx(3.0)
+    # nothing to read: 0, never a negative cost
+    early = {"blocked": [(0, 0, 0), (0, 0, 0), (50.0, 90.0, 105.0)], "ready": []}
+    assert pm.wake_and_receive({"blocked": [0, 0, 100.0], "ready": []}, early, 10.0) == (0, 0)
 
 
 def test_a_send_costs_its_sender_time_on_its_own_clock():
@@ -174,3 +237,5 @@ def test_the_pipeline_measurement_runs_and_fits_positive_costs():
     assert (costs.ranks, costs.cores) == (1, 1)
     assert costs.forward(4, 8, 128) > 0 and costs.backward(4, 8, 128) > 0
     assert costs.message(2**16) > 0 and costs.send >= 0
+    assert costs.receive >= 0 and costs.wake >= 0 and costs.tail > 0
+    assert costs.last_forward >= 0 and costs.last_backward >= 0

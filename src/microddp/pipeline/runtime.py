@@ -69,10 +69,6 @@ def _tag(key: tuple[str, int, int], m: int) -> int:
     return (2 * boundary + (kind == "GRAD")) * m + mb
 
 
-def _destination(schedule: Schedule, a: Action) -> int:
-    return schedule.rank_of(a.stage + (1 if a.kind == "SEND_ACT" else -1))
-
-
 # (id(schedule), rank) -> (the schedule, weakly; its sends-done map): worked out once per
 # schedule, not every step (it scans each send's peer program: 9 ms a step at p = 8, m = 64).
 _DONE_AFTER: dict[tuple[int, int], tuple[weakref.ref, dict[tuple, list[tuple]]]] = {}
@@ -100,15 +96,15 @@ def _work_out_sends_done_after(schedule: Schedule, rank: int) -> dict[tuple, lis
     for a in schedule.actions[rank]:
         if a.kind not in SENDS:
             continue
-        key, program = message_key(a), schedule.actions[_destination(schedule, a)]
+        key, program = message_key(a), schedule.actions[schedule.peer(a)]
         at = next((i for i, b in enumerate(program)
                    if b.kind in RECVS and message_key(b) == key), None)
         if at is None:
             raise MicroDDPError(f"schedule {schedule.name}: rank {rank}'s {a} has no matching "
-                                f"receive on rank {_destination(schedule, a)}; check the "
+                                f"receive on rank {schedule.peer(a)}; check the "
                                 "schedule with microddp.pipeline.validate")
         reply = next((b for b in program[at + 1:]
-                      if b.kind in SENDS and _destination(schedule, b) == rank), None)
+                      if b.kind in SENDS and schedule.peer(b) == rank), None)
         if reply is not None:
             done.setdefault(message_key(reply), []).append(key)
     return done
@@ -135,7 +131,7 @@ class _Step:
         self.done_after = _sends_done_after(schedule, rank)
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
-        peer = _destination(self.schedule, a)
+        peer = self.schedule.peer(a)
         where = {"dst": peer} if self.group is None else {"group_dst": peer}
         tag = _tag(message_key(a), self.schedule.microbatches)
         tensor = tensor.detach().contiguous()
@@ -161,7 +157,7 @@ class _Step:
             like = self._buffer_like(a)
             if like is None:
                 return
-            peer = self.schedule.rank_of(a.stage + (-1 if a.kind == "RECV_ACT" else 1))
+            peer = self.schedule.peer(a)
             where = {"src": peer} if self.group is None else {"group_src": peer}
             buf = torch.empty_like(like)
             hold(buf)  # until the tensor that reads it is done with it

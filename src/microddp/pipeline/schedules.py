@@ -66,6 +66,22 @@ class Schedule:
         """The stages `rank` runs, first to last."""
         return [rank + k * self.ranks for k in range(self.virtual)]
 
+    def peer(self, action: Action) -> int:
+        """The rank a send's message goes to, or a receive's comes from."""
+        return self.rank_of(peer_stage(action))
+
+
+def peer_stage(action: Action) -> int:
+    """The stage a send's message goes to, or a receive's comes from: activations go up a
+    stage (SEND_ACT to stage+1, RECV_ACT from stage-1), gradients come down (SEND_GRAD to
+    stage-1, RECV_GRAD from stage+1). It may not exist (a broken schedule's, which
+    `validate` refuses)."""
+    if action.kind in ("SEND_ACT", "RECV_GRAD"):
+        return action.stage + 1
+    if action.kind in ("RECV_ACT", "SEND_GRAD"):
+        return action.stage - 1
+    raise MicroDDPError(f"{action} is not a send or a receive")
+
 
 def message_key(action: Action) -> tuple[str, int, int]:
     """What a send and its receive have in common: (ACT or GRAD, boundary, micro-batch).

@@ -33,13 +33,17 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], float] | None = None,
-             transfer: float = 0.0, send: float = 0.0) -> Timeline:
+             transfer: float = 0.0, send: float = 0.0, receive: float = 0.0,
+             wake: float = 0.0) -> Timeline:
     """Run every rank's program in order; raise MicroDDPError naming the stuck ranks if the
     programs deadlock (each rank waits for a receive whose send never comes first).
 
     `costs`: per kind (F, B, I, W), or a function of the action (stages of unequal size);
     `transfer`: the time a message takes from its send to its receive (0: none, on paper);
-    `send`: the time posting a send takes on its sender's own clock (0: none).
+    `send`: the time posting a send takes on its sender's own clock (0: none);
+    `receive`: the time a receive takes on its receiver's clock once its message is there;
+    `wake`: what a receive that waits (its rank got there before the message) pays on top,
+    from the message's arrival to its rank running again (0: none).
     """
     costs = COSTS if costs is None else costs
     cost = costs if callable(costs) else (lambda a: costs[a.kind])
@@ -58,7 +62,8 @@ def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], fl
                     key = message_key(a)
                     if key not in posted:
                         break  # blocked until the sender gets there
-                    clock[r] = max(clock[r], posted[key] + transfer)
+                    arrival = posted[key] + transfer
+                    clock[r] = (arrival + wake if arrival > clock[r] else clock[r]) + receive
                 elif a.kind in SENDS:
                     clock[r] += send
                     posted[message_key(a)] = clock[r]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..errors import MicroDDPError
-from .schedules import COMPUTE, KINDS, RECVS, SENDS, Action, Schedule, message_key
+from .schedules import COMPUTE, KINDS, RECVS, SENDS, Action, Schedule, message_key, peer_stage
 from .simulate import Timeline, simulate
 
 
@@ -73,7 +73,7 @@ def _check_rank(schedule: Schedule, r: int) -> None:
         if a.kind == "W" and ("I", s, mb) not in seen:
             raise fail("W after I", "the weight gradient needs this micro-batch's I first")
         if a.kind in SENDS or a.kind in RECVS:
-            peer = s + 1 if a.kind in ("SEND_ACT", "RECV_GRAD") else s - 1
+            peer = peer_stage(a)
             if not 0 <= peer <= last or peer % p == r:
                 raise fail("matched", f"stage {s} has no neighbour stage {peer} on another rank")
         if a.kind == "SEND_ACT" and ("F", s, mb) not in seen:

@@ -245,12 +245,18 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
     k = max(depth // 2, 1)
     print(f"pipeline actions (interpreter, {costs.ranks} ranks at once, 1 thread each): F = "
           f"{1e6 * costs.forward_fixed:.0f} us + blocks x ({1e6 * costs.forward_block:.1f} us + "
-          f"FLOPs / {costs.forward_rate:.3g}), B = {1e6 * costs.backward_fixed:.0f} us + blocks "
-          f"x ({1e6 * costs.backward_block:.1f} us + 2 FLOPs / {costs.backward_rate:.3g}) "
+          f"weights x {1e9 * costs.forward_weight:.2f} ns + FLOPs / {costs.forward_rate:.3g}), "
+          f"B = {1e6 * costs.backward_fixed:.0f} us + blocks x ({1e6 * costs.backward_block:.1f}"
+          f" us + weights x {1e9 * costs.backward_weight:.2f} ns + 2 FLOPs / "
+          f"{costs.backward_rate:.3g}) "
           f"(F {1e3 * costs.forward(k, 8, dim):.3f} ms, B {1e3 * costs.backward(k, 8, dim):.3f} ms for "
           f"{k} blocks of width {dim} x 8 rows); step +{1e6 * costs.step_fixed:.0f} us + "
-          f"{1e6 * costs.step_block:.1f} us per block; messages {1e6 * costs.latency:.0f} us + "
-          f"bytes / {costs.bandwidth:.3g} B/s, send hand-off {1e6 * costs.send:.0f} us")
+          f"{1e6 * costs.step_block:.1f} us per block; actions' mean {costs.tail:.2f} x their "
+          f"median; the last stage's head and loss "
+          f"+{1e6 * costs.last_forward:.0f} us F, +{1e6 * costs.last_backward:.0f} us B; "
+          f"messages {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} B/s, send "
+          f"hand-off {1e6 * costs.send:.0f} us, receive {1e6 * costs.receive:.0f} us, "
+          f"+{1e6 * costs.wake:.0f} us wake-up where a receive waits")
     if not worlds:
         return 0
     print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  {'limit':<10} "

@@ -1,12 +1,20 @@
 """Predict a pipeline step: the schedule played with each action's cost and each message's.
 
 With a calibration of this host (`microddp predict --calibrate`, `pipeline_costs`), an action
-costs what the interpreter measured there: a fixed cost per action and per block plus the
-FLOPs at the measured rate, so a micro-batch of 8 rows costs its per-operation overheads and
-not 1/4 of a 32-row one; a message costs the measured ping-pong latency plus its bytes at the
-measured bandwidth, and its sender the measured hand-off (isend posted and completed); the step adds its measured
-fixed cost (optimizer, zero_grad). With more ranks than the calibration ran at once (one per
-core), compute stretches by ranks / cores: they time-share the cores (sleep does not).
+costs what the interpreter measured there: a fixed cost per action, per block and per weight
+plus the FLOPs at the measured rate, so a micro-batch of 8 rows costs its per-operation
+overheads and not 1/4 of a 32-row one; the last stage alone adds its head, loss and
+`loss.item()`; and every action is stretched by the measured mean over median of the
+actions (a step pays the ones a busy host delays too). A message costs the measured latency
+plus its bytes at the measured bandwidth; its sender pays the measured hand-off (isend
+posted and completed) and its receiver its own receive time (the wait, posting the next
+receive); a receive that gets there before its message (it waits) pays, on top, the wake-up
+measured with two ranks in the pipeline's own pattern (a busy sender, a receiver blocked in
+a receive posted ahead): the time from the message's due arrival to the woken rank running
+again, which on a host whose cores the ranks share is most of what a message costs. The
+step adds its measured fixed cost (optimizer, zero_grad). With more ranks than the
+calibration ran at once (one per core), compute stretches by ranks / cores: they time-share
+the cores (sleep does not).
 
 Without it (a preset), a stage's forward of one micro-batch costs its blocks' FLOPs (2 per weight per sample) at the
 rank's rate, plus, with `--sleep-ms`, the sleep `microddp bench pipeline --compute sleep` adds
@@ -63,12 +71,16 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
     cost = (_calibrated_cost(job, blocks, costs, mb, sleep) if costs is not None
             else _flops_cost(job, blocks, hw, mb, sleep))
     if costs is not None:
-        transfer, send = costs.message(message), costs.send
+        # a send's and a receive's own time run on their rank's clock as compute does: the
+        # host delays them as often (the tail); the transfer and the wake-up are waits
+        transfer, send = costs.message(message), costs.send * costs.tail
+        receive, wake = costs.receive * costs.tail, costs.wake
         fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
                     for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
     else:
         transfer, send, fixed = hw.latency + message / hw.bandwidth, 0.0, 0.0
-    timeline = pipeline.simulate(schedule, cost, transfer, send)
+        receive = wake = 0.0
+    timeline = pipeline.simulate(schedule, cost, transfer, send, receive, wake)
     ideal = pipeline.simulate(schedule, cost)
     sends = sum(a.kind in ("SEND_ACT", "SEND_GRAD") for prog in schedule.actions for a in prog)
     return {"schedule": name, "bubble": timeline.bubble, "step_s": timeline.makespan + fixed,
@@ -102,13 +114,16 @@ def _calibrated_cost(job: PipelineJob, blocks: list[int], costs: PipelineCosts, 
     B), and none on stage 0, whose input needs none; W walks the whole backward again for the
     weights (`runtime`'s simple split: a B). Compute stretches when ranks outnumber cores."""
     stretch = max(1.0, job.stages / costs.cores)
+    last = len(blocks) - 1
 
     def cost(a: Action) -> float:
         k = blocks[a.stage]
         compute = {"F": costs.forward(k, mb, job.dim), "B": costs.backward(k, mb, job.dim),
                    "I": costs.backward(k, mb, job.dim) / 2 if a.stage > 0 else 0.0,
                    "W": costs.backward(k, mb, job.dim)}[a.kind]
-        return compute * stretch + SHARE[a.kind] * k * sleep
+        if a.stage == last:  # the head, the loss and loss.item() run on the last stage only
+            compute += costs.head(a.kind)
+        return compute * costs.tail * stretch + SHARE[a.kind] * k * sleep
 
     return cost
 
@@ -144,19 +159,33 @@ def table(job: PipelineJob, rows: list[dict], measured: dict | None = None) -> s
     return "\n".join(lines)
 
 
+def _stage_costs(job: PipelineJob, costs: PipelineCosts, mb: float) -> str:
+    """F and B of each stage size the job's schedules cut (p stages; p x v interleaved)."""
+    cuts = [job.stages] + ([job.stages * job.virtual] if job.virtual > 1
+                           and job.depth >= job.stages * job.virtual else [])
+    sizes = sorted({k for n in cuts for k in pipeline.blocks_per_stage(job.depth, n)},
+                   reverse=True)
+    return ", ".join(f"F {1e3 * costs.forward(k, mb, job.dim):.3f} ms, B "
+                     f"{1e3 * costs.backward(k, mb, job.dim):.3f} ms for {k} blocks"
+                     for k in sizes)
+
+
 def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None) -> str:
     """One line naming the job and the hardware the prediction assumes."""
     if costs is not None:
-        k = job.depth // job.stages
         mb = job.batch / job.microbatches
         sleep = f"{job.sleep_ms:g} ms sleep per block forward + " if job.sleep_ms else ""
         return (f"pipeline: {job.stages} ranks, {job.microbatches} micro-batches, FullMLP("
                 f"{job.dim}, depth {job.depth}), batch {job.batch}; compute: {sleep}this "
-                f"host's calibrated actions (F {1e3 * costs.forward(k, mb, job.dim):.3f} ms, B "
-                f"{1e3 * costs.backward(k, mb, job.dim):.3f} ms for {k} blocks x {mb:g} rows; step "
-                f"+{1e3 * costs.step(k):.3f} ms); messages: {1e6 * costs.latency:.0f} us + "
-                f"bytes / {costs.bandwidth:.3g} B/s, send hand-off {1e6 * costs.send:.0f} us "
-                f"(calibrated with {costs.ranks} ranks on {costs.cores} cores)")
+                f"host's calibrated actions, {mb:g} rows: {_stage_costs(job, costs, mb)} "
+                f"(x {costs.tail:.2f}, their mean over their median); "
+                f"last stage + {1e3 * costs.last_forward:.3f} ms F, "
+                f"+ {1e3 * costs.last_backward:.3f} ms B (head, loss); step + "
+                f"{1e3 * costs.step(max(pipeline.blocks_per_stage(job.depth, job.stages))):.3f}"
+                f" ms; messages: {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} "
+                f"B/s, send hand-off {1e6 * costs.send:.0f} us, receive "
+                f"{1e6 * costs.receive:.0f} us, + {1e6 * costs.wake:.0f} us wake-up where a "
+                f"receive waits (calibrated with {costs.ranks} ranks on {costs.cores} cores)")
     compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "
                "FLOP/s per rank" if job.sleep_ms else
                f"FLOPs at {rank_rate(hw, job.stages):.3g} FLOP/s per rank")

@@ -5,20 +5,20 @@ rate: each Linear and ReLU is a call into torch that costs its overhead whatever
 each action of the interpreter (`run_schedule`) adds its own (autograd's graph, the loss on the
 last stage, the bookkeeping). So an action of a stage of k blocks on r rows is fitted as
 
-    seconds = fixed + k x (per_block + flops_per_block(r, width) / rate)
+    seconds = fixed + k x (per_block + width^2 x per_weight + flops_per_block(r, width) / rate)
 
 separately for forward and backward, by least squares over several k, r and widths. The points come
 from the interpreter itself running a one-stage schedule (`gpipe` with p = 1: no messages) on
 one rank per core at once, each with one thread, as `microddp bench pipeline` runs its ranks:
-its own recorded F and B spans. The step's fixed cost (zero_grad, the optimizer, the start and
-end of `run_schedule`) is the rest of the measured step, fitted as fixed + per_block x k.
-Messages are timed apart, by a relay of `comms.isend`/`irecv` between two ranks that each
-run a stage's forward before handing the message on (busy processes woken by a message, as
-pipeline ranks are: on a loaded host the wake-up, not the copy, is most of a message's cost),
-at several sizes: one way = latency + bytes / bandwidth, and the sender's hand-off: from
-posting the `isend` to its completion, to a receiver already waiting (what the sender's clock
-pays for a message; the interpreter itself never waits at a send, but the hand-off takes the
-sender's process all the same).
+its own recorded F and B spans, the median of each point fitted. A step pays every action,
+the ones a busy host delays included, not the typical one: `tail`, their mean over their
+median (the median over points), stretches every action's fitted cost. That one stage is the last: its F and B include the
+head, the loss and `loss.item()`, which only a pipeline's last stage runs; they are timed
+apart (`_head_times`: the head's Linear, the loss and its backward, on the same rows) and
+taken out of the fit, and charged to the last stage alone. The step's fixed cost (zero_grad,
+the optimizer, the start and end of `run_schedule`) is the rest of the measured step, fitted
+as fixed + per_block x k. What messages cost is measured apart, with two ranks
+(`pipeline_messages`).
 
 Nothing here reads a benchmark's timeline: the figures come from these runs alone, so
 `predict --compare` tests the model against a measurement it was not fitted on.
@@ -38,11 +38,11 @@ from ..comms.world import World
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
+from . import pipeline_messages as messages
 
 BLOCKS = (2, 4, 8)  # blocks per stage the fit sees
 ROWS = (4, 8, 16, 32)  # micro-batch rows the fit sees
 DIMS = (128, 512)  # FullMLP widths the fit sees: overhead-bound and FLOP-bound actions
-MESSAGE_BYTES = (2**12, 2**14, 2**16, 2**18)  # message sizes the ping-pong sends
 
 
 @dataclass(frozen=True)
@@ -52,27 +52,40 @@ class PipelineCosts:
 
     forward_fixed: float
     forward_block: float
+    forward_weight: float
     forward_rate: float
     backward_fixed: float
     backward_block: float
+    backward_weight: float
     backward_rate: float
     step_fixed: float
     step_block: float
+    last_forward: float
+    last_backward: float
+    tail: float
     latency: float
     bandwidth: float
     send: float
+    receive: float
+    wake: float
     ranks: int
     cores: int
 
     def forward(self, blocks: int, rows: float, dim: int) -> float:
         """One F action of a stage of `blocks` blocks of width `dim` on `rows` rows."""
-        return self.forward_fixed + blocks * (self.forward_block
+        return self.forward_fixed + blocks * (self.forward_block + dim * dim * self.forward_weight
                                               + block_flops(dim, rows) / self.forward_rate)
 
     def backward(self, blocks: int, rows: float, dim: int) -> float:
         """One B action (input and weight gradients) of the same stage."""
         return self.backward_fixed + blocks * (self.backward_block
+                                               + dim * dim * self.backward_weight
                                                + 2 * block_flops(dim, rows) / self.backward_rate)
+
+    def head(self, kind: str) -> float:
+        """What the last stage adds to an action of `kind`: its head and loss (F), their
+        backward (B, and I and W, which each walk back from the loss)."""
+        return self.last_forward if kind == "F" else self.last_backward
 
     def step(self, blocks: int) -> float:
         """A step's cost beside its actions, for a rank holding `blocks` blocks."""
@@ -89,18 +102,23 @@ def block_flops(dim: int, rows: float) -> float:
 
 
 def fit_actions(points: list[tuple[int, int, int, float]],
-                flops_factor: float = 1.0) -> tuple[float, float, float]:
-    """(fixed, per_block, rate) of seconds = fixed + k (per_block + factor flops(r, dim) /
-    rate), least squares over (k, r, dim, seconds), relative error weighted as `fit_line` does (factor 2
-    for a backward: twice a forward's FLOPs). A negative fitted
-    term is set to zero and the rest refitted: no cost is negative."""
-    if len({(k, r, d) for k, r, d, _ in points}) < 3 or len({k for k, *_ in points}) < 2:
-        raise MicroDDPError("fitting action costs needs at least 3 (blocks, rows, width) "
-                            "points with 2 different block counts")
-    features = [[1.0, k, k * flops_factor * block_flops(d, r)] for k, r, d, _ in points]
+                flops_factor: float = 1.0) -> tuple[float, float, float, float]:
+    """(fixed, per_block, per_weight, rate) of seconds = fixed + k (per_block + dim^2
+    per_weight + factor flops(r, dim) / rate), least squares over (k, r, dim, seconds),
+    relative error weighted as `fit_line` does (factor 2 for a backward: twice a forward's
+    FLOPs). per_weight is what a block pays per weight whatever the rows (reading its matrix,
+    writing its gradient): without it, a small matrix's product and a large one's would have
+    to share one FLOP rate. A negative fitted term is set to zero and the rest refitted: no
+    cost is negative."""
+    if len({(k, r, d) for k, r, d, _ in points}) < 4 or len({k for k, *_ in points}) < 2 \
+            or len({d for _, _, d, _ in points}) < 2:
+        raise MicroDDPError("fitting action costs needs at least 4 (blocks, rows, width) "
+                            "points with 2 different block counts and 2 widths")
+    features = [[1.0, k, k * d * d, k * flops_factor * block_flops(d, r)]
+                for k, r, d, _ in points]
     a = torch.tensor(features, dtype=torch.float64)
     t = torch.tensor([s for *_, s in points], dtype=torch.float64)
-    keep = [0, 1, 2]
+    keep = [0, 1, 2, 3]
     while True:
         w = (1 / t).unsqueeze(1)  # relative error: small actions count as much as large
         sol = torch.linalg.lstsq(a[:, keep] * w, (t * w.squeeze(1)).unsqueeze(1)).solution
@@ -108,15 +126,42 @@ def fit_actions(points: list[tuple[int, int, int, float]],
         negative = [i for i, c in coef.items() if c < 0]
         if not negative or len(keep) == 1:
             break
-        keep.remove(negative[0])
-    fixed, per_block, per_flop = (max(coef.get(i, 0.0), 0.0) for i in range(3))
-    return fixed, per_block, (1 / per_flop if per_flop > 0 else float("inf"))
+        keep.remove(min(negative, key=lambda i: coef[i]))  # the most negative first
+    fixed, per_block, per_weight, per_flop = (max(coef.get(i, 0.0), 0.0) for i in range(4))
+    return fixed, per_block, per_weight, (1 / per_flop if per_flop > 0 else float("inf"))
+
+
+def _head_times(dim: int, rows: int, microbatches: int, repeats: int) -> tuple[float, float]:
+    """Median seconds that the last stage's own work adds to an F and to a B: a block with
+    the head Linear to 2 classes, the loss scaled to the batch and `loss.item()`, then that
+    loss's backward, less the same block alone and its backward from a given gradient (as a
+    stage before the last runs them), so autograd's own start is not counted twice."""
+    block, head = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.ReLU()), \
+        torch.nn.Linear(dim, 2)
+    x, y, grad = torch.randn(rows, dim), torch.randint(0, 2, (rows,)), torch.randn(rows, dim)
+    f, b = [], []
+    for i in range(repeats * microbatches + 2):
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(head(block(x)), y) * (1 / microbatches)
+        loss.item()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        out = block(x)
+        t3 = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        t4 = time.perf_counter()
+        if i >= 2:  # warm-up
+            f.append((t1 - t0) - (t3 - t2))
+            b.append((t2 - t1) - (t4 - t3))
+    return statistics.median(f), statistics.median(b)
 
 
 def _stage_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
     """On this rank alone (its own group of one), time the interpreter's F, B and whole step
-    for every (blocks, rows, width): [(k, r, dim, median F, median B, median step minus its
-    actions)]."""
+    for every (blocks, rows, width), and the last stage's own part of F and B: [(k, r, dim,
+    median F, median B, median step minus its actions, median head F, median head B, F and B's
+    mean over their median)]."""
     torch.set_num_threads(1)  # as `bench pipeline` runs each rank
     groups = [comms.new_group([r]) for r in range(world.world_size)]
     mine = groups[world.rank]
@@ -145,67 +190,33 @@ def _stage_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
                 b += [e - s for a, s, e in record if a.kind == "B"]
                 rest.append(wall - sum(e - s for _, s, e in record))
             out.append((k, r, dim, statistics.median(f), statistics.median(b),
-                        statistics.median(rest)))
-    return out
-
-
-def _relay_job(world: World, repeats: int) -> list[tuple[int, float, float]]:
-    """Ranks 0 and 1 hand a message of each size back and forth, each running a stage's
-    forward before it sends (as a pipeline rank does: a busy process that blocks in a receive
-    and is woken by the message, which on a loaded host is what a message costs):
-    [(bytes, one way s beyond the compute, the sender's hand-off s: isend posted and
-    completed, to a receiver already waiting)]."""
-    torch.set_num_threads(1)
-    other = 1 - world.rank
-    stage, x = FullMLP(128, 4), torch.randn(8, 128)
-
-    def work() -> None:
-        with torch.no_grad():
-            stage(x)
-
-    for _ in range(5):
-        work()  # warm-up
-    out = []
-    for nbytes in MESSAGE_BYTES:
-        buf, got = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
-        hops, calls = [], []
-        for i in range(repeats + 2):
-            comms.barrier()
-            t0 = time.perf_counter()
-            if world.rank == 1:
-                comms.irecv(got, src=other, tag=i).wait()
-            c0 = time.perf_counter()
-            work()
-            c1 = time.perf_counter()
-            comms.isend(buf, dst=other, tag=i).wait()
-            calls.append(time.perf_counter() - c1)
-            if world.rank == 0:
-                comms.irecv(got, src=other, tag=i).wait()
-                if i >= 2:  # two hops, each after a compute (the peer's about as long)
-                    hops.append((time.perf_counter() - t0 - 2 * (c1 - c0)) / 2)
-        out.append((buf.nbytes, max(statistics.median(hops), 1e-7) if hops else 0.0,
-                    statistics.median(calls[2:])))
+                        statistics.median(rest), *_head_times(dim, r, microbatches, repeats),
+                        statistics.mean(f + b) / statistics.median(f + b)))
     return out
 
 
 def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCosts:
-    """Run the stage and ping-pong jobs on this host and fit them (see the module's text)."""
+    """Run the stage job on this host and the message jobs on two ranks, and fit them (see
+    the module's text)."""
     ranks = max(cores, 1)
     per_rank = spawn(_stage_job, ranks, args=(microbatches, repeats), timeout=600,
                      backend="gloo")
     # the median over ranks of each point: every rank ran the same work at the same time
-    points = [tuple(statistics.median(rank[i][j] for rank in per_rank) for j in range(6))
+    points = [tuple(statistics.median(rank[i][j] for rank in per_rank) for j in range(9))
               for i in range(len(per_rank[0]))]
-    fwd = fit_actions([(k, r, d, f) for k, r, d, f, _, _ in points])
-    bwd = fit_actions([(k, r, d, b) for k, r, d, _, b, _ in points], 2.0)
-    step_fixed, step_block = fit_line([k for k, *_ in points], [s for *_, s in points],
+    # one figure each (a head to 2 classes costs about the same at any width), never < 0
+    head_f = max(statistics.median(p[6] for p in points), 0.0)
+    head_b = max(statistics.median(p[7] for p in points), 0.0)
+    # a point less than its head is noise: left out, not fitted as a near-zero time
+    fwd = fit_actions([(k, r, d, f - head_f) for k, r, d, f, *_ in points if f > head_f])
+    bwd = fit_actions([(k, r, d, b - head_b) for k, r, d, _, b, *_ in points if b > head_b],
+                      2.0)
+    tail = statistics.median(p[8] for p in points)
+    step_fixed, step_block = fit_line([p[0] for p in points], [p[5] for p in points],
                                       nonnegative=True)
-    trips = spawn(_relay_job, 2, args=(repeats * 2,), timeout=300, backend="gloo")[0]
-    latency, per_byte = fit_line([n for n, _, _ in trips], [t for _, t, _ in trips],
-                                 nonnegative=True)
-    return PipelineCosts(*fwd, *bwd, step_fixed, step_block, latency,
-                         1 / per_byte if per_byte > 0 else float("inf"),
-                         statistics.median(c for _, _, c in trips), ranks, cores)
+    msg = messages.measure(repeats * 2)
+    return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, tail, msg.latency,
+                         msg.bandwidth, msg.send, msg.receive, msg.wake, ranks, cores)
 
 
 def median_costs(rounds: list[PipelineCosts]) -> PipelineCosts:
