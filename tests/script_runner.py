@@ -2,19 +2,26 @@
 (not a test module itself).
 
 A script run in a fresh interpreter pays for `import torch` twice before it does anything: once
-in its own process and once in the forkserver its ranks fork from (with torch._dynamo, which
-their first optimizer needs: 2-3 s on an idle core of this machine, up to 10 s under load). The
-chapter tests run some 70 scripts, so by default a script runs here, inside the test's own
-process, as `runpy` runs it under `python x.py`: its folder first on sys.path, `__name__ ==
-"__main__"`, sys.argv as typed, its exit code from SystemExit, its output and its ranks' output
-captured at the file descriptors. Its ranks then fork from this process's forkserver, which has
-torch loaded already. What a fresh interpreter would not carry over is undone afterwards: the
-modules the script imported from its own folder (chapters 5, 8, 9 and 10 each have a
-`problem.py`), os.environ, the working directory, sys.path and sys.argv.
+in its own process and once in the forkserver its ranks fork from (2-3 s on an idle core of
+this machine, up to 10 s under load). The chapter tests run some 70 scripts, so by default a
+script runs here, inside the test's own process, as `runpy` runs it under `python x.py`: its
+folder first on sys.path, `__name__ == "__main__"`, sys.argv as typed, its exit status from
+SystemExit (as the OS reports it: 0-255), warnings printed to its stderr, its output and its
+ranks' output captured at the file descriptors. Its ranks then fork from this process's
+forkserver, which has torch (and torch._dynamo, see conftest.py) loaded already. Undone
+afterwards: the modules the script imported from its own folder (chapters 5, 8, 9 and 10 each
+have a `problem.py`), os.environ, the working directory, sys.path and sys.argv.
 
-`fresh=True` runs it in a new interpreter instead, exactly as typed; the tests that check a
-script's interpreter-level behaviour (its exit code and stderr on bad input) use it, and so does
-every run when MICRODDP_TEST_SCRIPTS=subprocess.
+What is NOT fresh in-process, so what these runs cannot catch: modules other tests imported
+stay imported, with their state (a script that forgets an import another module made still
+runs); the forkserver's own standard error is whatever this process's was when it started, so
+a rank that fails while importing the script before its set-up prints there (`output()` then
+runs the script again in a fresh interpreter to show the error); and `timeout` is only
+enforced in a fresh interpreter (in-process, spawn's deadline and pytest-timeout's apply).
+CI runs the chapter tests once more with MICRODDP_TEST_SCRIPTS=subprocess, every script in a
+fresh interpreter, exactly as typed. A run with environment variables of its own always goes
+to a fresh interpreter: modules read the environment once (tempfile caches TMPDIR), so setting
+it in this process would not be what the script sees when a learner sets it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,17 +52,17 @@ class Done:
 def run_script(script: str | Path, *args: str, cwd: str | Path = ROOT, env: dict | None = None,
                timeout: float = 240, fresh: bool = False) -> Done:
     """Run `python script ARGS` in `cwd` with `env` added to the environment; return its exit
-    code and output. In this process unless `fresh` (module docstring)."""
+    status and output. In this process unless `fresh` or `env` (module docstring)."""
     script = Path(script).resolve()
-    if fresh or os.environ.get("MICRODDP_TEST_SCRIPTS") == "subprocess":
+    if fresh or env or os.environ.get("MICRODDP_TEST_SCRIPTS") == "subprocess":
         done = subprocess.run([sys.executable, str(script), *args], capture_output=True,
                               text=True, timeout=timeout, cwd=cwd,
                               env={**os.environ, **(env or {})})
         return Done(done.returncode, done.stdout, done.stderr)
-    return _in_process(script, list(args), Path(cwd), env or {})
+    return _in_process(script, list(args), Path(cwd))
 
 
-def _in_process(script: Path, args: list[str], cwd: Path, env: dict) -> Done:
+def _in_process(script: Path, args: list[str], cwd: Path) -> Done:
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     saved_path, saved_argv = list(sys.path), list(sys.argv)
     saved_modules = set(sys.modules)
@@ -63,7 +71,6 @@ def _in_process(script: Path, args: list[str], cwd: Path, env: dict) -> Done:
         streams = _Redirect(out, err)
         code = 1
         try:
-            os.environ.update(env)
             os.chdir(cwd)
             sys.path[:] = [folder, *saved_path]
             sys.argv[:] = [str(script), *args]
@@ -77,8 +84,7 @@ def _in_process(script: Path, args: list[str], cwd: Path, env: dict) -> Done:
             sys.argv[:] = saved_argv
             sys.path[:] = saved_path
             os.chdir(saved_cwd)
-            os.environ.clear()
-            os.environ.update(saved_env)
+            _restore_environ(saved_env)
             _forget_from(folder, saved_modules)
             sys.modules.update(shadowed)
         return Done(code, streams.read(out), streams.read(err))
@@ -86,17 +92,34 @@ def _in_process(script: Path, args: list[str], cwd: Path, env: dict) -> Done:
 
 def _exit_code(script: Path) -> int:
     """Run the script as `python` would and return the exit status it would have."""
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-        return 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        print(e.code, file=sys.stderr)  # sys.exit("message"): printed, status 1
-        return 1
-    except Exception:  # what the interpreter prints for an uncaught exception
-        traceback.print_exc()
-        return 1
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # the interpreter's defaults, not pytest's recording
+        warnings.simplefilter("default")
+        warnings.showwarning = _show_warning
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+            return 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                return (e.code or 0) & 0xFF  # as the OS reports it: sys.exit(-1) is 255
+            print(e.code, file=sys.stderr)  # sys.exit("message"): printed, status 1
+            return 1
+        except Exception:  # what the interpreter prints for an uncaught exception
+            traceback.print_exc()
+            return 1
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def _restore_environ(saved: dict) -> None:
+    """Put os.environ back key by key (never empty, even for a moment: threads read it)."""
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _forget_from(folder: str, keep: set[str]) -> None:
@@ -146,5 +169,11 @@ def output(script: str | Path, *args: str, **env: str) -> str:
     """The script's standard output, after checking that it exited 0 (else its output is the
     failure's message)."""
     done = run_script(script, *args, env=env)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    if done.returncode != 0 and not env:
+        # in-process, a rank that failed before its set-up printed where the forkserver's
+        # standard error goes, not here: a fresh run shows it (and fails the test all the same)
+        again = run_script(script, *args, fresh=True)
+        done.stderr += (f"\n--- the same script in a fresh interpreter: exit {again.returncode}\n"
+                        + again.stdout + again.stderr)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     return done.stdout

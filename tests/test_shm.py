@@ -9,9 +9,11 @@ keeps the defaults, at sizes around them.
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -437,16 +439,31 @@ def test_an_exception_leaves_nothing_in_dev_shm():
         mdp.spawn(_raise_after_setup, 2, timeout=60)
 
 
+def _sweeps_in(rank, folder):
+    # SHM_DIR set before this rank's set-up: its segments and its sweep use a folder no other
+    # process sweeps (any microddp job on this machine sweeps /dev/shm, another test's too)
+    transport.SHM_DIR = folder
+    mdp.init(backend="gloo")
+    t = torch.ones(3)
+    comms.all_reduce(t)
+    taken = shm.shared(None) is not None
+    mdp.shutdown()
+    return taken, t.tolist(), shm_attach._swept
+
+
 def test_the_first_set_up_sweeps_away_a_dead_jobs_segment():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     ns = transport.segment_name().split("-")[2]
-    stale = os.path.join(transport.SHM_DIR, f"{transport.PREFIX}{ns}-{dead.pid}-{PLANTED}02")
-    open(stale, "w").close()
+    folder = tempfile.mkdtemp(prefix="microddp-test-", dir=transport.SHM_DIR)  # tmpfs, as ours
+    stale = f"{transport.PREFIX}{ns}-{dead.pid}-{PLANTED}02"
+    open(os.path.join(folder, stale), "w").close()
     try:
-        # MICRODDP_TRANSPORT unset: shared memory, and its first set-up sweeps
-        assert mdp.spawn(_forced_gloo, 2, timeout=60) == [(False, [2.0] * 3)] * 2
-        assert not os.path.exists(stale)
+        # MICRODDP_TRANSPORT unset: shared memory, and its first set-up (rank 0's) sweeps
+        (taken, t, swept), (_, _, swept1) = mdp.spawn(_sweeps_in, 2, args=(folder,),
+                                                      timeout=60, join=False)
+        assert taken and t == [2.0] * 3
+        assert swept == [stale] and swept1 is None
+        assert os.listdir(folder) == []  # the plant swept, the job's own segment unlinked
     finally:
-        if os.path.exists(stale):
-            os.unlink(stale)
+        shutil.rmtree(folder, ignore_errors=True)

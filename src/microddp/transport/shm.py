@@ -134,9 +134,11 @@ def segment_name() -> str:
     return f"{PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def sweep(directory: str = SHM_DIR) -> list[str]:
+def sweep(directory: str | None = None) -> list[str]:
     """Remove this user's microddp segments left by dead processes of this pid namespace (a
-    crash between creating a segment and every rank attaching it). Returns their names."""
+    crash between creating a segment and every rank attaching it) from `directory` (SHM_DIR).
+    Returns their names."""
+    directory = SHM_DIR if directory is None else directory
     removed = []
     ns, uid = _pid_namespace(), os.getuid()
     try:

@@ -21,7 +21,7 @@ from . import shm
 
 ENV = "MICRODDP_TRANSPORT"
 CHOICES = ("auto", "shm", "gloo")
-_swept = False
+_swept: list[str] | None = None  # what this process's first set-up swept away
 
 
 def wanted() -> str:
@@ -80,9 +80,8 @@ def attach(store, prefix: str, rank: int, size: int, nbytes: int, timeout_s: flo
         return None
     segment, problem = None, ""
     if rank == 0:
-        if not _swept:
-            shm.sweep()
-            _swept = True
+        if _swept is None:
+            _swept = shm.sweep()
         name = shm.segment_name()
         try:
             segment = shm.Segment(name, nbytes, create=True)
