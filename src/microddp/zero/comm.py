@@ -28,6 +28,8 @@ import torch
 
 from .. import comms
 from .. import spans as trace
+from ..collectives.route import intra_host_path
+from ..collectives.shm import shm_all_gather, shm_reduce_scatter
 from .flat import part
 from .plan import Bucket
 
@@ -49,30 +51,84 @@ class Sent:
         self.last_step, self._at_step = self.total - self._at_step, self.total
 
 
+def shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether this bucket's collectives go through the host's shared memory: the world's
+    ranks all share this host and may use it (decided once, collectively, on the first
+    call: every rank asks at the same point, its first bucket), and it carries this tensor's
+    dtype and device; else they go through the backend (gloo, NCCL), one call per rank."""
+    return intra_host_path(tensor, "sum", None) is not None
+
+
+class _Then:
+    """A collective's handle whose result still needs `after` (a copy out of padding): waits
+    run `after` first, and its future completes only once `after` has run."""
+
+    def __init__(self, work, after) -> None:
+        self._future = work.get_future().then(lambda _done: after())
+
+    def wait(self) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _padded(view: torch.Tensor, cap: int) -> torch.Tensor:
+    """`view` itself if it has `cap` elements, else a copy of it padded with zeros to `cap`
+    (shared memory's reduce-scatter and all-gather take equal parts; ours differ by at most
+    one element, so at most N - 1 parts of a bucket are copied, none when N divides it)."""
+    if view.numel() == cap:
+        return view
+    out = view.new_zeros(cap)
+    out.narrow(0, 0, view.numel()).copy_(view)
+    return out
+
+
 def reduce_to_owners(bucket: Bucket, own: torch.Tensor, rest: torch.Tensor, rank: int,
                      sent: Sent) -> list:
     """Start summing the bucket's gradients (packed by flat.pack into `own`, this rank's part,
     and `rest`, the others') over ranks, each rank's part into that rank's `own` only: one
-    reduce per rank that owns any. Returns the handles; once waited, `own` holds this rank's
-    sum (`rest` is left unspecified)."""
+    shared-memory reduce-scatter on one host, else one reduce per rank that owns any. Returns
+    the handles; once waited, `own` holds this rank's sum (`rest` is left unspecified)."""
     handles = []
-    for r, size in enumerate(bucket.sizes):
-        if size:
-            handles.append(comms.reduce(part(bucket, r, rank, own, rest), op="sum",
-                                        group_dst=r, async_op=True))
+    if shared_memory(own):
+        cap = max(bucket.sizes)
+        inputs = [_padded(part(bucket, r, rank, own, rest), cap)
+                  for r in range(bucket.world_size)]
+        out = inputs[rank]
+        work = shm_reduce_scatter(out, inputs, op="sum", async_op=True)
+        handles.append(work if out is own else _Then(work, lambda: own.copy_(out[:own.numel()])))
+    else:
+        for r, size in enumerate(bucket.sizes):
+            if size:
+                handles.append(comms.reduce(part(bucket, r, rank, own, rest), op="sum",
+                                            group_dst=r, async_op=True))
     sent.add_bytes((bucket.numel - bucket.sizes[rank]) * own.element_size())
     return handles
 
 
 def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) -> list:
     """Start filling `flat` (the bucket's parameters end to end, this rank's own elements
-    already in place) with every rank's elements: one broadcast from each rank that owns any.
-    Every rank issues the same calls in the same order. Returns the handles to wait."""
+    already in place) with every rank's elements: one shared-memory all-gather on one host,
+    else one broadcast from each rank that owns any. Every rank issues the same calls in the
+    same order. Returns the handles to wait."""
     handles = []
-    for r, size in enumerate(bucket.sizes):
-        if size:
-            part = flat.narrow(0, bucket.start(r), size)
-            handles.append(comms.broadcast(part, group_src=r, async_op=True))
+    parts = [flat.narrow(0, bucket.start(r), size) for r, size in enumerate(bucket.sizes)]
+    if shared_memory(flat):
+        cap = max(bucket.sizes)
+        outs = [p if p.numel() == cap else p.new_empty(cap) for p in parts]
+        work = shm_all_gather(outs, _padded(parts[rank], cap), async_op=True)
+        short = [(p, o) for p, o in zip(parts, outs, strict=True) if o is not p]
+
+        def unpad() -> None:
+            for p, o in short:
+                p.copy_(o[:p.numel()])
+        handles.append(_Then(work, unpad) if short else work)
+    else:
+        for r, size in enumerate(bucket.sizes):
+            if size:
+                handles.append(comms.broadcast(parts[r], group_src=r, async_op=True))
     sent.add_bytes((bucket.world_size - 1) * bucket.sizes[rank] * flat.element_size())
     return handles
 
