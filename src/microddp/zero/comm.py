@@ -99,11 +99,12 @@ def reduce_to_owners(bucket: Bucket, own: torch.Tensor, rest: torch.Tensor, rank
         out = inputs[rank]
         work = shm_reduce_scatter(out, inputs, op="sum", async_op=True)
         handles.append(work if out is own else _Then(work, lambda: own.copy_(out[:own.numel()])))
-    else:
-        for r, size in enumerate(bucket.sizes):
-            if size:
-                handles.append(comms.reduce(part(bucket, r, rank, own, rest), op="sum",
-                                            group_dst=r, async_op=True))
+        sent.add_bytes((bucket.world_size - 1) * cap * own.element_size())
+        return handles
+    for r, size in enumerate(bucket.sizes):
+        if size:
+            handles.append(comms.reduce(part(bucket, r, rank, own, rest), op="sum",
+                                        group_dst=r, async_op=True))
     sent.add_bytes((bucket.numel - bucket.sizes[rank]) * own.element_size())
     return handles
 
@@ -125,10 +126,11 @@ def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) 
             for p, o in short:
                 p.copy_(o[:p.numel()])
         handles.append(_Then(work, unpad) if short else work)
-    else:
-        for r, size in enumerate(bucket.sizes):
-            if size:
-                handles.append(comms.broadcast(parts[r], group_src=r, async_op=True))
+        sent.add_bytes((bucket.world_size - 1) * cap * flat.element_size())
+        return handles
+    for r, size in enumerate(bucket.sizes):
+        if size:
+            handles.append(comms.broadcast(parts[r], group_src=r, async_op=True))
     sent.add_bytes((bucket.world_size - 1) * bucket.sizes[rank] * flat.element_size())
     return handles
 
