@@ -3,8 +3,6 @@ all-gather per bucket), and through gloo's per-rank reduces and broadcasts where
 is not used: both give every rank the sums and parameters a single process computes, with
 parts of unequal length (padded on shared memory), and each counts what it moves."""
 
-import os
-
 import pytest
 import torch
 
@@ -92,12 +90,15 @@ def even_round(world):
     kinds = {type(h) for h in handles}
     for h in handles:
         h.wait()
-    return kinds, own, [part(b, r, rank, own, rest).numel() for r in range(n)]
+    # a dtype shared memory does not carry goes through gloo's per-rank calls
+    others = comm.shared_memory(torch.zeros(2, dtype=torch.complex64))
+    return kinds, own, [part(b, r, rank, own, rest).numel() for r in range(n)], others
 
 
-def test_equal_parts_go_straight_from_and_into_the_buffers():
-    os.environ.pop("MICRODDP_TRANSPORT", None)
+def test_equal_parts_go_straight_from_and_into_the_buffers_and_other_dtypes_go_to_gloo(monkeypatch):
+    monkeypatch.delenv("MICRODDP_TRANSPORT", raising=False)
     ranks = mdp.spawn(even_round, 2, backend="gloo", timeout=120)
-    for rank, (kinds, own, _) in enumerate(ranks):
+    for rank, (kinds, own, sizes, others) in enumerate(ranks):
+        assert sizes == [6, 6] and others is False
         assert kinds == {ShmWork}  # the reduce wrote `own` itself: nothing copied back
         assert torch.equal(own, torch.full((6,), float(rank) + 1))  # its own part + the other's 1s
