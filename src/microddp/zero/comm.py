@@ -47,8 +47,8 @@ import torch
 
 from .. import comms
 from .. import spans as trace
+from ..collectives import shm
 from ..collectives.route import intra_host_path
-from ..collectives.shm import shm_all_gather, shm_reduce_scatter
 from .flat import part
 from .plan import Bucket
 
@@ -116,7 +116,8 @@ def reduce_to_owners(bucket: Bucket, own: torch.Tensor, rest: torch.Tensor, rank
         inputs = [_padded(part(bucket, r, rank, own, rest), cap)
                   for r in range(bucket.world_size)]
         out = inputs[rank]
-        work = shm_reduce_scatter(out, inputs, op="sum", async_op=True)
+        # Looked up at the call, not bound at import: the hang monitor wraps it while it runs.
+        work = shm.shm_reduce_scatter(out, inputs, op="sum", async_op=True)
         handles.append(work if out is own else _Then(work, lambda: own.copy_(out[:own.numel()])))
         sent.add_bytes((bucket.world_size - 1) * cap * own.element_size())
         return handles
@@ -138,7 +139,7 @@ def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) 
     if shared_memory(flat):
         cap = max(bucket.sizes)
         outs = [p if p.numel() == cap else p.new_empty(cap) for p in parts]
-        work = shm_all_gather(outs, _padded(parts[rank], cap), async_op=True)
+        work = shm.shm_all_gather(outs, _padded(parts[rank], cap), async_op=True)
         short = [(p, o) for p, o in zip(parts, outs, strict=True) if o is not p]
 
         def unpad() -> None:
