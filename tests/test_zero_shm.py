@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import microddp as mdp
-from microddp import zero
+from microddp import monitor, zero
 from microddp.collectives.shm_lane import ShmWork
 from microddp.zero import comm
 from microddp.zero.flat import pack, part
@@ -102,3 +102,25 @@ def test_equal_parts_go_straight_from_and_into_the_buffers_and_other_dtypes_go_t
         assert sizes == [6, 6] and others is False
         assert kinds == {ShmWork}  # the reduce wrote `own` itself: nothing copied back
         assert torch.equal(own, torch.full((6,), float(rank) + 1))  # its own part + the other's 1s
+
+
+def monitored(world):
+    """The hang monitor's log of one bucket's reduce-scatter and all-gather."""
+    mon = monitor.enable(timeout=30, debug=True)
+    try:
+        rank, n = mdp.comms.group_rank(), mdp.comms.group_size()
+        (b,) = zero.build([5 * n], [0], [[0]], n).buckets
+        own, rest = torch.ones(b.sizes[rank]), torch.ones(b.numel - b.sizes[rank])
+        flat = torch.zeros(b.numel)
+        for h in (comm.reduce_to_owners(b, own, rest, rank, comm.Sent())
+                  + comm.broadcast_shards(b, flat, rank, comm.Sent())):
+            h.wait()
+        return [(e.op, e.done is not None) for e in mon.log.recent]
+    finally:
+        monitor.disable()
+
+
+def test_the_hang_monitor_logs_the_shared_memory_calls(monkeypatch):
+    monkeypatch.delenv("MICRODDP_TRANSPORT", raising=False)
+    for entries in mdp.spawn(monitored, 2, backend="gloo", timeout=120):
+        assert ("shm_reduce_scatter", True) in entries and ("shm_all_gather", True) in entries
