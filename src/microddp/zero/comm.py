@@ -1,19 +1,38 @@
 """The collectives ZeRO needs, on one bucket at a time, counting the bytes each rank sends.
 
 A bucket travels as its parameters end to end, each rank owning a contiguous part of it.
-Gradients are reduce-scattered as one reduce per rank, of that rank's part, to that rank; the
-updated parameters come back as one broadcast per rank, of its part, from it. Both move the
-bytes a ring reduce-scatter and all-gather move, and are counted that way, per rank: in the
-reduces a rank sends the others their parts (`numel - own` elements), in the broadcasts its
-own part to the `N - 1` others. Why not torch's reduce_scatter and all_gather: they need
-equal (padded) chunks and copies in and out of them, and on gloo, timed bare on 8 MiB
-(2 and 4 ranks, interleaved, load average 10 to 12 on 2 cores), reduce_scatter took 1.1x to
-1.7x the time of one async reduce per rank, and all_gather 1.7x to 3x that of one async
-broadcast per rank. Counted per call, on the sending rank, so a test can check the ZeRO
-paper's arithmetic (2x the parameter bytes per step for ZeRO-1/2, 3x for ZeRO-3) against
-what actually went out rather than against a formula. (One all-to-all of equal slots instead
-of the per-rank reduces was measured too: 5.6 against 12.2 ms bare on 8 MiB, 2 ranks, yet
-1.08x and 1.26x the step time of ZeRO-1 with per-rank reduces, interleaved; so not used.)
+When every rank is on this host (microddp's shared memory, collectives/shm.py, chosen by
+collectives/route.py's `intra_host_path`: gloo backend, a dtype and device it carries, not
+MICRODDP_TRANSPORT=gloo), gradients are reduce-scattered in one shared-memory reduce-scatter
+and the updated parameters come back in one shared-memory all-gather: one synchronisation of
+the ranks per bucket each way (per 4 MiB slot), where gloo took N calls. Those take equal
+parts; ours differ by at most one element, so a shorter part travels as a copy padded to the
+longest (none when N divides the bucket). Shared memory adds the ranks' values in rank order,
+gloo's reduce in an order of its own: the last bits of a float sum on 3+ ranks may differ
+between the two paths (tests/test_zero_exact.py holds both to the single process). Measured
+(`microddp bench zero --ranks 2 4 --contenders zero1 torch-zero1 torch-zero1-again
+--repeats 40`, load average 3 to 9 on 2 cores), ZeRO-1 against torch's ZeroRedundancyOptimizer
+went from 0.92x and 0.94x (2 ranks) and 0.86x and 1.01x (4 ranks) with MICRODDP_TRANSPORT=gloo
+(two runs) to 0.74x-0.86x and 0.70x-0.77x (four runs, every 90% interval below 1) (docs/09-zero.md).
+
+Elsewhere (other hosts, NCCL, MICRODDP_TRANSPORT=gloo), gradients are reduce-scattered as one
+reduce per rank, of that rank's part, to that rank; the parameters come back as one
+broadcast per rank, of its part, from it. Why not torch's reduce_scatter and all_gather there:
+they need equal (padded) chunks and copies in and out of them, and on gloo, timed bare on
+8 MiB (2 and 4 ranks, interleaved, load average 10 to 12 on 2 cores), reduce_scatter took
+1.1x to 1.7x the time of one async reduce per rank, and all_gather 1.7x to 3x that of one
+async broadcast per rank. (One all-to-all of equal slots instead of the per-rank reduces was
+measured too: 5.6 against 12.2 ms bare on 8 MiB, 2 ranks, yet 1.08x and 1.26x the step time
+of ZeRO-1 with per-rank reduces, interleaved; so not used.)
+
+Bytes are counted per call, on the sending rank, so a test can check the ZeRO paper's
+arithmetic (2x the parameter bytes per step for ZeRO-1/2, 3x for ZeRO-3, times (N-1)/N)
+against what went out rather than against a formula. Through gloo a rank sends the others
+their parts in the reduces (`numel - own` elements) and its own part to the `N - 1` others in
+the broadcasts. Through shared memory, what a rank "sends" is what the other ranks read out
+of its slot: in the reduce-scatter each of the `N - 1` others reads its (padded) part, in the
+all-gather each reads this rank's padded part: `(N - 1) * longest part` elements each way,
+the same bytes up to the padding.
 
 While spans are recorded (`--trace`), `trace_when_done` puts each bucket's or layer's
 collectives on the communication track, from launch to the completion of the last of them,
@@ -28,6 +47,8 @@ import torch
 
 from .. import comms
 from .. import spans as trace
+from ..collectives import shm
+from ..collectives.route import intra_host_path
 from .flat import part
 from .plan import Bucket
 
@@ -49,13 +70,57 @@ class Sent:
         self.last_step, self._at_step = self.total - self._at_step, self.total
 
 
+def shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether this bucket's collectives go through the host's shared memory: the world's
+    ranks all share this host and may use it (decided once, collectively, on the first
+    call: every rank asks at the same point, its first bucket), and it carries this tensor's
+    dtype and device; else they go through the backend (gloo, NCCL), one call per rank."""
+    return intra_host_path(tensor, "sum", None) is not None
+
+
+class _Then:
+    """A collective's handle whose result still needs `after` (a copy out of padding): waits
+    run `after` first, and its future completes only once `after` has run."""
+
+    def __init__(self, work, after) -> None:
+        self._future = work.get_future().then(lambda _done: after())
+
+    def wait(self) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _padded(view: torch.Tensor, cap: int) -> torch.Tensor:
+    """`view` itself if it has `cap` elements, else a copy of it padded with zeros to `cap`
+    (shared memory's reduce-scatter and all-gather take equal parts; ours differ by at most
+    one element, so at most N - 1 parts of a bucket are copied, none when N divides it)."""
+    if view.numel() == cap:
+        return view
+    out = view.new_zeros(cap)
+    out.narrow(0, 0, view.numel()).copy_(view)
+    return out
+
+
 def reduce_to_owners(bucket: Bucket, own: torch.Tensor, rest: torch.Tensor, rank: int,
                      sent: Sent) -> list:
     """Start summing the bucket's gradients (packed by flat.pack into `own`, this rank's part,
     and `rest`, the others') over ranks, each rank's part into that rank's `own` only: one
-    reduce per rank that owns any. Returns the handles; once waited, `own` holds this rank's
-    sum (`rest` is left unspecified)."""
+    shared-memory reduce-scatter on one host, else one reduce per rank that owns any. Returns
+    the handles; once waited, `own` holds this rank's sum (`rest` is left unspecified)."""
     handles = []
+    if shared_memory(own):
+        cap = max(bucket.sizes)
+        inputs = [_padded(part(bucket, r, rank, own, rest), cap)
+                  for r in range(bucket.world_size)]
+        out = inputs[rank]
+        # Looked up at the call, not bound at import: the hang monitor wraps it while it runs.
+        work = shm.shm_reduce_scatter(out, inputs, op="sum", async_op=True)
+        handles.append(work if out is own else _Then(work, lambda: own.copy_(out[:own.numel()])))
+        sent.add_bytes((bucket.world_size - 1) * cap * own.element_size())
+        return handles
     for r, size in enumerate(bucket.sizes):
         if size:
             handles.append(comms.reduce(part(bucket, r, rank, own, rest), op="sum",
@@ -66,13 +131,26 @@ def reduce_to_owners(bucket: Bucket, own: torch.Tensor, rest: torch.Tensor, rank
 
 def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) -> list:
     """Start filling `flat` (the bucket's parameters end to end, this rank's own elements
-    already in place) with every rank's elements: one broadcast from each rank that owns any.
-    Every rank issues the same calls in the same order. Returns the handles to wait."""
+    already in place) with every rank's elements: one shared-memory all-gather on one host,
+    else one broadcast from each rank that owns any. Every rank issues the same calls in the
+    same order. Returns the handles to wait."""
     handles = []
+    parts = [flat.narrow(0, bucket.start(r), size) for r, size in enumerate(bucket.sizes)]
+    if shared_memory(flat):
+        cap = max(bucket.sizes)
+        outs = [p if p.numel() == cap else p.new_empty(cap) for p in parts]
+        work = shm.shm_all_gather(outs, _padded(parts[rank], cap), async_op=True)
+        short = [(p, o) for p, o in zip(parts, outs, strict=True) if o is not p]
+
+        def unpad() -> None:
+            for p, o in short:
+                p.copy_(o[:p.numel()])
+        handles.append(_Then(work, unpad) if short else work)
+        sent.add_bytes((bucket.world_size - 1) * cap * flat.element_size())
+        return handles
     for r, size in enumerate(bucket.sizes):
         if size:
-            part = flat.narrow(0, bucket.start(r), size)
-            handles.append(comms.broadcast(part, group_src=r, async_op=True))
+            handles.append(comms.broadcast(parts[r], group_src=r, async_op=True))
     sent.add_bytes((bucket.world_size - 1) * bucket.sizes[rank] * flat.element_size())
     return handles
 

@@ -66,13 +66,15 @@ class GradReducer:
             rest = own.new_empty(bucket.numel - bucket.sizes[rank])
             # Divided before the sum, as DDP does: one pass, and no division after the wait.
             pack(bucket, rank, grads, own, rest, 1.0 / self.plan.world_size)
+            # Measured before the reduce starts: a fast one (shared memory) may complete, and
+            # release `rest`, before this thread looks again.
+            self._track(rest)
             launched = time.perf_counter()
             handles = reduce_to_owners(bucket, own, rest, rank, self.sent)
             trace_when_done(handles, f"reduce-scatter bucket {bucket.index}", launched,
                             bucket=bucket.index, bytes=bucket.numel * own.element_size())
             self._pending.append((bucket, handles, free_when_sent(handles, rest),
                                   own if add_after else None))
-            self._track(rest)
         if not self.keep_grads:
             for i in bucket.params:
                 self.params[i].grad = None
