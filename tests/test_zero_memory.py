@@ -95,6 +95,10 @@ def test_mistakes_are_one_clear_error():
         zero.Zero(model, torch.optim.Adam, stage=4)
     with pytest.raises(MicroDDPError, match="LBFGS"):
         zero.Zero(model, torch.optim.LBFGS)
+    mixed = mdp.FullMLP(4, 1)
+    mixed.net[-1].to(torch.float64)
+    with pytest.raises(MicroDDPError, match="torch.float32 on cpu and torch.float64 on cpu"):
+        zero.Zero(mixed, torch.optim.Adam)
     with pytest.raises(MicroDDPError, match="torch.optim.Optimizer class"):
         zero.Zero(model, torch.optim.Adam(model.parameters()))
     with pytest.raises(MicroDDPError, match="in no parameter group"):

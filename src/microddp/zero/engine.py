@@ -75,6 +75,13 @@ class Zero(nn.Module):
         if not params:
             raise MicroDDPError("the module has no parameter that requires grad; "
                                 "there is nothing to train or shard")
+        kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
+        if len(kinds) > 1:
+            # A bucket is one flat buffer of one dtype on one device: a parameter of another
+            # would be converted silently into it (and its view of it would change its dtype).
+            raise MicroDDPError(f"Zero shards parameters of one dtype on one device; this module "
+                                f"has {' and '.join(kinds)}: cast the module (e.g. "
+                                "model.float()) or freeze the odd ones out before wrapping it")
         self.sharded = params
         numels = [p.numel() for p in params]
         if stage == 3:
