@@ -186,3 +186,25 @@ def test_stall_python_cannot_interrupt_is_reported_then_ended(capfd):
     assert f"under _future_hang at test_monitor.py:{_line('LINE-FUTURE')}" in err
     assert f"rank 1 is in save_checkpoint at test_monitor.py:{_line('LINE-SLEEP')}" in err
     assert "ending this process (exit code 1) after the hang report" in err
+
+
+def test_the_head_says_which_timeout_ran_out():
+    """The monitor's own threshold: "did not complete within"; the backend's (a failed wait,
+    with or without the call still known): "timed out" in its words; anything else: failed."""
+    from microddp.monitor.hang import format_report
+    from microddp.monitor.log import Entry
+
+    call = Entry(4, "world", "all_reduce")
+    statuses = {0: {"in": "all_reduce #4", "where": "", "last": ""}}
+    gloo = "[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"
+    heads = [format_report(0, stalled, statuses, 2, timeout, why).splitlines()[0]
+             for stalled, timeout, why in [(call, 8.0, ""), (call, None, gloo), (None, None, gloo),
+                                           (call, None, "Connection closed by peer")]]
+    assert heads == [
+        "microddp hang report: collective all_reduce #4 on rank 0 did not complete within 8 s",
+        "microddp hang report: collective all_reduce #4 on rank 0 timed out (Timed out waiting "
+        "5000ms for recv)",
+        "microddp hang report: a collective on rank 0 timed out (Timed out waiting 5000ms for "
+        "recv)",
+        "microddp hang report: collective all_reduce #4 on rank 0 failed (Connection closed by "
+        "peer)"]

@@ -193,6 +193,58 @@ def test_a_plain_script_that_hangs_gets_the_report_first(tmp_path):
     assert summary[5] == "microddp run: rank 0's output. Its last lines:"  # the traceback: after
 
 
+BACKEND_FIRST = """
+    import os
+    import time
+
+    import torch
+
+    import microddp as mdp
+
+
+    def save_checkpoint_slowly():
+        time.sleep(40)  # LINE-SLEEP
+
+
+    os.environ["MICRODDP_TRANSPORT"] = "gloo"  # gloo's own timeout (shared memory has its own)
+    world = mdp.init(timeout=5, monitor=False)
+    mdp.monitor.enable(timeout=60)  # far above the group's 5 s: gloo gives up first
+    model = mdp.DistributedDataParallel(torch.nn.Linear(4, 4))
+    HOOK
+    if world.rank == 1:
+        save_checkpoint_slowly()
+    model(torch.ones(2, 4)).sum().backward()  # LINE-STUCK
+    mdp.shutdown()
+"""
+
+
+@pytest.mark.parametrize("hook", [None, "fp16_compress"])
+def test_a_wait_the_backend_ends_first_still_names_the_call_and_the_ranks(tmp_path, hook):
+    """DDP's bucket waits on an async Work (or, with a comm hook, on a future chained to
+    one); the group's timeout (5 s) ends it long before the monitor's threshold (60 s). The
+    report names the failed call (it has already left the calls in flight) and says it timed
+    out in the backend's words, not within the monitor's 60 s; the rank is placed at the
+    user's line, not in the glue a failed wait goes through (microddp/__init__.py,
+    comms/world.py)."""
+    register = f"model.register_comm_hook(None, {hook!r})" if hook else "pass"
+    script = write(tmp_path, "hang.py", BACKEND_FIRST.replace("HOOK", register))
+    out = microddp("run", "-n", "2", script, timeout=120)
+    assert out.returncode == 1, out.stderr
+    # the launcher's summary shows the report first, each line indented by two spaces
+    summary = out.stderr[out.stderr.index("The monitor's report:"):].splitlines()[1:4]
+    report = [line[2:] for line in summary]
+    assert report[0].startswith("microddp hang report: collective all_reduce #"), report
+    assert " on rank 0 timed out (Timed out waiting 5000ms" in report[0], report
+    lines = BACKEND_FIRST.splitlines()
+    stuck = next(i for i, line in enumerate(lines, 1) if "LINE-STUCK" in line)
+    sleep = next(i for i, line in enumerate(lines, 1) if "LINE-SLEEP" in line)
+    assert report[1].startswith("  rank 0 is in all_reduce #"), report
+    assert report[1].endswith(f"under <module> at hang.py:{stuck}"), report
+    assert report[2].startswith(f"  rank 1 is in save_checkpoint_slowly at hang.py:{sleep} "), \
+        report
+    assert "__init__.py" not in "\n".join(report), report
+
+
 CLEAN = """
     import torch
 

@@ -16,6 +16,7 @@ import torch
 from .. import collectives
 from ..collectives.hierarchical import chosen
 from ..comms import all_reduce, distributed, group_size
+from ..comms.world import wait_failed
 from ..errors import MicroDDPError
 from .buckets import Bucket, bucket_view
 
@@ -116,6 +117,16 @@ class Summing:
             fn(done(self.tensor))
         else:
             self.work.get_future().add_done_callback(fn)
+
+
+def finish(reduction: Future | Summing):
+    """Wait for a bucket's reduction (start_reduction) and return its value. A comm hook's
+    future, chained with .then(), fails with the backend's bare error when the all-reduce
+    under it does: that becomes the hang report too, as a failed Summing's wait does."""
+    try:
+        return reduction.wait()
+    except RuntimeError as e:
+        raise wait_failed(e) from None
 
 
 def start_reduction(bucket: Bucket, count: int, group, hook: CommHook | None,

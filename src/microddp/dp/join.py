@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from ..comms import distributed, group_rank, group_size
 from ..errors import MicroDDPError
-from .comm_hooks import Summing, start_reduction
+from .comm_hooks import Summing, finish, start_reduction
 from .sync import broadcast_coalesced, sync_module_states
 
 
@@ -177,5 +177,5 @@ def shadow_backward(reducer: ShadowedReducer) -> None:
         used = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.params[0].device)
         futures.append(Summing(used, reducer.group))
     for fut in futures:
-        fut.wait()
+        finish(fut)
     reducer.skip_iteration()

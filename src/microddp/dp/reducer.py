@@ -28,7 +28,7 @@ from .. import spans as trace
 from ..comms import distributed, group_rank, group_size
 from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
-from .comm_hooks import CommHook, Summing, start_reduction
+from .comm_hooks import CommHook, Summing, finish, start_reduction
 from .double_backward import DoubleBackward
 from .grads import GradCopier, Lender
 from .logging_data import RuntimeStats
@@ -286,19 +286,19 @@ class Reducer(DoubleBackward):
             self.static_unused = missing
         elif missing and not self.find_unused:
             for fut in self.futures:
-                fut.wait()
+                finish(fut)
             self._arrival_complete()
             raise MicroDDPError(no_gradient(self.names, self.params, missing, _rank(self.group)))
         t0 = time.perf_counter()
         self._drop_graph_grads()
         used = self.static_used
         if self.used_future is not None:
-            used = self.used_future.wait().tolist()
+            used = finish(self.used_future).tolist()
             self.used = bytearray(len(self.params))
             if self.static_graph:  # learnt once: unused on every rank stays unused
                 self.static_used = None if all(used) else used
         for k, bucket in enumerate(self.buckets):
-            result = self.futures[k].wait()
+            result = finish(self.futures[k])
             result = result[0] if isinstance(result, list) else result
             self.copier.write_back(bucket, result, used)
         if trace.enabled():

@@ -124,8 +124,9 @@ class Monitor:
         os._exit(1)
 
     # -- the report -----------------------------------------------------------------------
-    def collect(self, stalled: Entry | None, why: str = "") -> str:
-        """Raise the flag, gather every rank's status, build (or fetch) the one report."""
+    def collect(self, stalled: Entry | None, why: str = "", own: bool = True) -> str:
+        """Raise the flag, gather every rank's status, build (or fetch) the one report. `own`:
+        the monitor's threshold ran out (False: the backend gave up first, `why` says how)."""
         with self._report_lock:
             if self.report is not None:
                 return self.report
@@ -135,7 +136,7 @@ class Monitor:
             if first:
                 statuses = self._statuses()
                 self.report = format_report(self.rank, stalled, statuses, self.world_size,
-                                            self.timeout_s, why)
+                                            self.timeout_s if own else None, why)
                 self.store.set(self.key("report"), self.report)
             else:
                 self.report = self._fetch_report()
@@ -164,17 +165,19 @@ def _ranks(rs: list[int]) -> str:
 
 
 def format_report(rank: int, stalled: Entry | None, statuses: dict[int, dict],
-                  world_size: int, timeout_s: float, why: str) -> str:
-    """One paragraph: which ranks are where, grouped; ranks that did not answer named too."""
+                  world_size: int, timeout_s: float | None, why: str) -> str:
+    """One paragraph: which ranks are where, grouped; ranks that did not answer named too.
+    `timeout_s`: the monitor's threshold, when that is what ran out; None when the backend
+    gave up first (its own timeout, which `why` gives in its words)."""
     why = re.sub(r"^\[[^\]]*\]\s*", "", why)  # drop gloo's "[path/file.cc:553]" prefix
     timed_out = not why or "timed out" in why.lower() or "timeout" in why.lower()
-    if stalled is None:
-        head = f"rank {rank} reports a stall"
+    call = "a collective" if stalled is None else f"collective {stalled.op} #{stalled.seq}"
+    if timed_out and timeout_s is not None:
+        head = f"{call} on rank {rank} did not complete within {timeout_s:g} s"
     elif timed_out:
-        head = (f"collective {stalled.op} #{stalled.seq} on rank {rank} did not complete within "
-                f"{timeout_s:g} s")
+        head = f"{call} on rank {rank} timed out"
     else:
-        head = f"collective {stalled.op} #{stalled.seq} on rank {rank} failed"
+        head = f"{call} on rank {rank} failed"
     groups: dict[str, list[int]] = {}
     for r, st in sorted(statuses.items()):
         if st["in"] is not None:

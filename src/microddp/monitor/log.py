@@ -24,9 +24,13 @@ _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
     os.path.dirname(__file__),
     sysconfig.get_paths()["stdlib"],
 })
-# comms' typed wrappers and the handle of an async call: where a wait sits, never worth naming
-_COMMS = {os.path.normcase(os.path.join(os.path.dirname(os.path.dirname(__file__)), "comms", f))
-          for f in ("ops.py", "handle.py")}
+# comms' typed wrappers, the handle of an async call, and the glue a failed wait goes through
+# to the monitor (comms/world.py's wait_failed, the package's upcall): where a wait sits, never
+# worth naming
+_ROOT = os.path.dirname(os.path.dirname(__file__))
+_COMMS = {os.path.normcase(os.path.join(_ROOT, "comms", f))
+          for f in ("ops.py", "handle.py", "world.py")} | {
+              os.path.normcase(os.path.join(_ROOT, "__init__.py"))}
 
 
 @functools.lru_cache(maxsize=4096)  # once per function (see _kind), and by tests
@@ -137,14 +141,15 @@ class Entry:
     call; tests and tools read the log after it).
     """
 
-    __slots__ = ("seq", "group", "op", "started", "done", "work", "escapable", "ends_itself",
-                 "_shape", "_detail", "_caller", "_location", "_call", "_frame")
+    __slots__ = ("seq", "group", "op", "started", "done", "failed", "work", "escapable",
+                 "ends_itself", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
 
     def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
                  frame: FrameType | None = None) -> None:
         self.seq, self.group, self.op = seq, group, op
         self.started = time.monotonic()
         self.done: float | None = None
+        self.failed = False  # its async Work completed with an error (see in_flight)
         self.work: Any = None  # an async op's Work, polled by the watchdog
         # The caller waits with the monitor's timeout and reports itself (monitor interrupt).
         self.escapable = False
@@ -225,10 +230,21 @@ class Entry:
             # Finished, or failed (then a report may still describe it): say what it was
             # before letting go of its tensors.
             self._describe_call()
+            self.failed = _failed(work)
             self.done = time.monotonic()
             self.release()
             return False
         return True
+
+
+def _failed(work: Any) -> bool:
+    """Whether a completed Work ended in an error: its future holds it (Work.exception() and
+    is_success() are deprecated in torch and warn)."""
+    try:
+        work.get_future().value()
+    except Exception:  # noqa: BLE001 (the error the work failed with, whatever its type)
+        return True
+    return False
 
 
 class CollectiveLog:
@@ -272,6 +288,13 @@ class CollectiveLog:
         with self._lock:
             self._drop_finished()
             return next(iter(self.open), None)
+
+    def oldest_failed(self) -> Entry | None:
+        """The earliest recent async collective whose Work failed, or None: what a failed wait
+        was waiting for, once it has left the calls in flight."""
+        with self._lock:
+            self._drop_finished()
+            return next((e for e in self.recent if e.failed), None)
 
     def last_done(self) -> Entry | None:
         """The most recent collective that finished, or None."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 import sys
 import time
 import weakref
@@ -138,7 +139,7 @@ def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
     a report was made already), else the error itself (arguments refused at once)."""
     if isinstance(e, MicroDDPError) or (mon.report is None and not _backend_failed(e)):
         return e
-    return MicroDDPError(mon.collect(entry, why=_first_line(e)))
+    return MicroDDPError(mon.collect(entry, why=_first_line(e), own=False))
 
 
 def failed_wait(error: RuntimeError) -> BaseException:
@@ -150,7 +151,7 @@ def failed_wait(error: RuntimeError) -> BaseException:
     mon = _active
     if mon is None:
         return error
-    return _reported(mon, mon.log.oldest_open(), error)
+    return _reported(mon, mon.log.oldest_failed() or mon.log.oldest_open(), error)
 
 
 class _Signature:
@@ -185,15 +186,26 @@ class _Signature:
         return next((describe_tensor(a[k]) for k in _TENSOR_ARGS if k in a), ""), _detail(a)
 
 
+# What a torch Future chained with .then() puts in front of the error of the future it
+# waited on, once per link of the chain (a comm hook's fp16 compression: three times).
+_CHAINED = re.compile(r"^(?:Got the following error when running the callback: \w+: )+")
+
+
+def _text(e: BaseException) -> str:
+    """The error's message, without the chained futures' prefixes (_CHAINED)."""
+    return _CHAINED.sub("", str(e).lstrip())
+
+
 def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = _text(e)
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _backend_failed(e: RuntimeError) -> bool:
     """The backend gave up waiting or lost a peer (gloo's "[.../gloo/...] Timed out ...",
     "Connection closed by peer"; NCCL's DistBackendError), rather than refusing the arguments
-    at once: a report is worth gathering."""
-    first = str(e).lstrip()
+    at once: a report is worth gathering. Also under a chain of futures (a comm hook's)."""
+    first = _text(e)
     return isinstance(e, getattr(dist, "DistBackendError", ())) or (
         first.startswith("[") and "gloo" in first[:first.find("]")])
 
