@@ -43,11 +43,11 @@ def small_buffers(monkeypatch):
     monkeypatch.setenv("MICRODDP_SHM_SMALL_BYTES", str(SMALL))
 
 
-def _init() -> tuple[MicroDDPProcessGroup, dist.ProcessGroup]:
+def _init(**kwargs) -> tuple[MicroDDPProcessGroup, dist.ProcessGroup]:
     """The world on the microddp backend, and a gloo group of the same ranks (the reference)."""
     import microddp.backend  # noqa: F401 (registers the backend, as a user's script does)
 
-    dist.init_process_group("microddp", timeout=TIMEOUT)
+    dist.init_process_group("microddp", timeout=TIMEOUT, **kwargs)
     world = dist.group.WORLD
     assert isinstance(world, MicroDDPProcessGroup) and dist.get_backend() == "microddp"
     return world, dist.new_group(backend="gloo", timeout=TIMEOUT)
@@ -74,27 +74,29 @@ def _train(group, rank: int, steps: int = 4) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _ddp(rank: int) -> tuple[bool, float, int]:
+def _ddp(rank: int) -> tuple[bool, float, dict]:
     world, gloo = _init()
-    before = _steps(world)
     ours = _train(None, rank)  # the default group: the microddp backend
-    used = _steps(world) - before
+    calls = dict(world.calls)
     ref = _train(gloo, rank)
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref, strict=True))
     same = all(map(torch.equal, ours, ref))
     dist.destroy_process_group()
-    return same, diff, used
+    return same, diff, calls
 
 
 @pytest.mark.parametrize("n,forced", [(2, False), (3, False), (3, True)])
 def test_torch_ddp_on_microddp_ends_with_gloos_parameters(n, forced, monkeypatch):
     if forced:  # float sums on 3 ranks through shared memory too: another order of addition
         monkeypatch.setenv("MICRODDP_TRANSPORT", "shm")
-    for same, diff, used in mdp.spawn(_ddp, n, join=False, timeout=180):
-        assert used > 4  # construction's broadcast and shape check, then buckets
+    buckets = "shm" if n == 2 or forced else "gloo"  # 3 ranks: float sums stay on gloo
+    for same, diff, calls in mdp.spawn(_ddp, n, join=False, timeout=180):
+        # construction: rank 0's state broadcast, every rank's shapes gathered; then buckets
+        assert set(calls) == {("broadcast", "shm"), ("allgather", "shm"), ("allreduce", buckets)}
+        assert calls["allreduce", buckets] >= 4 * 2  # 4 steps, several buckets each
         if forced:
             assert diff < 1e-5
-        else:  # 2 ranks: x0 + x1 is gloo's sum; 3: float sums stay on gloo (route.py)
+        else:  # 2 ranks: x0 + x1 is gloo's sum to the bit; 3: gloo's own sums
             assert same, diff
 
 
@@ -219,6 +221,7 @@ def _fallbacks(rank: int) -> dict[str, bool]:
     dist.all_reduce(flags, dist.ReduceOp.MAX)  # bool: a dtype shared memory does not carry
     out["all_reduce, bool"] = flags.tolist() == [True, True]
     out["nothing through shared memory"] = _steps(world) == before
+    out["both counted as gloo's"] = world.calls == {("allreduce", "gloo"): 2}
     x = torch.full((4,), float(rank + 1))
     dist.reduce(x, dst=0)
     out["reduce"] = rank != 0 or x.tolist() == [n * (n + 1) / 2] * 4
@@ -276,11 +279,14 @@ def test_microddp_transport_gloo_sends_everything_to_gloo(monkeypatch):
         assert no_shm and t == [2.0, 2.0, 2.0] and same
 
 
-def _twice(rank: int) -> list[float]:
+def _twice(rank: int, folder: str) -> list[float]:
     """A world made, destroyed and made again in one process (its groups' names come back)."""
     out = []
     for i in range(2):
-        world, _ = _init()
+        # a store of its own each time: through MASTER_PORT, a rank quick to come back could
+        # join the first world's store before its rank 0 has closed it
+        world, _ = _init(init_method=f"file://{folder}/store{i}", rank=rank,
+                         world_size=int(os.environ["WORLD_SIZE"]))
         t = torch.full((5,), float(rank + i))
         dist.all_reduce(t)
         out.append(t[0].item() if _steps(world) > 0 else -1.0)
@@ -288,8 +294,8 @@ def _twice(rank: int) -> list[float]:
     return out
 
 
-def test_a_world_made_again_sets_up_fresh_shared_memory():
-    assert mdp.spawn(_twice, 2, join=False, timeout=120) == [[1.0, 3.0]] * 2
+def test_a_world_made_again_sets_up_fresh_shared_memory(tmp_path):
+    assert mdp.spawn(_twice, 2, args=(str(tmp_path),), join=False, timeout=120) == [[1.0, 3.0]] * 2
 
 
 # -- a killed rank --------------------------------------------------------------------------------

@@ -18,10 +18,15 @@ dense contiguous CPU tensor of a dtype it knows (shm_group.DTYPES). Float sums a
 gloo adds in another order there, and this backend gives gloo's bits wherever it takes a call.
 Every shared-memory call is asynchronous on the group's lane, so DDP's bucket all-reduces
 overlap its backward pass; `dist.all_reduce` without async_op simply waits on it.
+
+`calls` counts what the group was asked for, by (op, "shm" or "gloo"): what a script (torch's
+DDP, say) needs of a backend, and where each call went. The ops this class leaves to gloo
+through torch's dispatch never reach Python, so they are not counted.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -52,6 +57,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         for device in ("cpu", "cuda"):
             self._register_backend(torch.device(device), BackendType.GLOO, self.gloo)
         self._set_default_backend(BackendType.GLOO)
+        self.calls: Counter[tuple[str, str]] = Counter()
         self.shared: SharedGroup | None = None
         self._lane: Lane | None = None
         if size > 1:
@@ -88,7 +94,12 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         return op in OPS and (self.any_order or op not in ORDERED
                               or not tensors[0].is_floating_point())
 
-    def _run(self, body: Callable[[SharedGroup], None], result: list) -> LaneWork:
+    def _to_gloo(self, name: str) -> dist.Backend:
+        self.calls[name, "gloo"] += 1
+        return self.gloo
+
+    def _run(self, name: str, body: Callable[[SharedGroup], None], result: list) -> LaneWork:
+        self.calls[name, "shm"] += 1
         group = self.shared
 
         def task(yielding: bool) -> None:
@@ -104,7 +115,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         op = _op(opts.reduceOp)
         if not self._takes(tensors, op):
-            return self.gloo.allreduce(tensors, opts)
+            return self._to_gloo("allreduce").allreduce(tensors, opts)
         flat = _flat(tensors[0])
         size = self.size()
 
@@ -113,15 +124,15 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
             if op == "avg":
                 flat.div_(size)
 
-        return self._run(body, tensors)
+        return self._run("allreduce", body, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """dist.broadcast; DDP's construction sends rank 0's parameters and buffers here."""
         opts = opts or dist.BroadcastOptions()
         if opts.rootTensor != 0 or not self._takes(tensors):
-            return self.gloo.broadcast(tensors, opts)
+            return self._to_gloo("broadcast").broadcast(tensors, opts)
         flat, root = _flat(tensors[0]), opts.rootRank
-        return self._run(lambda g: g.broadcast(flat, root), tensors)
+        return self._run("broadcast", lambda g: g.broadcast(flat, root), tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts=None) -> dist.Work:
@@ -129,9 +140,9 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllgatherOptions()
         if not (self._takes(inputs) and len(output_lists) == 1
                 and _alike(output_lists[0], inputs[0], self.size())):
-            return self.gloo.allgather(output_lists, inputs, opts)
+            return self._to_gloo("allgather").allgather(output_lists, inputs, opts)
         outputs, flat = [_flat(t) for t in output_lists[0]], _flat(inputs[0])
-        return self._run(lambda g: g.all_gather(outputs, flat), output_lists)
+        return self._run("allgather", lambda g: g.all_gather(outputs, flat), output_lists)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts=None) -> dist.Work:
@@ -140,7 +151,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         op = _op(opts.reduceOp)
         if not (self._takes(outputs, op) and len(input_lists) == 1
                 and _alike(input_lists[0], outputs[0], self.size())):
-            return self.gloo.reduce_scatter(outputs, input_lists, opts)
+            return self._to_gloo("reduce_scatter").reduce_scatter(outputs, input_lists, opts)
         flat, inputs, size = _flat(outputs[0]), [_flat(t) for t in input_lists[0]], self.size()
 
         def body(g: SharedGroup) -> None:
@@ -148,14 +159,14 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
             if op == "avg":
                 flat.div_(size)
 
-        return self._run(body, outputs)
+        return self._run("reduce_scatter", body, outputs)
 
     def barrier(self, opts=None) -> dist.Work:
         """dist.barrier: an all-reduce of one number, behind every call issued before it."""
         if self.shared is None:
-            return self.gloo.barrier(opts or dist.BarrierOptions())
+            return self._to_gloo("barrier").barrier(opts or dist.BarrierOptions())
         token = torch.zeros(1, dtype=torch.int32)
-        return self._run(lambda g: g.all_reduce(token, "max"), [])
+        return self._run("barrier", lambda g: g.all_reduce(token, "max"), [])
 
     # -- the end ---------------------------------------------------------------------------
 

@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
           + (f"{'mddp/gloo':>10}{'90% interval':>14}" if args.torch_on_microddp else "")
           + (f"{'A/A':>8}{'90% interval':>14}" if args.control else ""))
     for dim, times in results.items():
-        row = "".join(f"{median(times[e]) * 1e3:>{w}.2f}" for e, w in zip(names, widths, strict=True))
+        row = "".join(f"{median(times[e]) * 1e3:>{w}.2f}"
+                      for e, w in zip(names, widths, strict=True))
         if has_ratio:
             row += f"{_versus_torch(times, 'microddp', 15)}"
         if args.torch_on_microddp:
