@@ -10,7 +10,10 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +347,39 @@ def test_a_killed_rank_makes_the_survivors_raise(tmp_path):
     assert sorted(out) == [0, 1], out
     for kind, text in out.values():
         assert kind == "MicroDDPError" and "rank(s) [2]" in text, (kind, text)
+
+
+# -- a plain script under the launchers -----------------------------------------------------------
+
+SCRIPT = '''\
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import microddp.backend  # noqa: F401
+
+dist.init_process_group("microddp")
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+calls = dist.group.WORLD.calls
+if dist.get_rank() == 0:
+    print("backend", dist.get_backend(), "bucket all-reduces through shm",
+          calls["allreduce", "shm"])
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("launcher", ["microddp run -n 2", "torchrun --standalone --nproc-per-node 2"])
+def test_an_unchanged_script_runs_under_microddp_run_and_torchrun(launcher, tmp_path):
+    (tmp_path / "ddp.py").write_text(SCRIPT)
+    first, *rest = launcher.split()
+    exe = Path(sys.executable).parent / first  # this venv's microddp or torchrun
+    out = subprocess.run([str(exe), *rest, "ddp.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "backend microddp bucket all-reduces through shm 3" in out.stdout, out.stdout
