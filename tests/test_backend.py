@@ -63,10 +63,10 @@ def _steps(pg: MicroDDPProcessGroup) -> int:
 
 # -- torch's own DDP, unchanged -------------------------------------------------------------------
 
-def _train(group, rank: int, steps: int = 4) -> list[torch.Tensor]:
+def _train(group, rank: int, steps: int = 4, **ddp) -> list[torch.Tensor]:
     torch.manual_seed(0)  # the same start on every rank and both backends
     model = torch.nn.parallel.DistributedDataParallel(mdp.FullMLP(64, 4), process_group=group,
-                                                      bucket_cap_mb=0.01)  # a few buckets
+                                                      bucket_cap_mb=0.01, **ddp)  # a few buckets
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -77,15 +77,18 @@ def _train(group, rank: int, steps: int = 4) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _ddp(rank: int) -> tuple[bool, float, dict]:
+def _ddp(rank: int) -> tuple[bool, float, dict, bool]:
     world, gloo = _init()
     ours = _train(None, rank)  # the default group: the microddp backend
     calls = dict(world.calls)
     ref = _train(gloo, rank)
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref, strict=True))
     same = all(map(torch.equal, ours, ref))
+    # find_unused_parameters: every step also all-reduces which parameters had a gradient
+    unused = all(map(torch.equal, _train(None, rank, 2, find_unused_parameters=True),
+                     _train(gloo, rank, 2, find_unused_parameters=True)))
     dist.destroy_process_group()
-    return same, diff, calls
+    return same, diff, calls, unused
 
 
 @pytest.mark.parametrize("n,forced", [(2, False), (3, False), (3, True)])
@@ -93,7 +96,8 @@ def test_torch_ddp_on_microddp_ends_with_gloos_parameters(n, forced, monkeypatch
     if forced:  # float sums on 3 ranks through shared memory too: another order of addition
         monkeypatch.setenv("MICRODDP_TRANSPORT", "shm")
     buckets = "shm" if n == 2 or forced else "gloo"  # 3 ranks: float sums stay on gloo
-    for same, diff, calls in mdp.spawn(_ddp, n, join=False, timeout=180):
+    for same, diff, calls, unused in mdp.spawn(_ddp, n, join=False, timeout=180):
+        assert unused or forced  # (forced: another order of addition, diff checked below)
         # construction: rank 0's state broadcast, every rank's shapes gathered; then buckets
         assert set(calls) == {("broadcast", "shm"), ("allgather", "shm"), ("allreduce", buckets)}
         assert calls["allreduce", buckets] >= 4 * 2  # 4 steps, several buckets each
@@ -105,7 +109,8 @@ def test_torch_ddp_on_microddp_ends_with_gloos_parameters(n, forced, monkeypatch
 
 # -- every op it carries, against gloo's ----------------------------------------------------------
 
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32, torch.uint8]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+          torch.uint8]
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN,
        "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
 
