@@ -272,7 +272,9 @@ def test_what_shared_memory_does_not_carry_goes_to_gloo():
         assert out and all(out.values()), out
 
 
-def _gloo_only(rank: int) -> tuple[bool, list[float], bool]:
+def _gloo_only(rank: int, hosts: bool) -> tuple[bool, list[float], bool]:
+    if hosts:  # as if each rank were on a host of its own: a host identity per rank
+        transport.host_identity = lambda: f"host-{rank}"
     world, gloo = _init()
     t = torch.ones(3)
     dist.all_reduce(t)
@@ -281,9 +283,12 @@ def _gloo_only(rank: int) -> tuple[bool, list[float], bool]:
     return world.shared is None, t.tolist(), same
 
 
-def test_microddp_transport_gloo_sends_everything_to_gloo(monkeypatch):
-    monkeypatch.setenv("MICRODDP_TRANSPORT", "gloo")
-    for no_shm, t, same in mdp.spawn(_gloo_only, 2, join=False, timeout=120):
+@pytest.mark.parametrize("why", ["MICRODDP_TRANSPORT=gloo", "ranks on other hosts"])
+def test_without_shared_memory_everything_goes_to_gloo(why, monkeypatch):
+    if why.startswith("MICRODDP"):
+        monkeypatch.setenv("MICRODDP_TRANSPORT", "gloo")
+    for no_shm, t, same in mdp.spawn(_gloo_only, 2, args=(why.startswith("ranks"),),
+                                     join=False, timeout=120):
         assert no_shm and t == [2.0, 2.0, 2.0] and same
 
 
