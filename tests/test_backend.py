@@ -215,6 +215,31 @@ def test_default_thresholds_on_two_ranks():
     assert mdp.spawn(_defaults, 2, join=False, timeout=120) == [[], []]
 
 
+def _asynchronous(rank: int) -> tuple[bool, bool, list[float]]:
+    """An async all_reduce returns before its peer has even called it: the call runs on the
+    group's lane while this rank goes on (what DDP's overlap needs)."""
+    _init()
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.full((1000,), float(rank + 1))
+    pending = done = True
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        pending = not work.get_future().done()  # rank 1 has not called it yet: it cannot be
+        store.set("go", "1")
+        work.wait()
+        done = work.get_future().done()
+    else:
+        store.wait(["go"], TIMEOUT)
+        dist.all_reduce(t)
+    dist.destroy_process_group()
+    return pending, done, t[:2].tolist()
+
+
+def test_an_async_call_returns_at_once_and_completes_on_wait():
+    for pending, done, t in mdp.spawn(_asynchronous, 2, join=False, timeout=120):
+        assert pending and done and t == [3.0, 3.0]
+
+
 # -- what it hands to gloo ------------------------------------------------------------------------
 
 def _fallbacks(rank: int) -> dict[str, bool]:
