@@ -131,3 +131,18 @@ def test_shared_memory_matches_gloo_and_prints_the_table():
         assert float(gloo) > 0 and float(shm) > 0 and float(bound) > 0
         assert float(ratio) == pytest.approx(float(shm) / float(gloo), rel=0.05, abs=0.01)
         assert float(to_bound) == pytest.approx(float(shm) / float(bound), rel=0.05, abs=0.01)
+
+
+def test_torch_backend_runs_torch_ddp_on_shared_memory_with_gloos_parameters():
+    out = run("04_allreduce_algorithms/torch_backend.py")
+    rows = {(op, path): (int(a), int(b)) for op, path, a, b in
+            re.findall(r"^  (\w+)\s+(shm|gloo)\s+(\d+)\s+(\d+)$", out, re.M)}
+    # construction: rank 0's parameters broadcast, every rank's shapes gathered; then one
+    # bucket all-reduced per step (33 steps), all through shared memory
+    assert set(rows) == {("allgather", "shm"), ("broadcast", "shm"), ("allreduce", "shm")}
+    assert rows["allgather", "shm"][0] >= 1 and rows["broadcast", "shm"][0] >= 1
+    assert rows["allreduce", "shm"] == (0, 33)
+    assert "parameters after training, equal to gloo's bit for bit: yes" in out
+    ratio, gloo, mine = re.search(r"gloo ([\d.]+) ms, microddp ([\d.]+) ms; microddp / gloo "
+                                  r"([\d.]+)", out).group(3, 1, 2)
+    assert float(gloo) > 0 and float(mine) > 0 and float(ratio) > 0

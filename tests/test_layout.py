@@ -22,6 +22,7 @@ LAYERS = [
     ("comms",),                # world, rendezvous, typed ops
     ("transport",),            # how two ranks move bytes
     ("collectives",),          # algorithms over transport
+    ("backend",),              # torch.distributed's "microddp" backend over the collectives
     ("monitor",),              # hang and desync reports over comms and collectives
     ("dp", "pipeline", "zero", "ps", "data", "checkpoint"),  # parallelism; what a job reads, keeps
     ("flags",),                # command-line checks (engine names come from dp)

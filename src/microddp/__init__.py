@@ -28,6 +28,7 @@ _LAZY = {
     "DDP": ("microddp.dp.ddp", "DistributedDataParallel"),
     "FullMLP": ("microddp.model", "FullMLP"),
     # Sub-packages and tools the README and the docs name as microddp.X.
+    "backend": ("microddp.backend", None),  # importing it registers torch's "microddp" backend
     "bench": ("microddp.bench", None),
     "collectives": ("microddp.collectives", None),
     "data": ("microddp.data", None),

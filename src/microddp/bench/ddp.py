@@ -3,7 +3,8 @@
 Every contender trains its own copy of the same FullMLP on the same batches, on the same ranks;
 their steps are interleaved (each round in a fresh random order, a barrier before each) so
 machine noise hits all alike. Reports the median step time (the slowest rank's, per step) and
-the ratio microddp / PyTorch.
+the ratio microddp / PyTorch. With --torch-on-microddp, PyTorch's DDP also runs unchanged on a
+group of microddp's torch.distributed backend (microddp.backend: shared memory on one host).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ examples:
   microddp bench ddp --dims 1024 --repeats 50     # one size, more repetitions
   microddp bench ddp --engines microddp torch overlap --bucket-cap-mb 4
   microddp bench ddp --dims 128 --control         # is a 3% difference real here? (A/A)
+  microddp bench ddp --dims 128 1024 --engines torch --torch-on-microddp --control
 """
 
 DEFAULT_ENGINES = ("microddp", "torch", "naive")
@@ -46,19 +48,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", action="store_true",
                    help="also time a second, identical PyTorch DDP and print its ratio to the "
                         "first (A/A): how far apart this machine puts two equal contenders")
+    p.add_argument("--torch-on-microddp", action="store_true",
+                   help=f"also time PyTorch's DDP, unchanged, on a group of the \"microddp\" "
+                        f"torch.distributed backend ({ON_MICRODDP}), and print its ratio to "
+                        "PyTorch's DDP on gloo")
 
 
 CONTROL = "torch-2"  # the A/A contender: PyTorch's DDP again, as a separate model
+ON_MICRODDP = "torch-mddp"  # PyTorch's DDP on a process group of microddp's backend
 
 
-def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None, rank: int):
+def _microddp_group():
+    """A group of every rank on microddp's torch.distributed backend (collective)."""
+    from .. import backend
+
+    return dist.new_group(backend=backend.NAME)
+
+
+def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None, rank: int,
+               group=None):
     from ..dp import wrap
 
-    engine = "torch" if engine == CONTROL else engine
+    kwargs = {} if cap is None else {"bucket_cap_mb": cap}
+    if engine == ON_MICRODDP:
+        kwargs["process_group"] = group
+    engine = "torch" if engine in (CONTROL, ON_MICRODDP) else engine
     from ..model import FullMLP
 
     torch.manual_seed(0)
-    kwargs = {} if cap is None else {"bucket_cap_mb": cap}
     model = wrap(FullMLP(dim, depth), engine, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + rank)
@@ -75,8 +92,10 @@ def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None,
 
 def _measure(world, dims, depth, batch, engines, repeats, warmup, cap) -> dict:
     results = {}
+    group = _microddp_group() if ON_MICRODDP in engines else None
     for dim in dims:
-        contenders = {e: _contender(e, dim, depth, batch, cap, world.rank) for e in engines}
+        contenders = {e: _contender(e, dim, depth, batch, cap, world.rank, group)
+                      for e in engines}
         # interleaved() shuffles the order every round: a step runs a little differently
         # right after another contender's step (caches, the network), and no one should
         # always pay that.
@@ -100,30 +119,42 @@ def run(args: argparse.Namespace) -> int:
     flags.at_least(0, depth=args.depth, warmup=args.warmup)
     flags.distinct("dims", args.dims)
     flags.positive("bucket_cap_mb", args.bucket_cap_mb)
-    names = list(args.engines) + ([CONTROL] if args.control else [])
+    names = (list(args.engines) + ([ON_MICRODDP] if args.torch_on_microddp else [])
+             + ([CONTROL] if args.control else []))
     if args.control and "torch" not in args.engines:
         raise MicroDDPError("--control compares PyTorch's DDP with itself: include torch in "
                             "--engines")
+    if args.torch_on_microddp and "torch" not in args.engines:
+        raise MicroDDPError("--torch-on-microddp compares PyTorch's DDP on two backends: "
+                            "include torch in --engines")
     results = spawn(_measure, args.world_size, args=(
         args.dims, args.depth, args.batch, names, args.repeats, args.warmup,
         args.bucket_cap_mb), timeout=3600, backend="gloo")[0]  # CPU tensors, even on a GPU host
     print(f"FullMLP depth {args.depth}, batch {args.batch}/rank, {args.world_size} ranks, gloo; "
           f"median of {args.repeats} interleaved steps (slowest rank), ms")
-    head = "".join(f"{e:>10}" for e in names)
+    widths = [max(10, len(e) + 1) for e in names]
+    head = "".join(f"{e:>{w}}" for e, w in zip(names, widths, strict=True))
     has_ratio = "microddp" in args.engines and "torch" in args.engines
     print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}{'90% interval':>14}" if has_ratio else "")
+          + (f"{'mddp/gloo':>10}{'90% interval':>14}" if args.torch_on_microddp else "")
           + (f"{'A/A':>8}{'90% interval':>14}" if args.control else ""))
     for dim, times in results.items():
-        row = "".join(f"{median(times[e]) * 1e3:>10.2f}" for e in names)
+        row = "".join(f"{median(times[e]) * 1e3:>{w}.2f}"
+                      for e, w in zip(names, widths, strict=True))
         if has_ratio:
             row += f"{_versus_torch(times, 'microddp', 15)}"
+        if args.torch_on_microddp:
+            row += f"{_versus_torch(times, ON_MICRODDP, 9)}"
         if args.control:
             row += f"{_versus_torch(times, CONTROL, 7)}"
         print(f"{dim:>6}{row}")
+    if args.torch_on_microddp:
+        print(f"mddp/gloo = {ON_MICRODDP}/torch: PyTorch's DDP, unchanged, on the \"microddp\" "
+              "backend over its own on gloo")
     if args.control:
         print("A/A = torch-2/torch: two identical contenders; a microddp/torch ratio that close "
               "to 1.000 is within this run's noise")
-    if has_ratio or args.control:
+    if has_ratio or args.control or args.torch_on_microddp:
         print("90% interval = where the ratio lands when this run's rounds are drawn again (a "
               "bootstrap)")
     return 0

@@ -43,11 +43,16 @@ ORDERED = frozenset({"sum", "avg", "product"})  # float results that depend on t
 _this = sys.modules[__name__]
 
 
-def _fits(tensor: torch.Tensor, op: str) -> bool:
-    """Whether shared memory can carry this tensor and op: a contiguous CPU tensor of one of
-    its dtypes, and one of its ops."""
-    return (tensor.device.type == "cpu" and tensor.dtype in DTYPES and op in OPS
+def carries(tensor: torch.Tensor) -> bool:
+    """Whether shared memory can carry this tensor: a dense contiguous CPU tensor of one of
+    its dtypes (the `microddp` torch backend asks it too, backend/process_group.py)."""
+    return (tensor.device.type == "cpu" and tensor.dtype in DTYPES
             and tensor.layout == torch.strided and tensor.is_contiguous())
+
+
+def _fits(tensor: torch.Tensor, op: str) -> bool:
+    """Whether shared memory can carry this tensor and op: `carries` it, and one of its ops."""
+    return op in OPS and carries(tensor)
 
 
 def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | None:

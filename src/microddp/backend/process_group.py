@@ -1,0 +1,203 @@
+"""The `microddp` process group: torch.distributed's collectives through microddp's shared memory.
+
+A Python subclass of `torch.distributed.ProcessGroup`, which torch builds for every group
+made with the `microddp` backend (`__init__.py` registers it). Each group holds two channels:
+
+- shared memory (collectives/shm_group.py, its calls kept in order by a lane,
+  collectives/shm_lane.py), set up when the group forms, only if every rank is on this host
+  (transport/shm_attach.py decides it from the ranks' host identities, never from
+  LOCAL_WORLD_SIZE, and MICRODDP_TRANSPORT=auto|shm|gloo forces it);
+- a gloo group, formed from the same store at the same time, registered as this group's
+  backend for CPU and CUDA: whatever this class does not override (reduce, gather, scatter,
+  all_to_all, send/recv, all_gather_into_tensor, ...) goes there through torch's own dispatch,
+  and the calls shared memory cannot carry are handed to it by the methods below.
+
+Shared memory carries all_reduce, broadcast, all_gather, reduce_scatter and barrier of one
+dense contiguous CPU tensor of a dtype it knows (shm_group.DTYPES). Float sums and products on
+3 or more ranks stay on gloo unless MICRODDP_TRANSPORT=shm, for the reason route.py gives:
+gloo adds in another order there, and this backend gives gloo's bits wherever it takes a call.
+Every shared-memory call is asynchronous on the group's lane, so DDP's bucket all-reduces
+overlap its backward pass; `dist.all_reduce` without async_op simply waits on it.
+
+`calls` counts what the group was asked for, by (op, "shm" or "gloo"): what a script (torch's
+DDP, say) needs of a backend, and where each call went. The ops this class leaves to gloo
+through torch's dispatch never reach Python, so they are not counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..collectives.route import OPS, ORDERED, carries
+from ..collectives.shm_group import SharedGroup, segment_bytes, sizes
+from ..collectives.shm_lane import Lane
+from ..comms.args import op_name
+from ..errors import MicroDDPError
+from ..transport.shm_attach import attach, wanted
+from .work import LaneWork
+
+BackendType = dist.ProcessGroup.BackendType
+_setups: dict[str, int] = {}  # groups of each name set up by this process (a re-made world)
+
+
+class MicroDDPProcessGroup(dist.ProcessGroup):
+    """A group whose CPU collectives go through shared memory on one host, and gloo otherwise."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta,
+                 group_name: str = "") -> None:
+        # (rank, size): torch 2.13 builds a Python subclass only from these; the store is
+        # for gloo and for shared memory's set-up
+        super().__init__(rank, size)
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        for device in ("cpu", "cuda"):
+            self._register_backend(torch.device(device), BackendType.GLOO, self.gloo)
+        self._set_default_backend(BackendType.GLOO)
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.shared: SharedGroup | None = None
+        self._lane: Lane | None = None
+        if size > 1:
+            self._attach(store, group_name, rank, size, timeout.total_seconds())
+        # As route.py: on 2 ranks x0 + x1 is gloo's sum to the bit; beyond, only if asked.
+        self.any_order = size == 2 or wanted() == "shm"
+
+    def _attach(self, store: dist.Store, group_name: str, rank: int, size: int,
+                timeout_s: float) -> None:
+        # A prefix per set-up of this group name in this process: every rank forms the same
+        # groups in the same order, and a world made again after destroy_process_group reuses
+        # the names (and, under torchrun, the store) of the first.
+        _setups[group_name] = _setups.get(group_name, -1) + 1
+        slot, small = sizes(size)
+        got = attach(store, f"microddp/backend/{_setups[group_name]}", rank, size,
+                     segment_bytes(size, slot), timeout_s, f"slot={slot} small={small}")
+        if got is not None:
+            self.shared = SharedGroup(got.segment, rank, size, got.pids, timeout_s, slot, small)
+            self._lane = Lane(f"pg-{group_name or 'world'}")
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name for it)
+        """What `dist.get_backend(group)` answers."""
+        return "microddp"
+
+    # -- which channel a call takes --------------------------------------------------------
+
+    def _takes(self, tensors: list[torch.Tensor], op: str | None = None) -> bool:
+        """Whether shared memory carries this call: one tensor it can carry, an op it knows,
+        and gloo's bits (see the module's docstring)."""
+        if self.shared is None or len(tensors) != 1 or not carries(tensors[0]):
+            return False
+        if op is None:
+            return True
+        return op in OPS and (self.any_order or op not in ORDERED
+                              or not tensors[0].is_floating_point())
+
+    def _to_gloo(self, name: str) -> dist.Backend:
+        self.calls[name, "gloo"] += 1
+        return self.gloo
+
+    def _run(self, name: str, body: Callable[[SharedGroup], None], result: list) -> LaneWork:
+        self.calls[name, "shm"] += 1
+        group = self.shared
+
+        def task(yielding: bool) -> None:
+            group.yielding = yielding
+            body(group)
+
+        return LaneWork(self._lane.submit(task, result, async_op=True))
+
+    # -- the collectives -------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        """dist.all_reduce; DDP's buckets come here."""
+        opts = opts or dist.AllreduceOptions()
+        op = _op(opts.reduceOp)
+        if not self._takes(tensors, op):
+            return self._to_gloo("allreduce").allreduce(tensors, opts)
+        flat = _flat(tensors[0])
+        size = self.size()
+
+        def body(g: SharedGroup) -> None:
+            g.all_reduce(flat, op)
+            if op == "avg":
+                flat.div_(size)
+
+        return self._run("allreduce", body, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        """dist.broadcast; DDP's construction sends rank 0's parameters and buffers here."""
+        opts = opts or dist.BroadcastOptions()
+        if opts.rootTensor != 0 or not self._takes(tensors):
+            return self._to_gloo("broadcast").broadcast(tensors, opts)
+        flat, root = _flat(tensors[0]), opts.rootRank
+        return self._run("broadcast", lambda g: g.broadcast(flat, root), tensors)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts=None) -> dist.Work:
+        """dist.all_gather; DDP's check that every rank has the same parameter shapes too."""
+        opts = opts or dist.AllgatherOptions()
+        if not (self._takes(inputs) and len(output_lists) == 1
+                and _alike(output_lists[0], inputs[0], self.size())):
+            return self._to_gloo("allgather").allgather(output_lists, inputs, opts)
+        outputs, flat = [_flat(t) for t in output_lists[0]], _flat(inputs[0])
+        return self._run("allgather", lambda g: g.all_gather(outputs, flat), output_lists)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts=None) -> dist.Work:
+        """dist.reduce_scatter (a list of inputs per rank)."""
+        opts = opts or dist.ReduceScatterOptions()
+        op = _op(opts.reduceOp)
+        if not (self._takes(outputs, op) and len(input_lists) == 1
+                and _alike(input_lists[0], outputs[0], self.size())):
+            return self._to_gloo("reduce_scatter").reduce_scatter(outputs, input_lists, opts)
+        flat, inputs, size = _flat(outputs[0]), [_flat(t) for t in input_lists[0]], self.size()
+
+        def body(g: SharedGroup) -> None:
+            g.reduce_scatter(flat, inputs, op)
+            if op == "avg":
+                flat.div_(size)
+
+        return self._run("reduce_scatter", body, outputs)
+
+    def barrier(self, opts=None) -> dist.Work:
+        """dist.barrier: an all-reduce of one number, behind every call issued before it."""
+        if self.shared is None:
+            return self._to_gloo("barrier").barrier(opts or dist.BarrierOptions())
+        token = torch.zeros(1, dtype=torch.int32)
+        return self._run("barrier", lambda g: g.all_reduce(token, "max"), [])
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave the shared memory (a peer still waiting raises at once), then gloo's group
+        (dist.destroy_process_group calls it)."""
+        if self._lane is not None:
+            self._lane.close()
+        if self.shared is not None:
+            self.shared.close()
+        self.shared = self._lane = None
+        super().shutdown()
+
+
+def _op(reduce_op) -> str | None:
+    """The op's name ("sum", "avg", ...), or None for one microddp does not know (PREMUL_SUM):
+    gloo then answers it as it would answer a gloo group."""
+    try:
+        return op_name(reduce_op)
+    except MicroDDPError:
+        return None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    # .data: torch's collectives write into tensors without autograd seeing it; so do these
+    data = t.data
+    return data if data.dim() == 1 else data.view(-1)
+
+
+def _alike(tensors: list[torch.Tensor], like: torch.Tensor, size: int) -> bool:
+    """One tensor per rank, each carried by shared memory and of `like`'s shape and dtype
+    (anything else goes to gloo, which answers it as it answers a gloo group)."""
+    return len(tensors) == size and all(
+        carries(t) and t.shape == like.shape and t.dtype == like.dtype for t in tensors)
