@@ -255,6 +255,11 @@ def _fallbacks(rank: int) -> dict[str, bool]:
     out["all_reduce, bool"] = flags.tolist() == [True, True]
     out["nothing through shared memory"] = _steps(world) == before
     out["both counted as gloo's"] = world.calls == {("allreduce", "gloo"): 2}
+    try:  # an op microddp does not know: refused by gloo, as on a gloo group
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+        out["PREMUL_SUM refused as gloo refuses it"] = False
+    except (RuntimeError, ValueError) as e:
+        out["PREMUL_SUM refused as gloo refuses it"] = "PREMUL_SUM" in str(e)
     x = torch.full((4,), float(rank + 1))
     dist.reduce(x, dst=0)
     out["reduce"] = rank != 0 or x.tolist() == [n * (n + 1) / 2] * 4
@@ -418,3 +423,32 @@ def test_an_unchanged_script_runs_under_microddp_run_and_torchrun(launcher, tmp_
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "backend microddp bucket all-reduces through shm 3" in out.stdout, out.stdout
+
+
+# -- a future's callback that waits on another call of the group ---------------------------------
+
+def _nested(rank: int, through: str) -> tuple[list, list]:
+    """What torch's PowerSGD and quantization hooks do: inside a callback of one async call's
+    future, start another call on the same group and wait for it. The callback used to run on
+    the group's lane thread, the only thread that could run the second call: both ranks hung
+    for good (Future.wait has no timeout)."""
+    if through == "backend":
+        _init()
+        start = lambda t: dist.all_reduce(t, async_op=True)  # noqa: E731
+    else:  # microddp.comms on shared memory, as microddp's DDP with a comm hook
+        mdp.init(timeout=60, rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+        start = lambda t: mdp.comms.all_reduce(t, async_op=True)  # noqa: E731
+    t, t2 = torch.ones(4), torch.full((4,), float(rank))
+    got = start(t).get_future().then(lambda f: start(t2).get_future().wait()[0]).wait()
+    out = t.tolist(), got.tolist()
+    if through == "backend":
+        dist.destroy_process_group()
+    else:
+        mdp.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("through", ["backend", "comms"])
+def test_a_callback_may_wait_on_another_call_of_its_group(through):
+    for t, got in mdp.spawn(_nested, 2, args=(through,), join=False, timeout=90):
+        assert t == [2.0] * 4 and got == [1.0] * 4

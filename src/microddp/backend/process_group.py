@@ -45,6 +45,9 @@ BackendType = dist.ProcessGroup.BackendType
 _setups: dict[str, int] = {}  # groups of each name set up by this process (a re-made world)
 
 
+_NO_OP = object()  # _takes: a call that takes no reduce op (broadcast, all_gather, barrier)
+
+
 class MicroDDPProcessGroup(dist.ProcessGroup):
     """A group whose CPU collectives go through shared memory on one host, and gloo otherwise."""
 
@@ -84,12 +87,13 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
 
     # -- which channel a call takes --------------------------------------------------------
 
-    def _takes(self, tensors: list[torch.Tensor], op: str | None = None) -> bool:
-        """Whether shared memory carries this call: one tensor it can carry, an op it knows,
-        and gloo's bits (see the module's docstring)."""
+    def _takes(self, tensors: list[torch.Tensor], op: str | None | object = _NO_OP) -> bool:
+        """Whether shared memory carries this call: one tensor it can carry, an op it knows
+        (`op` None: one it does not, PREMUL_SUM; left out: a call without one), and gloo's
+        bits (see the module's docstring)."""
         if self.shared is None or len(tensors) != 1 or not carries(tensors[0]):
             return False
-        if op is None:
+        if op is _NO_OP:
             return True
         return op in OPS and (self.any_order or op not in ORDERED
                               or not tensors[0].is_floating_point())
@@ -162,11 +166,20 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         return self._run("reduce_scatter", body, outputs)
 
     def barrier(self, opts=None) -> dist.Work:
-        """dist.barrier: an all-reduce of one number, behind every call issued before it."""
+        """dist.barrier: behind every call issued before it, on both channels. gloo's barrier
+        waits for the calls this group sent to gloo; then an all-reduce of one number on the
+        lane, behind the calls sent to shared memory."""
+        opts = opts or dist.BarrierOptions()
         if self.shared is None:
-            return self._to_gloo("barrier").barrier(opts or dist.BarrierOptions())
+            return self._to_gloo("barrier").barrier(opts)
+        gloo = self.gloo.barrier(opts)
         token = torch.zeros(1, dtype=torch.int32)
-        return self._run("barrier", lambda g: g.all_reduce(token, "max"), [])
+
+        def body(g: SharedGroup) -> None:
+            gloo.wait()
+            g.all_reduce(token, "max")
+
+        return self._run("barrier", body, [])
 
     # -- the end ---------------------------------------------------------------------------
 

@@ -152,11 +152,16 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
     # Only the numbers are read: past them is padding, or another rank's data (a header's).
     combined = words[:2 * SLOTS].tolist() if place.type == "cpu" else buf[:2 * SLOTS].tolist()
-    if len(words) == PAIR_WORDS and place.type == "cpu":
-        theirs = early_tags(words)
+    theirs = None
+    if len(words) == PAIR_WORDS:
+        theirs = early_tags(words if place.type == "cpu" else buf[:EARLY_WORD + 2].tolist())
         if theirs is not None:  # met a ring that sent its first step early: take it, fill its
             settle(peers, 1 - peers.me, theirs, None, [])  # receive (sized_tags.py), then judge
     judge(where, peers.me, fields, settings, combined, problem)
+    if theirs is not None:  # a ring's header never equals an agreement; were it ever to...
+        raise MicroDDPError(f"{where}: the other rank of the group called ring_all_reduce at "
+                            "this point; every rank of the group must call the same "
+                            "collectives, in the same order")
 
 
 def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:

@@ -32,13 +32,23 @@ class ShmWork:
         self._finished = False
         self._lock = threading.Lock()
 
-    def finish(self, error: BaseException | None = None) -> None:
-        """Mark the call finished (with `error`, if it failed): complete its future, wake waiters."""
+    def finish(self, error: BaseException | None = None,
+               hand_off: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """Mark the call finished (with `error`, if it failed): complete its future, wake waiters.
+        With `hand_off` (the lane's), a future is completed on a thread it gives, not this one:
+        see Deliveries."""
         self._error = error
         with self._lock:  # a future made from here on is completed by get_future itself
             self._finished, fut = True, self._future
-        if fut is not None:
-            self._deliver(fut)  # its callbacks run before wait() returns, as with torch's Work
+        if fut is None:
+            self._done.set()
+        elif hand_off is None:
+            self._complete(fut)
+        else:
+            hand_off(lambda: self._complete(fut))
+
+    def _complete(self, fut: torch.futures.Future) -> None:
+        self._deliver(fut)  # its callbacks run before wait() returns, as with torch's Work
         self._done.set()
 
     def _deliver(self, fut: torch.futures.Future) -> None:
@@ -93,6 +103,57 @@ class ShmWork:
 Task = Callable[[bool], None]  # task(yielding): run the collective
 
 
+class Deliveries:
+    """Threads that complete asynchronous calls' futures, so that the lane never runs a
+    future's callbacks itself.
+
+    torch runs a future's callbacks (`.then`) on the thread that completes it, and a callback
+    may issue a collective on the same group and wait for it (torch's PowerSGD and
+    quantization hooks do). Run on the lane's thread, that wait would be for work only the
+    lane can run: a hang, for good (`Future.wait` has no timeout). So the lane hands each
+    completion here and goes on. One thread does them in order while it keeps up; when every
+    thread here is inside a callback (one that waits, as above), the next completion gets a
+    thread of its own, as gloo's completions run on a pool of worker threads."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads: list[threading.Thread] = []
+
+    def post(self, complete: Callable[[], None]) -> None:
+        """Run `complete()` on a delivery thread: an idle one, or a new one if none is."""
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # taken: a second post before it wakes must not count it
+            else:
+                thread = threading.Thread(target=self._serve, daemon=True,
+                                          name=f"microddp-shm-{self.name}-done")
+                self._threads.append(thread)
+                thread.start()
+        self._queue.put(complete)
+
+    def _serve(self) -> None:
+        while True:
+            complete = self._queue.get()
+            if complete is None:
+                return
+            complete()
+            del complete
+            with self._lock:
+                self._idle += 1
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the threads once the completions posted before this have run."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        for thread in threads:
+            thread.join(timeout_s)
+
+
 class Lane:
     """One group's queue of collectives and the thread that runs the asynchronous ones."""
 
@@ -103,6 +164,7 @@ class Lane:
         self._running = threading.Lock()  # one collective of the group at a time
         self._pending = 0  # queued or running
         self._thread: threading.Thread | None = None
+        self._deliveries = Deliveries(name)
 
     def run_now(self, fn: Callable[..., None], *args: Any) -> bool:
         """`fn(*args)` on this thread if nothing is queued or running, and True once it is
@@ -158,7 +220,7 @@ class Lane:
             del task
             with self._lock:
                 self._pending -= 1
-            work.finish(error)
+            work.finish(error, self._deliveries.post)
             del work
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -168,3 +230,4 @@ class Lane:
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout_s)
+        self._deliveries.close(timeout_s)

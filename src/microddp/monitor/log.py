@@ -238,10 +238,17 @@ class Entry:
 
 
 def _failed(work: Any) -> bool:
-    """Whether a completed Work ended in an error: its future holds it (Work.exception() and
-    is_success() are deprecated in torch and warn)."""
+    """Whether a completed Work is known to have ended in an error: gloo's future and a
+    shared-memory call's hold it (Work.exception() and is_success() are deprecated in torch
+    and warn). False where that is unknown: a Work without a future, or NCCL's, whose future
+    completes at launch and never carries the error (a failed wait is then placed by the
+    calls still in flight, as before)."""
     try:
-        work.get_future().value()
+        fut = work.get_future()
+    except Exception:  # noqa: BLE001 (a backend without futures: unknown)
+        return False
+    try:
+        fut.value()
     except Exception:  # noqa: BLE001 (the error the work failed with, whatever its type)
         return True
     return False

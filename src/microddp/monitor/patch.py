@@ -188,7 +188,7 @@ class _Signature:
 
 # What a torch Future chained with .then() puts in front of the error of the future it
 # waited on, once per link of the chain (a comm hook's fp16 compression: three times).
-_CHAINED = re.compile(r"^(?:Got the following error when running the callback: \w+: )+")
+_CHAINED = re.compile(r"^(?:Got the following error when running the callback: [\w.]+: )+")
 
 
 def _text(e: BaseException) -> str:
@@ -205,6 +205,9 @@ def _backend_failed(e: RuntimeError) -> bool:
     """The backend gave up waiting or lost a peer (gloo's "[.../gloo/...] Timed out ...",
     "Connection closed by peer"; NCCL's DistBackendError), rather than refusing the arguments
     at once: a report is worth gathering. Also under a chain of futures (a comm hook's)."""
+    chain = _CHAINED.match(str(e).lstrip())
+    if chain is not None and "DistBackendError" in chain.group(0):
+        return True  # NCCL's, under a comm hook's chain of futures
     first = _text(e)
     return isinstance(e, getattr(dist, "DistBackendError", ())) or (
         first.startswith("[") and "gloo" in first[:first.find("]")])
