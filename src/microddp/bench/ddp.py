@@ -24,6 +24,7 @@ examples:
   microddp bench ddp --dims 1024 --repeats 50     # one size, more repetitions
   microddp bench ddp --engines microddp torch overlap --bucket-cap-mb 4
   microddp bench ddp --dims 128 --control         # is a 3% difference real here? (A/A)
+  microddp bench ddp --dims 128 --engines microddp torch --floor   # how short can a step be?
 """
 
 DEFAULT_ENGINES = ("microddp", "torch", "naive")
@@ -46,20 +47,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", action="store_true",
                    help="also time a second, identical PyTorch DDP and print its ratio to the "
                         "first (A/A): how far apart this machine puts two equal contenders")
+    p.add_argument("--floor", action="store_true",
+                   help="also time, on every rank at once, the same step without DDP "
+                        f"({ALONE}: forward, backward, optimizer, nothing exchanged) and that "
+                        f"step plus one blocking microddp.comms.all_reduce of the gradients' "
+                        f"bytes ({FLOOR}): no DDP step can be shorter than {FLOOR}")
 
 
 CONTROL = "torch-2"  # the A/A contender: PyTorch's DDP again, as a separate model
+ALONE = "no-comm"  # each rank trains its own model: the compute of a step, without DDP
+FLOOR = "floor"  # ALONE plus one all-reduce of the gradients' bytes: what DDP cannot avoid
 
 
 def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None, rank: int):
+    from .. import comms
     from ..dp import wrap
-
-    engine = "torch" if engine == CONTROL else engine
     from ..model import FullMLP
 
     torch.manual_seed(0)
     kwargs = {} if cap is None else {"bucket_cap_mb": cap}
-    model = wrap(FullMLP(dim, depth), engine, **kwargs)
+    model = FullMLP(dim, depth)
+    if engine not in (ALONE, FLOOR):
+        model = wrap(model, "torch" if engine == CONTROL else engine, **kwargs)
+    # FLOOR's all-reduce: as many bytes as the gradients, in one flat tensor, no copies
+    flat = torch.zeros(sum(p.numel() for p in model.parameters())) if engine == FLOOR else None
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(batch, dim, generator=g)
@@ -68,6 +79,8 @@ def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None,
     def step() -> None:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
+        if flat is not None:
+            comms.all_reduce(flat)
         opt.step()
 
     return step
@@ -100,10 +113,14 @@ def run(args: argparse.Namespace) -> int:
     flags.at_least(0, depth=args.depth, warmup=args.warmup)
     flags.distinct("dims", args.dims)
     flags.positive("bucket_cap_mb", args.bucket_cap_mb)
-    names = list(args.engines) + ([CONTROL] if args.control else [])
+    names = (list(args.engines) + ([CONTROL] if args.control else [])
+             + ([ALONE, FLOOR] if args.floor else []))
     if args.control and "torch" not in args.engines:
         raise MicroDDPError("--control compares PyTorch's DDP with itself: include torch in "
                             "--engines")
+    if args.floor and "torch" not in args.engines:
+        raise MicroDDPError("--floor compares the least a step can take with PyTorch's DDP "
+                            "step: include torch in --engines")
     results = spawn(_measure, args.world_size, args=(
         args.dims, args.depth, args.batch, names, args.repeats, args.warmup,
         args.bucket_cap_mb), timeout=3600, backend="gloo")[0]  # CPU tensors, even on a GPU host
@@ -112,17 +129,24 @@ def run(args: argparse.Namespace) -> int:
     head = "".join(f"{e:>10}" for e in names)
     has_ratio = "microddp" in args.engines and "torch" in args.engines
     print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}{'90% interval':>14}" if has_ratio else "")
-          + (f"{'A/A':>8}{'90% interval':>14}" if args.control else ""))
+          + (f"{'A/A':>8}{'90% interval':>14}" if args.control else "")
+          + (f"{'floor/torch':>13}{'90% interval':>14}" if args.floor else ""))
     for dim, times in results.items():
         row = "".join(f"{median(times[e]) * 1e3:>10.2f}" for e in names)
         if has_ratio:
             row += f"{_versus_torch(times, 'microddp', 15)}"
         if args.control:
             row += f"{_versus_torch(times, CONTROL, 7)}"
+        if args.floor:
+            row += f"{_versus_torch(times, FLOOR, 12)}"
         print(f"{dim:>6}{row}")
     if args.control:
         print("A/A = torch-2/torch: two identical contenders; a microddp/torch ratio that close "
               "to 1.000 is within this run's noise")
+    if args.floor:
+        print(f"{ALONE} = every rank trains alone (no DDP, nothing exchanged); {FLOOR} = that step "
+              "plus one blocking microddp.comms.all_reduce of the gradients' bytes: no DDP step\n"
+              "  can be shorter, so floor/torch is the least microddp/torch this host allows")
     if has_ratio or args.control:
         print("90% interval = where the ratio lands when this run's rounds are drawn again (a "
               "bootstrap)")

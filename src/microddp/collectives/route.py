@@ -46,8 +46,9 @@ _this = sys.modules[__name__]
 def _fits(tensor: torch.Tensor, op: str) -> bool:
     """Whether shared memory can carry this tensor and op: a contiguous CPU tensor of one of
     its dtypes, and one of its ops."""
-    return (tensor.device.type == "cpu" and tensor.dtype in DTYPES and op in OPS
-            and tensor.layout == torch.strided and tensor.is_contiguous())
+    # is_cpu, not device.type == "cpu": a tenth of the time, on every call of comms.all_reduce
+    return (tensor.is_cpu and tensor.dtype in DTYPES and op in OPS
+            and tensor.layout is torch.strided and tensor.is_contiguous())
 
 
 def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | None:

@@ -48,6 +48,10 @@ SHM_DIR = "/dev/shm"
 PREFIX = "microddp-shm-"
 LINE_WORDS = 8  # 64 bytes: one cache line per counter
 SPINS = 1000  # busy reads before sleeping (~50 us): a peer a few microseconds behind
+# A wait spins on past SPINS, up to this long, while no task on this host waits for a core
+# (`_idle_cores`): then spinning takes a core from nobody, and sleeping would add the time it
+# takes to wake a halted core to the wait. On a busy host it sleeps after SPINS, as before.
+SPIN_WHILE_IDLE_S = 1e-3
 LIVENESS_S = 0.2  # how often a sleeping wait checks its deadline and that its peers are alive
 _SYS_FUTEX = 202  # x86-64's number (supported() requires x86-64)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
@@ -91,6 +95,29 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+_loadavg: int | None = None  # an open /proc/loadavg (-1: none here)
+_online = os.cpu_count() or 1
+
+
+def _idle_cores() -> bool:
+    """Whether no task on this host is waiting for a core right now: the kernel's count of
+    runnable tasks (the fourth field of /proc/loadavg, "running/total"; this waiting rank is
+    one of them) is at most the host's cores. About 2 us."""
+    global _loadavg
+    if _loadavg is None:
+        try:
+            _loadavg = os.open("/proc/loadavg", os.O_RDONLY)
+        except OSError:
+            _loadavg = -1
+    if _loadavg < 0:
+        return False
+    try:
+        runnable = int(os.pread(_loadavg, 64, 0).split()[3].partition(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return False
+    return runnable <= _online
 
 
 def _pid_namespace() -> str:
@@ -233,18 +260,28 @@ class Flags:
         """Until every rank has posted `value` or more. `yielding`: release the GIL between
         reads from the first one (on a thread beside a training loop, whose Python hooks need
         it); otherwise spin first, as a rank with nothing else to do should."""
-        words = self.words
         if not yielding and self.spins:  # (the lane's thread must let go of the GIL at once)
-            if len(self.others) == 1:  # two ranks: one line to watch
-                i = self.others[0]
-                for _ in range(self.spins):
-                    if words[i] >= value:
-                        return
-            else:
-                for _ in range(self.spins // len(self.others)):
-                    if min(words[i] for i in self.others) >= value:
-                        return
+            if self._spin(value):
+                return
+            until = time.monotonic() + SPIN_WHILE_IDLE_S
+            while _idle_cores() and time.monotonic() < until:
+                if self._spin(value):
+                    return
         self._wait_slowly(value, deadline_s, what)
+
+    def _spin(self, value: int) -> bool:
+        """Read the others' counters `spins` times at most; True once all have posted `value`."""
+        words = self.words
+        if len(self.others) == 1:  # two ranks: one line to watch
+            i = self.others[0]
+            for _ in range(self.spins):
+                if words[i] >= value:
+                    return True
+            return False
+        for _ in range(self.spins // len(self.others)):
+            if min(words[i] for i in self.others) >= value:
+                return True
+        return False
 
     def _wait_slowly(self, value: int, deadline_s: float, what: str) -> None:
         words, bells, others = self.words, self.bells, self.others
