@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time, on every rank at once, the same step without DDP "
                         f"({ALONE}: forward, backward, optimizer, nothing exchanged) and that "
                         f"step plus one blocking microddp.comms.all_reduce of the gradients' "
-                        f"bytes ({FLOOR}): no DDP step can be shorter than {FLOOR}")
+                        f"bytes after backward ({FLOOR}): where backward leaves nothing to "
+                        f"overlap (one bucket, filled last), no DDP step is shorter than {FLOOR}")
 
 
 CONTROL = "torch-2"  # the A/A contender: PyTorch's DDP again, as a separate model
@@ -145,8 +146,10 @@ def run(args: argparse.Namespace) -> int:
               "to 1.000 is within this run's noise")
     if args.floor:
         print(f"{ALONE} = every rank trains alone (no DDP, nothing exchanged); {FLOOR} = that step "
-              "plus one blocking microddp.comms.all_reduce of the gradients' bytes: no DDP step\n"
-              "  can be shorter, so floor/torch is the least microddp/torch this host allows")
+              "plus one blocking microddp.comms.all_reduce of the gradients' bytes\n  after "
+              "backward: where backward leaves nothing to overlap (one bucket, filled last), no "
+              "DDP step is shorter,\n  so floor/torch is the least microddp/torch this host "
+              f"allows there; {ALONE}/{FLOOR} bounds weak-scaling efficiency the same way")
     if has_ratio or args.control:
         print("90% interval = where the ratio lands when this run's rounds are drawn again (a "
               "bootstrap)")

@@ -273,6 +273,10 @@ class Reducer(DoubleBackward):
             if trace.enabled():
                 trace.add_when_done([self.futures[k]], f"allreduce bucket {k}",
                                     self.launched_at[k], bucket=k, bytes=bucket.nbytes)
+                if self.now[k] and isinstance(self.futures[k], Summing):  # it ran just now,
+                    # inside backward: a wait for communication, not compute (spans.step_stats)
+                    trace.add_span("wait comm", self.launched_at[k], time.perf_counter(),
+                                   track="comm_wait")
             self.next_bucket += 1
         if self.next_bucket == len(self.buckets) and self.all_reduces_used():
             used = (self.used if self.find_unused else [int(h > 0) for h in self.hits])

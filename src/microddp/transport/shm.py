@@ -13,9 +13,10 @@ Lifecycle, because a segment outlives a crashed process unless somebody removes 
 
 Counters: each rank writes only its own counters (one 64-byte line each, so two ranks never
 write the same cache line), and only ever increases them; the others read them. A waiting rank
-spins briefly, then sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the
-poster rings after each post), so a rank on a busy host is woken the moment its peer posts,
-as a blocked socket read is, rather than when its next time slice comes. The futex is a system
+spins briefly (and on, up to a millisecond, while no task on the host waits for a core), then
+sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the poster rings after
+each post), so a rank on a busy host is woken the moment its peer posts, as a blocked socket
+read is, rather than when its next time slice comes. The futex is a system
 call through ctypes and libc (no compiler). Every LIVENESS_S it checks a deadline and whether
 its peers are still alive, and raises a MicroDDPError that names the missing ranks instead of
 waiting for ever.
@@ -51,7 +52,25 @@ SPINS = 1000  # busy reads before sleeping (~50 us): a peer a few microseconds b
 # A wait spins on past SPINS, up to this long, while no task on this host waits for a core
 # (`_idle_cores`): then spinning takes a core from nobody, and sleeping would add the time it
 # takes to wake a halted core to the wait. On a busy host it sleeps after SPINS, as before.
+# MICRODDP_SHM_IDLE_SPIN_US sets it (0: sleep after SPINS whatever the load; `idle_spin_s`).
 SPIN_WHILE_IDLE_S = 1e-3
+
+
+def idle_spin_s() -> float:
+    """How long a wait may spin on while the host has idle cores: MICRODDP_SHM_IDLE_SPIN_US
+    (microseconds), or SPIN_WHILE_IDLE_S. Each rank decides for itself: it changes when a
+    rank sees a post, never what it computes."""
+    text = os.environ.get("MICRODDP_SHM_IDLE_SPIN_US")
+    if text is None:
+        return SPIN_WHILE_IDLE_S
+    try:
+        us = float(text)
+    except ValueError:
+        us = -1.0
+    if not us >= 0:
+        raise MicroDDPError(f"MICRODDP_SHM_IDLE_SPIN_US must be a number of microseconds, 0 or "
+                            f"more, got {text!r}")
+    return us / 1e6
 LIVENESS_S = 0.2  # how often a sleeping wait checks its deadline and that its peers are alive
 _SYS_FUTEX = 202  # x86-64's number (supported() requires x86-64)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
@@ -243,6 +262,7 @@ class Flags:
         # Spinning only pays when every rank has a core: with more ranks than cores, the
         # rank being waited for may need this very core to get there.
         self.spins = SPINS if size <= _cores() else 0
+        self.idle_spin_s = idle_spin_s()
 
     def post(self, value: int) -> None:
         """Post this rank's step `value` and wake any rank sleeping on it."""
@@ -263,8 +283,8 @@ class Flags:
         if not yielding and self.spins:  # (the lane's thread must let go of the GIL at once)
             if self._spin(value):
                 return
-            until = time.monotonic() + SPIN_WHILE_IDLE_S
-            while _idle_cores() and time.monotonic() < until:
+            until = time.monotonic() + self.idle_spin_s
+            while self.idle_spin_s and _idle_cores() and time.monotonic() < until:
                 if self._spin(value):
                     return
         self._wait_slowly(value, deadline_s, what)
