@@ -275,7 +275,7 @@ class Reducer(DoubleBackward):
                                     self.launched_at[k], bucket=k, bytes=bucket.nbytes)
                 if self.now[k] and isinstance(self.futures[k], Summing):  # it ran just now,
                     # inside backward: a wait for communication, not compute (spans.step_stats)
-                    trace.add_span("wait comm", self.launched_at[k], time.perf_counter(),
+                    trace.add_span(f"wait bucket {k}", self.launched_at[k], time.perf_counter(),
                                    track="comm_wait")
             self.next_bucket += 1
         if self.next_bucket == len(self.buckets) and self.all_reduces_used():
