@@ -43,9 +43,9 @@ COPY_AT_ONCE = 1 << 16
 # still to come after it hold at least this share of its bytes; else it runs at once on the
 # hook's thread. With less backward left, nothing hides its all-reduce, and handing it to
 # another thread and back (shared memory's lane, gloo's) costs more than the call: for
-# FullMLP(128)'s 1 MiB bucket, followed by one 512-byte bucket, 0.6 ms async + wait against
-# 0.4 ms at once (load 2). Bytes stand in for the backward work left: the rebuilt plan follows
-# the order gradients arrive in.
+# FullMLP(128)'s one bucket (1 MiB, rebuilt: its gradients come to just over the 1 MiB first
+# bucket), 0.6 ms async + wait against 0.4 ms at once (load 2). Bytes stand in for the
+# backward work left: the rebuilt plan follows the order gradients arrive in.
 HIDE_SHARE = 1 / 16
 
 
