@@ -13,10 +13,9 @@ Lifecycle, because a segment outlives a crashed process unless somebody removes 
 
 Counters: each rank writes only its own counters (one 64-byte line each, so two ranks never
 write the same cache line), and only ever increases them; the others read them. A waiting rank
-spins briefly (and on, up to a millisecond, while no task on the host waits for a core), then
-sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the poster rings after
-each post), so a rank on a busy host is woken the moment its peer posts, as a blocked socket
-read is, rather than when its next time slice comes. The futex is a system
+spins briefly, then sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the
+poster rings after each post), so a rank on a busy host is woken the moment its peer posts,
+as a blocked socket read is, rather than when its next time slice comes. The futex is a system
 call through ctypes and libc (no compiler). Every LIVENESS_S it checks a deadline and whether
 its peers are still alive, and raises a MicroDDPError that names the missing ranks instead of
 waiting for ever.
@@ -49,28 +48,6 @@ SHM_DIR = "/dev/shm"
 PREFIX = "microddp-shm-"
 LINE_WORDS = 8  # 64 bytes: one cache line per counter
 SPINS = 1000  # busy reads before sleeping (~50 us): a peer a few microseconds behind
-# A wait spins on past SPINS, up to this long, while no task on this host waits for a core
-# (`_idle_cores`): then spinning takes a core from nobody, and sleeping would add the time it
-# takes to wake a halted core to the wait. On a busy host it sleeps after SPINS, as before.
-# MICRODDP_SHM_IDLE_SPIN_US sets it (0: sleep after SPINS whatever the load; `idle_spin_s`).
-SPIN_WHILE_IDLE_S = 1e-3
-
-
-def idle_spin_s() -> float:
-    """How long a wait may spin on while the host has idle cores: MICRODDP_SHM_IDLE_SPIN_US
-    (microseconds), or SPIN_WHILE_IDLE_S. Each rank decides for itself: it changes when a
-    rank sees a post, never what it computes."""
-    text = os.environ.get("MICRODDP_SHM_IDLE_SPIN_US")
-    if text is None:
-        return SPIN_WHILE_IDLE_S
-    try:
-        us = float(text)
-    except ValueError:
-        us = -1.0
-    if not us >= 0:
-        raise MicroDDPError(f"MICRODDP_SHM_IDLE_SPIN_US must be a number of microseconds, 0 or "
-                            f"more, got {text!r}")
-    return us / 1e6
 LIVENESS_S = 0.2  # how often a sleeping wait checks its deadline and that its peers are alive
 _SYS_FUTEX = 202  # x86-64's number (supported() requires x86-64)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
@@ -114,29 +91,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-_loadavg: int | None = None  # an open /proc/loadavg (-1: none here)
-_online = os.cpu_count() or 1
-
-
-def _idle_cores() -> bool:
-    """Whether no task on this host is waiting for a core right now: the kernel's count of
-    runnable tasks (the fourth field of /proc/loadavg, "running/total"; this waiting rank is
-    one of them) is at most the host's cores. About 2 us."""
-    global _loadavg
-    if _loadavg is None:
-        try:
-            _loadavg = os.open("/proc/loadavg", os.O_RDONLY)
-        except OSError:
-            _loadavg = -1
-    if _loadavg < 0:
-        return False
-    try:
-        runnable = int(os.pread(_loadavg, 64, 0).split()[3].partition(b"/")[0])
-    except (OSError, IndexError, ValueError):
-        return False
-    return runnable <= _online
 
 
 def _pid_namespace() -> str:
@@ -262,7 +216,6 @@ class Flags:
         # Spinning only pays when every rank has a core: with more ranks than cores, the
         # rank being waited for may need this very core to get there.
         self.spins = SPINS if size <= _cores() else 0
-        self.idle_spin_s = idle_spin_s()
 
     def post(self, value: int) -> None:
         """Post this rank's step `value` and wake any rank sleeping on it."""
@@ -280,28 +233,18 @@ class Flags:
         """Until every rank has posted `value` or more. `yielding`: release the GIL between
         reads from the first one (on a thread beside a training loop, whose Python hooks need
         it); otherwise spin first, as a rank with nothing else to do should."""
-        if not yielding and self.spins:  # (the lane's thread must let go of the GIL at once)
-            if self._spin(value):
-                return
-            until = time.monotonic() + self.idle_spin_s
-            while self.idle_spin_s and _idle_cores() and time.monotonic() < until:
-                if self._spin(value):
-                    return
-        self._wait_slowly(value, deadline_s, what)
-
-    def _spin(self, value: int) -> bool:
-        """Read the others' counters `spins` times at most; True once all have posted `value`."""
         words = self.words
-        if len(self.others) == 1:  # two ranks: one line to watch
-            i = self.others[0]
-            for _ in range(self.spins):
-                if words[i] >= value:
-                    return True
-            return False
-        for _ in range(self.spins // len(self.others)):
-            if min(words[i] for i in self.others) >= value:
-                return True
-        return False
+        if not yielding and self.spins:  # (the lane's thread must let go of the GIL at once)
+            if len(self.others) == 1:  # two ranks: one line to watch
+                i = self.others[0]
+                for _ in range(self.spins):
+                    if words[i] >= value:
+                        return
+            else:
+                for _ in range(self.spins // len(self.others)):
+                    if min(words[i] for i in self.others) >= value:
+                        return
+        self._wait_slowly(value, deadline_s, what)
 
     def _wait_slowly(self, value: int, deadline_s: float, what: str) -> None:
         words, bells, others = self.words, self.bells, self.others
