@@ -26,6 +26,7 @@ examples:
   microddp bench ddp --engines microddp torch overlap --bucket-cap-mb 4
   microddp bench ddp --dims 128 --control         # is a 3% difference real here? (A/A)
   microddp bench ddp --dims 128 1024 --engines torch --torch-on-microddp --control
+  microddp bench ddp --dims 128 --engines microddp torch --floor   # how short can a step be?
 """
 
 DEFAULT_ENGINES = ("microddp", "torch", "naive")
@@ -52,10 +53,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"also time PyTorch's DDP, unchanged, on a group of the \"microddp\" "
                         f"torch.distributed backend ({ON_MICRODDP}), and print its ratio to "
                         "PyTorch's DDP on gloo")
+    p.add_argument("--floor", action="store_true",
+                   help="also time, on every rank at once, the same step without DDP "
+                        f"({ALONE}: forward, backward, optimizer, nothing exchanged) and that "
+                        f"step plus one blocking microddp.comms.all_reduce of the gradients' "
+                        f"bytes after backward ({FLOOR}): where backward leaves nothing to "
+                        f"overlap (one bucket, filled last), no DDP step is shorter than {FLOOR}")
 
 
 CONTROL = "torch-2"  # the A/A contender: PyTorch's DDP again, as a separate model
 ON_MICRODDP = "torch-mddp"  # PyTorch's DDP on a process group of microddp's backend
+ALONE = "no-comm"  # each rank trains its own model: the compute of a step, without DDP
+FLOOR = "floor"  # ALONE plus one all-reduce of the gradients' bytes: what DDP cannot avoid
 
 
 def _microddp_group():
@@ -67,16 +76,19 @@ def _microddp_group():
 
 def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None, rank: int,
                group=None):
+    from .. import comms
     from ..dp import wrap
-
-    kwargs = {} if cap is None else {"bucket_cap_mb": cap}
-    if engine == ON_MICRODDP:
-        kwargs["process_group"] = group
-    engine = "torch" if engine in (CONTROL, ON_MICRODDP) else engine
     from ..model import FullMLP
 
     torch.manual_seed(0)
-    model = wrap(FullMLP(dim, depth), engine, **kwargs)
+    kwargs = {} if cap is None else {"bucket_cap_mb": cap}
+    if engine == ON_MICRODDP:
+        kwargs["process_group"] = group
+    model = FullMLP(dim, depth)
+    if engine not in (ALONE, FLOOR):
+        model = wrap(model, "torch" if engine in (CONTROL, ON_MICRODDP) else engine, **kwargs)
+    # FLOOR's all-reduce: as many bytes as the gradients, in one flat tensor, no copies
+    flat = torch.zeros(sum(p.numel() for p in model.parameters())) if engine == FLOOR else None
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(batch, dim, generator=g)
@@ -85,6 +97,8 @@ def _contender(engine: str, dim: int, depth: int, batch: int, cap: float | None,
     def step() -> None:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
+        if flat is not None:
+            comms.all_reduce(flat)
         opt.step()
 
     return step
@@ -120,13 +134,16 @@ def run(args: argparse.Namespace) -> int:
     flags.distinct("dims", args.dims)
     flags.positive("bucket_cap_mb", args.bucket_cap_mb)
     names = (list(args.engines) + ([ON_MICRODDP] if args.torch_on_microddp else [])
-             + ([CONTROL] if args.control else []))
+             + ([CONTROL] if args.control else []) + ([ALONE, FLOOR] if args.floor else []))
     if args.control and "torch" not in args.engines:
         raise MicroDDPError("--control compares PyTorch's DDP with itself: include torch in "
                             "--engines")
     if args.torch_on_microddp and "torch" not in args.engines:
         raise MicroDDPError("--torch-on-microddp compares PyTorch's DDP on two backends: "
                             "include torch in --engines")
+    if args.floor and "torch" not in args.engines:
+        raise MicroDDPError("--floor compares the least a step can take with PyTorch's DDP "
+                            "step: include torch in --engines")
     results = spawn(_measure, args.world_size, args=(
         args.dims, args.depth, args.batch, names, args.repeats, args.warmup,
         args.bucket_cap_mb), timeout=3600, backend="gloo")[0]  # CPU tensors, even on a GPU host
@@ -137,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     has_ratio = "microddp" in args.engines and "torch" in args.engines
     print(f"{'dim':>6}{head}" + (f"{'microddp/torch':>16}{'90% interval':>14}" if has_ratio else "")
           + (f"{'mddp/gloo':>10}{'90% interval':>14}" if args.torch_on_microddp else "")
-          + (f"{'A/A':>8}{'90% interval':>14}" if args.control else ""))
+          + (f"{'A/A':>8}{'90% interval':>14}" if args.control else "")
+          + (f"{'floor/torch':>13}{'90% interval':>14}" if args.floor else ""))
     for dim, times in results.items():
         row = "".join(f"{median(times[e]) * 1e3:>{w}.2f}"
                       for e, w in zip(names, widths, strict=True))
@@ -147,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
             row += f"{_versus_torch(times, ON_MICRODDP, 9)}"
         if args.control:
             row += f"{_versus_torch(times, CONTROL, 7)}"
+        if args.floor:
+            row += f"{_versus_torch(times, FLOOR, 12)}"
         print(f"{dim:>6}{row}")
     if args.torch_on_microddp:
         print(f"mddp/gloo = {ON_MICRODDP}/torch: PyTorch's DDP, unchanged, on the \"microddp\" "
@@ -154,7 +174,13 @@ def run(args: argparse.Namespace) -> int:
     if args.control:
         print("A/A = torch-2/torch: two identical contenders; a microddp/torch ratio that close "
               "to 1.000 is within this run's noise")
-    if has_ratio or args.control or args.torch_on_microddp:
+    if args.floor:
+        print(f"{ALONE} = every rank trains alone (no DDP, nothing exchanged); {FLOOR} = that step "
+              "plus one blocking microddp.comms.all_reduce of the gradients' bytes\n  after "
+              "backward: where backward leaves nothing to overlap (one bucket, filled last), no "
+              "DDP step is shorter,\n  so floor/torch is the least microddp/torch this host "
+              f"allows there; {ALONE}/{FLOOR} bounds weak-scaling efficiency the same way")
+    if has_ratio or args.control or args.torch_on_microddp or args.floor:
         print("90% interval = where the ratio lands when this run's rounds are drawn again (a "
               "bootstrap)")
     return 0

@@ -46,8 +46,9 @@ _this = sys.modules[__name__]
 def carries(tensor: torch.Tensor) -> bool:
     """Whether shared memory can carry this tensor: a dense contiguous CPU tensor of one of
     its dtypes (the `microddp` torch backend asks it too, backend/process_group.py)."""
-    return (tensor.device.type == "cpu" and tensor.dtype in DTYPES
-            and tensor.layout == torch.strided and tensor.is_contiguous())
+    # is_cpu, not device.type == "cpu": a tenth of the time, on every call of comms.all_reduce
+    return (tensor.is_cpu and tensor.dtype in DTYPES
+            and tensor.layout is torch.strided and tensor.is_contiguous())
 
 
 def _fits(tensor: torch.Tensor, op: str) -> bool:

@@ -74,11 +74,19 @@ def _divide(tensor: torch.Tensor, n: int) -> Callable[[], None]:
     return lambda: tensor.data.div_(n)
 
 
+# (op, dtype) pairs all_reduce has checked: whether an op means anything for a dtype depends on
+# the dtype alone, and a 4 KiB all-reduce through shared memory takes a few microseconds of
+# Python, of which the check was one.
+_CHECKED: set[tuple[str, torch.dtype]] = set()
+
+
 def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
                async_op: bool = False) -> Handle | None:
     """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
-    name = op_name(op)
-    check_op_dtype(name, tensor)
+    name = op if isinstance(op, str) and op in REDUCE_OPS else op_name(op)
+    if (name, tensor.dtype) not in _CHECKED:
+        check_op_dtype(name, tensor)
+        _CHECKED.add((name, tensor.dtype))
     if not distributed():
         return _done(async_op, result=[tensor])
     if _outside(group):

@@ -97,13 +97,18 @@ def sum_future(tensor: torch.Tensor, group=None) -> Future:
 class Summing:
     """An all-reduce (sum) in flight that, unlike a chained Future, runs no Python when it
     completes: the default path of the reducer, where every bucket counts. Through
-    microddp.comms, so shared memory when the group's ranks share this host."""
+    microddp.comms, so shared memory when the group's ranks share this host.
 
-    def __init__(self, tensor: torch.Tensor, group=None) -> None:
+    `now`: run it to the end before returning, on this thread (then it is a finished
+    Summing). For a bucket with no backward work left to hide it behind: an asynchronous call
+    hands the bucket to another thread and back (shared memory's lane, or gloo's), which
+    costs more than the call itself for a small bucket on a busy core (reducer.py)."""
+
+    def __init__(self, tensor: torch.Tensor, group=None, now: bool = False) -> None:
         self.tensor = tensor
         self.work = None
         if distributed(group):
-            self.work = all_reduce(tensor, group=group, async_op=True)
+            self.work = all_reduce(tensor, group=group, async_op=not now)
 
     def wait(self) -> torch.Tensor:
         """Wait for the sum to arrive and return the summed tensor."""
@@ -130,13 +135,16 @@ def finish(reduction: Future | Summing):
 
 
 def start_reduction(bucket: Bucket, count: int, group, hook: CommHook | None,
-                    state: object) -> Future | Summing:
+                    state: object, now: bool = False) -> Future | Summing:
     """Start summing `bucket` (one of `count`) over `group`: the plain all-reduce, or the
     registered comm `hook`, whose result must be a Future. The reducer starts each bucket
-    this way, and so does Join on a rank that shadows the others' collectives."""
+    this way, and so does Join on a rank that shadows the others' collectives. `now`: the
+    plain all-reduce runs to the end on this thread (`Summing`); hooks and the hierarchy
+    are started as always."""
     if hook is None:
         hierarchy = chosen(group)  # decided when the DDP was built (collectives.hierarchical)
-        return Summing(bucket.flat, group) if hierarchy is None else hierarchy.start(bucket.flat)
+        return (Summing(bucket.flat, group, now) if hierarchy is None
+                else hierarchy.start(bucket.flat))
     return check_future(hook, hook(state, GradBucket(bucket, count)))
 
 

@@ -39,6 +39,25 @@ from .unused import accumulators, find_unused, no_gradient
 # Gradients of at least this many elements are copied into their bucket the moment they are
 # ready; smaller ones wait and go together, where one call costs less than one call each.
 COPY_AT_ONCE = 1 << 16
+# A bucket is all-reduced asynchronously, behind the rest of backward, only if the gradients
+# still to come after it hold at least this share of its bytes; else it runs at once on the
+# hook's thread. With less backward left, nothing hides its all-reduce, and handing it to
+# another thread and back (shared memory's lane, gloo's) costs more than the call: for
+# FullMLP(128)'s one bucket (1 MiB, rebuilt: its gradients come to just over the 1 MiB first
+# bucket), 0.6 ms async + wait against 0.4 ms at once (load 2). Bytes stand in for the
+# backward work left: the rebuilt plan follows the order gradients arrive in.
+HIDE_SHARE = 1 / 16
+
+
+def at_once(sizes: Sequence[int]) -> list[bool]:
+    """For buckets of `sizes` bytes in launch order: whether each one is reduced at once on
+    the hook's thread (True) rather than asynchronously (HIDE_SHARE). The last one always is:
+    nothing is left to hide it behind."""
+    after, out = 0, []
+    for size in reversed(sizes):
+        out.append(after < HIDE_SHARE * size)
+        after += size
+    return out[::-1]
 
 
 class Reducer(DoubleBackward):
@@ -93,6 +112,7 @@ class Reducer(DoubleBackward):
         """(Re)allocate flat buffers for `plan` (lists of parameter indices, in launch order)."""
         self.buckets = [Bucket([self.params[i] for i in idx], k, idx)
                         for k, idx in enumerate(plan)]
+        self.now = at_once([b.nbytes for b in self.buckets])
         # Composed, not inherited: each is handed what it needs and reads nothing of ours.
         self.lender = Lender(self.buckets, self.as_view)
         self.copier = GradCopier(self.params, self.buckets, self.lender, self.as_view)
@@ -249,15 +269,19 @@ class Reducer(DoubleBackward):
             if k == 0:
                 self.stats.mark("backward_comm_time_start")
             self.futures[k] = start_reduction(bucket, len(self.buckets), self.group,
-                                              self.comm_hook, self.comm_state)
+                                              self.comm_hook, self.comm_state, self.now[k])
             if trace.enabled():
                 trace.add_when_done([self.futures[k]], f"allreduce bucket {k}",
                                     self.launched_at[k], bucket=k, bytes=bucket.nbytes)
+                if self.now[k] and isinstance(self.futures[k], Summing):  # it ran just now,
+                    # inside backward: a wait for communication, not compute (spans.step_stats)
+                    trace.add_span(f"wait bucket {k}", self.launched_at[k], time.perf_counter(),
+                                   track="comm_wait")
             self.next_bucket += 1
         if self.next_bucket == len(self.buckets) and self.all_reduces_used():
             used = (self.used if self.find_unused else [int(h > 0) for h in self.hits])
             used = torch.tensor(list(used), dtype=torch.int32, device=self.params[0].device)
-            self.used_future = Summing(used, self.group)
+            self.used_future = Summing(used, self.group, now=True)  # backward is over
 
     def _finish(self) -> None:
         """End of backward: wait for every bucket, write averages into .grad, reset."""
