@@ -141,6 +141,12 @@ def test_the_head_and_loss_cost_the_last_stage_only_and_the_tail_stretches_compu
     f, b = _costs().forward(2, 2, 16), _costs().backward(2, 2, 16)
     stretched = pp.predict(job, "gpipe", INSTANT, _costs(tail=1.5))["step_s"]
     assert stretched == pytest.approx(base + 0.5 * 2 * (f + b), rel=1e-9)
+    # a send's and a receive's own times are measured as trimmed means, their tail included:
+    # the tail does not stretch them (here 2 sends and 2 receives on the critical path)
+    messages = pp.predict(job, "gpipe", INSTANT, _costs(send=1e-3, receive=2e-3))["step_s"]
+    both = pp.predict(job, "gpipe", INSTANT, _costs(send=1e-3, receive=2e-3, tail=1.5))
+    assert messages == pytest.approx(base + 2 * 1e-3 + 2 * 2e-3, rel=1e-9)
+    assert both["step_s"] == pytest.approx(messages + 0.5 * 2 * (f + b), rel=1e-9)
 
 
 def test_describe_names_the_stages_the_split_really_makes():
@@ -169,27 +175,30 @@ def test_a_receive_costs_its_own_time_and_a_wake_up_where_it_waits():
     assert f0 == pytest.approx(1.5) and f1 == pytest.approx(b0_end) == pytest.approx(4.5)
 
 
-def test_wake_and_receive_are_read_from_the_two_ranks_clocks():
+def test_sends_receives_and_wake_ups_are_read_from_the_interpreters_records():
     from microddp.predict import pipeline_messages as pm
 
-    # blocked phase: (send post) and (receive post, wait start, wait end); message due 10 after
-    sends = {"blocked": [0.0, 0.0, 100.0, 200.0, 300.0, 400.0],
-             "ready": [0.0, 0.0, 10.0, 20.0, 30.0, 40.0]}
-    recvs = {"blocked": [(0, 0, 0), (0, 0, 0),
-                         (50.0, 90.0, 114.0),    # waited from before due: 4 late
-                         (150.0, 195.0, 216.0),  # 6 late
-                         (250.0, 300.0, 330.0),  # 20 late: the mean is 10 (the median 6)
-                         (410.0, 420.0, 500.0)],  # posted after its send: left out
-             "ready": [(0, 0, 0), (0, 0, 0),
-                       (5.0, 30.0, 31.0),   # there already: 1
-                       (15.0, 40.0, 43.0),  # 3
-                       (25.0, 60.0, 70.0),  # 10: the median of 1, 3, 10 is 3
-                       (35.0, 46.0, 99.0)]}  # waited before due: not a ready receive
-    wake, receive = pm.wake_and_receive(sends, recvs, message=10.0)
-    assert wake == pytest.approx(10.0) and receive == pytest.approx(3.0)
-    # nothing to read: 0, never a negative cost
-    early = {"blocked": [(0, 0, 0), (0, 0, 0), (50.0, 90.0, 105.0)], "ready": []}
-    assert pm.wake_and_receive({"blocked": [0, 0, 100.0], "ready": []}, early, 10.0) == (0, 0)
+    # GPipe, 2 ranks, 1 micro-batch: rank 0 sends the activation and receives the gradient,
+    # rank 1 the other way round; a message is due latency 1 + 4 bytes / 4 B/s = 2 after its
+    # send's end. Records: (action, start, end, wait start, wait end), as run_schedule writes
+    send_act, recv_grad = (a for a in pipeline.build("gpipe", 2, 1).actions[0]
+                           if a.kind in ("SEND_ACT", "RECV_GRAD"))
+    recv_act, send_grad = (a for a in pipeline.build("gpipe", 2, 1).actions[1]
+                           if a.kind in ("RECV_ACT", "SEND_GRAD"))
+    step = [[(send_act, 10.0, 13.0, 13.0, 13.0),      # a send of 3
+             (recv_grad, 30.0, 38.0, 31.0, 37.0)],    # gradient due 26 + 2 = 28: its wait
+             # began at 31, after it was due: the message ran late, all 8 is its own time
+            [(recv_act, 5.0, 17.0, 6.0, 16.0),        # due 13 + 2 = 15, waited from 6: a
+             # wake-up of 16 - 15 = 1, its own time 12 - 10 = 2
+             (send_grad, 25.0, 26.0, 26.0, 26.0)]]    # a send of 1
+    sends, receives, wakes = pm.read_messages([step], 1.0, 4.0, 4)
+    assert (sends, receives, wakes) == ([3.0, 1.0], [8.0, 2.0], [1.0])
+    # a wait that ended before its message was due (the clocks' resolution) wakes no later
+    # than due: 0, never a negative cost
+    early = [step[0], [(recv_act, 5.0, 15.0, 6.0, 14.0), step[1][1]]]
+    assert pm.read_messages([early], 1.0, 4.0, 4)[2] == [0.0]
+    # charged: each figure's trimmed mean, so one stalled call among ten moves it little
+    assert pm.mean_costs([1.0] * 9 + [100.0], [2.0], []) == pm.MessageCosts(1.0, 2.0, 0.0)
 
 
 def test_a_send_costs_its_sender_time_on_its_own_clock():
@@ -232,10 +241,10 @@ def test_compare_uses_the_saved_pipeline_costs(tmp_path, capsys):
 
 
 def test_the_pipeline_measurement_runs_and_fits_positive_costs():
-    # the real thing, briefly (one rank, one timed round per point): what --calibrate saves
+    # the real thing, briefly (two ranks, one timed round per point): what --calibrate saves
     costs = pc.measure(1, microbatches=2, repeats=1)
-    assert (costs.ranks, costs.cores) == (1, 1)
+    assert (costs.ranks, costs.cores) == (2, 1)  # a pipeline needs two ranks, even on one core
     assert costs.forward(4, 8, 128) > 0 and costs.backward(4, 8, 128) > 0
-    assert costs.message(2**16) > 0 and costs.send >= 0
+    assert costs.message(2**16) > 0 and costs.send > 0
     assert costs.receive >= 0 and costs.wake >= 0 and costs.tail > 0
     assert costs.last_forward >= 0 and costs.last_backward >= 0

@@ -147,6 +147,7 @@ class _Step:
         # this rank's receives in program order; the first `next_post` of them are posted
         self.receives = [a for a in schedule.actions[rank] if a.kind in RECVS]
         self.next_post = 0
+        self.waited = (0.0, 0.0)   # (start, end) of the last receive's wait for its data
         self.window = window(schedule, rank)
         self.done_after = _sends_done_after(schedule, rank)
 
@@ -197,7 +198,9 @@ class _Step:
                                 "before the forward whose output's gradient it receives; "
                                 "put the forward first (microddp.pipeline.validate)")
         handle, buf = self.posted.pop(key)
+        start = time.perf_counter()
         handle.wait()
+        self.waited = (start, time.perf_counter())
         self.post_ahead()
         for sent in self.done_after.pop(message_key(a), ()):
             self.sends.pop(sent).wait()  # done already: returns at once
@@ -219,7 +222,7 @@ class _Step:
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
                  y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  *, group=None, record: list | None = None,
-                 sent: list | None = None) -> float | None:
+                 sent: list | None = None, messages: list | None = None) -> float | None:
     """Run this rank's program of `schedule` for one step; gradients accumulate into the
     parameters of `stages` ({stage index: module}, the stages this rank holds).
 
@@ -229,7 +232,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     (default: the world), in which rank r runs program r. `record`, if given, receives
     (action, start, end) for every compute action, in time.perf_counter() seconds, which one
     host's processes share: the timeline the course and the benchmarks draw. `sent`, if
-    given, receives the bytes of the activations and gradients this rank sent.
+    given, receives the bytes of the activations and gradients this rank sent. `messages`, if
+    given, receives (action, start, end, wait start, wait end) for every send and receive:
+    the action's span and, for a receive, the span of its wait for the data (a send's is
+    (end, end)), what `microddp predict --calibrate` reads a message's costs from.
     """
     rank = comms.group_rank(group)
     p = schedule.ranks
@@ -250,8 +256,11 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
             note(a)  # a hang report names the action a stuck rank waits in
             start = time.perf_counter()
             _perform(st, a, xs, ys, loss_fn, n)
+            end = time.perf_counter()
             if record is not None and a.kind in COMPUTE:
-                record.append((a, start, time.perf_counter()))
+                record.append((a, start, end))
+            elif messages is not None and a.kind not in COMPUTE:
+                messages.append((a, start, end, *(st.waited if a.kind in RECVS else (end, end))))
         note(f"{schedule.name}: waiting for its sends to be received")
         for handle in st.sends.values():
             handle.wait()

@@ -71,10 +71,11 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
     cost = (_calibrated_cost(job, blocks, costs, mb, sleep) if costs is not None
             else _flops_cost(job, blocks, hw, mb, sleep))
     if costs is not None:
-        # a send's and a receive's own time run on their rank's clock as compute does: the
-        # host delays them as often (the tail); the transfer and the wake-up are waits
-        transfer, send = costs.message(message), costs.send * costs.tail
-        receive, wake = costs.receive * costs.tail, costs.wake
+        # a send's and a receive's own time run on their rank's clock as compute does, but
+        # are measured as means already (their tail included); the transfer and the wake-up
+        # are waits
+        transfer, send = costs.message(message), costs.send
+        receive, wake = costs.receive, costs.wake
         fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
                     for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
     else:

@@ -26,7 +26,6 @@ Nothing here reads a benchmark's timeline: the figures come from these runs alon
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from ..comms.world import World
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
+from ..timing import median, trimmed_mean
 from . import pipeline_messages as messages
 
 BLOCKS = (2, 4, 8)  # blocks per stage the fit sees
@@ -154,74 +154,92 @@ def _head_times(dim: int, rows: int, microbatches: int, repeats: int) -> tuple[f
         if i >= 2:  # warm-up
             f.append((t1 - t0) - (t3 - t2))
             b.append((t2 - t1) - (t4 - t3))
-    return statistics.median(f), statistics.median(b)
+    return median(f), median(b)
 
 
-def _stage_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
-    """On this rank alone (its own group of one), time the interpreter's F, B and whole step
-    for every (blocks, rows, width), and the last stage's own part of F and B: [(k, r, dim,
-    median F, median B, median step minus its actions, median head F, median head B, F and B's
-    mean over their median)]."""
+def _pipeline_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
+    """On every rank at once (the world is the pipeline: one stage of k blocks per rank), run
+    the interpreter's GPipe for every (blocks k, rows r, width) and time it: [(k, r, dim, this
+    rank's F spans, B spans, step minus its actions, message records per step, head F, head
+    B)]; the last rank's F and B include the head and loss, timed apart on every rank."""
     torch.set_num_threads(1)  # as `bench pipeline` runs each rank
-    groups = [comms.new_group([r]) for r in range(world.world_size)]
-    mine = groups[world.rank]
-    schedule = pipeline.build("gpipe", 1, microbatches)
+    p, rank = world.world_size, world.rank
+    schedule = pipeline.build("gpipe", p, microbatches)
     out = []
     for dim, k in ((d, k) for d in DIMS for k in BLOCKS):
         torch.manual_seed(0)
-        stage = FullMLP(dim, k)
+        stage = pipeline.split_model(FullMLP(dim, k * p), p)[rank]
         opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
         for r in ROWS:
             x = torch.randn(r * microbatches, dim)
             y = torch.randint(0, 2, (r * microbatches,))
-            f, b, rest = [], [], []
+            f, b, rest, steps = [], [], [], []
             for i in range(repeats + 2):
-                record: list = []
+                record, messages = [], []
+                comms.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
-                pipeline.run_schedule(schedule, {0: stage}, x, y,
-                                      torch.nn.functional.cross_entropy, group=mine,
-                                      record=record)
+                pipeline.run_schedule(schedule, {rank: stage}, x, y,
+                                      torch.nn.functional.cross_entropy, record=record,
+                                      messages=messages)
                 opt.step()
-                wall = time.perf_counter() - t0
+                t1 = time.perf_counter()
                 if i < 2:
                     continue  # warm-up
                 f += [e - s for a, s, e in record if a.kind == "F"]
                 b += [e - s for a, s, e in record if a.kind == "B"]
-                rest.append(wall - sum(e - s for _, s, e in record))
-            out.append((k, r, dim, statistics.median(f), statistics.median(b),
-                        statistics.median(rest), *_head_times(dim, r, microbatches, repeats),
-                        statistics.mean(f + b) / statistics.median(f + b)))
+                spans = [(s, e) for _, s, e in record] + [(s, e) for _, s, e, *_ in messages]
+                # before the first action and after the last: zero_grad, the optimizer, the
+                # runtime's start and its end-of-step waits for sends
+                rest.append((min(s for s, _ in spans) - t0) + (t1 - max(e for _, e in spans)))
+                steps.append(messages)
+            out.append((k, r, dim, f, b, median(rest), steps,
+                        *_head_times(dim, r, microbatches, repeats)))
     return out
 
 
 def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCosts:
-    """Run the stage job on this host and the message jobs on two ranks, and fit them (see
-    the module's text)."""
-    ranks = max(cores, 1)
-    per_rank = spawn(_stage_job, ranks, args=(microbatches, repeats), timeout=600,
+    """Run the pipeline job on one rank per core (at least 2) and the relay on two, and fit
+    them (see the module's text)."""
+    ranks = max(cores, 2)
+    per_rank = spawn(_pipeline_job, ranks, args=(microbatches, repeats), timeout=600,
                      backend="gloo")
-    # the median over ranks of each point: every rank ran the same work at the same time
-    points = [tuple(statistics.median(rank[i][j] for rank in per_rank) for j in range(9))
-              for i in range(len(per_rank[0]))]
-    # one figure each (a head to 2 classes costs about the same at any width), never < 0
-    head_f = max(statistics.median(p[6] for p in points), 0.0)
-    head_b = max(statistics.median(p[7] for p in points), 0.0)
-    # a point less than its head is noise: left out, not fitted as a near-zero time
-    fwd = fit_actions([(k, r, d, f - head_f) for k, r, d, f, *_ in points if f > head_f])
-    bwd = fit_actions([(k, r, d, b - head_b) for k, r, d, _, b, *_ in points if b > head_b],
-                      2.0)
-    tail = statistics.median(p[8] for p in points)
-    step_fixed, step_block = fit_line([p[0] for p in points], [p[5] for p in points],
+    latency, bandwidth = messages.latency_and_bandwidth(repeats * 2)
+    last = ranks - 1
+    head_f = max(median(median(rank[i][7] for i in range(len(rank))) for rank in per_rank), 0.0)
+    head_b = max(median(median(rank[i][8] for i in range(len(rank))) for rank in per_rank), 0.0)
+    fwd_points, bwd_points, rest, tails = [], [], [], []
+    sends, receives, wakes = [], [], []
+    for i, (k, r, dim, *_) in enumerate(per_rank[0]):
+        # the median over ranks of each rank's median: every rank ran the same work at once;
+        # the last rank's actions less the head and loss only it runs
+        f = median(median(rank[i][3]) - (head_f if n == last else 0.0)
+                   for n, rank in enumerate(per_rank))
+        b = median(median(rank[i][4]) - (head_b if n == last else 0.0)
+                   for n, rank in enumerate(per_rank))
+        if f > 0:  # a point less than its head is noise: left out, not fitted as ~0
+            fwd_points.append((k, r, dim, f))
+        if b > 0:
+            bwd_points.append((k, r, dim, b))
+        both = [t for rank in per_rank for t in rank[i][3] + rank[i][4]]
+        tails.append(trimmed_mean(both) / median(both))
+        rest.append((k, median(rank[i][5] for rank in per_rank)))
+        steps = [[rank[i][6][j] for rank in per_rank] for j in range(len(per_rank[0][i][6]))]
+        s, rc, w = messages.read_messages(steps, latency, bandwidth, r * dim * 4)
+        sends += s
+        receives += rc
+        wakes += w
+    fwd, bwd = fit_actions(fwd_points), fit_actions(bwd_points, 2.0)
+    step_fixed, step_block = fit_line([k for k, _ in rest], [t for _, t in rest],
                                       nonnegative=True)
-    msg = messages.measure(repeats * 2)
-    return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, tail, msg.latency,
-                         msg.bandwidth, msg.send, msg.receive, msg.wake, ranks, cores)
+    msg = messages.mean_costs(sends, receives, wakes)
+    return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, median(tails),
+                         latency, bandwidth, msg.send, msg.receive, msg.wake, ranks, cores)
 
 
 def median_costs(rounds: list[PipelineCosts]) -> PipelineCosts:
     """Each figure's median over calibration rounds."""
     fields = PipelineCosts.__dataclass_fields__
-    return PipelineCosts(**{name: statistics.median(getattr(c, name) for c in rounds)
+    return PipelineCosts(**{name: median(getattr(c, name) for c in rounds)
                             if name not in ("ranks", "cores") else getattr(rounds[0], name)
                             for name in fields})
