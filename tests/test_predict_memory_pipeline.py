@@ -109,6 +109,32 @@ def test_action_fit_recovers_a_fixed_a_per_block_a_per_weight_and_a_per_flop_cos
         pc.fit_actions([pt for pt in points if pt[2] == 128])
 
 
+def test_a_widths_own_fit_is_recovered_and_used_for_that_width_only():
+    # at width 128 an action costs 30 us + k (20 us + FLOPs / 3e10) forward, its backward
+    # 60 us + k (40 us + 2 FLOPs / 3e10): one width's fit recovers both, the backward with
+    # its FLOPs counted twice
+    points = [(k, r, 128, 3e-5 + k * (2e-5 + pc.block_flops(128, r) / 3e10))
+              for k in (2, 4, 8) for r in (4, 8, 32)]
+    assert pc.fit_width(points) == pytest.approx([3e-5, 2e-5, 3e10], rel=1e-6)
+    back = [(k, r, d, 2 * t) for k, r, d, t in points]
+    assert pc.fit_width(back, 2.0) == pytest.approx([6e-5, 4e-5, 3e10], rel=1e-6)
+    with pytest.raises(pc.MicroDDPError, match="one width"):
+        pc.fit_width(points + [(2, 4, 512, 1e-3)])
+    with pytest.raises(pc.MicroDDPError, match="2 different block counts"):
+        pc.fit_width([pt for pt in points if pt[0] == 2])
+    # a calibrated width's actions come from its own fit, any other width's from the fit
+    # over widths
+    costs = _costs(forward_widths={"128": [3e-5, 2e-5, 3e10]},
+                   backward_widths={"128": [6e-5, 4e-5, 3e10]})
+    assert costs.forward(8, 8, 128) == pytest.approx(3e-5 + 8 * (2e-5 + pc.block_flops(128, 8)
+                                                                 / 3e10))
+    assert costs.backward(8, 8, 128) == pytest.approx(2 * costs.forward(8, 8, 128))
+    assert costs.forward(8, 8, 512) == _costs().forward(8, 8, 512)
+    # the median of calibration rounds takes each term of a width's fit apart
+    rounds = [_costs(forward_widths={"128": [a, 2 * a, 3e10]}) for a in (1.0, 3.0, 2.0)]
+    assert pc.median_costs(rounds).forward_widths == {"128": [2.0, 4.0, 3e10]}
+
+
 def test_calibrated_actions_fill_the_schedule_by_hand():
     # 2 ranks, 4 blocks of width 16, batch 6 in 3 micro-batches of 2 rows: F and B per stage of
     # 2 blocks come from the fitted costs, the step adds its fixed cost once
@@ -125,11 +151,24 @@ def test_calibrated_actions_fill_the_schedule_by_hand():
     late = pp.predict(pp.PipelineJob(2, 3, 16, 4, 6, sleep_ms=1.0), "gpipe", INSTANT, slow)
     sleeps = (3 + 2 - 1) * (2e-3 + 4e-3)
     assert late["step_s"] == pytest.approx(r["step_s"] + sleeps + 2 * 2e-3 + 6 * 5e-4, rel=1e-9)
-    # four ranks on two cores time-share them: compute (not sleep) takes twice as long
+    # ranks beyond the cores time-share them while they compute, not while they wait: GPipe
+    # on 4 ranks, 3 micro-batches, 1 block a stage, plays in (3 + 4 - 1)(f + b) with 4 x 3 x
+    # (f + b) of compute: 2 ranks compute at once on average. On 2 cores that needs no
+    # stretch; on 1 core compute takes twice as long. The step's fixed cost (zero_grad, the
+    # optimizer) runs on all 4 ranks at once: ranks / cores times as long
     four = pp.PipelineJob(stages=4, microbatches=3, dim=16, depth=4, batch=6)
-    one = pp.predict(four, "gpipe", INSTANT, _costs(cores=4))
-    shared = pp.predict(four, "gpipe", INSTANT, _costs(cores=2))
-    assert shared["step_s"] == pytest.approx(2 * one["step_s"], rel=1e-9)
+    f1, b1 = costs.forward(1, 2, 16), costs.backward(1, 2, 16)
+    for cores, stretch in ((4, 1.0), (2, 1.0), (1, 2.0)):
+        got = pp.predict(four, "gpipe", INSTANT, _costs(cores=cores))["step_s"]
+        assert got == pytest.approx(6 * (f1 + b1) * stretch + costs.step(1) * max(1, 4 / cores),
+                                    rel=1e-9), cores
+    # a sleeping rank holds no core: with a 1 ms sleep a block forward (3 ms forward and
+    # backward), the 4 ranks compute 12 (f + b) in a step of 6 (f + b + 3 ms), under one core
+    # at once on average: even on 1 core, compute is not stretched (ranks / cores would be 4)
+    slept = pp.PipelineJob(stages=4, microbatches=3, dim=16, depth=4, batch=6, sleep_ms=1.0)
+    assert 12 * (f1 + b1) / (6 * (f1 + b1 + 3e-3)) < 1
+    got = pp.predict(slept, "gpipe", INSTANT, _costs(cores=1))["step_s"]
+    assert got == pytest.approx(6 * (f1 + b1 + 3e-3) + 4 * costs.step(1), rel=1e-9)
 
 
 def test_the_head_and_loss_cost_the_last_stage_only_and_the_tail_stretches_compute():

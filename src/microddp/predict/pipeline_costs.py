@@ -2,23 +2,29 @@
 
 A FullMLP stage's forward on a micro-batch of a few rows is not its FLOPs at a whole model's
 rate: each Linear and ReLU is a call into torch that costs its overhead whatever the rows, and
-each action of the interpreter (`run_schedule`) adds its own (autograd's graph, the loss on the
-last stage, the bookkeeping). So an action of a stage of k blocks on r rows is fitted as
+each action of the interpreter (`run_schedule`) adds its own (autograd's graph, posting the
+next receives, the bookkeeping). So an action of a stage of k blocks on r rows of one width
+is fitted as
 
-    seconds = fixed + k x (per_block + width^2 x per_weight + flops_per_block(r, width) / rate)
+    seconds = fixed + k x (per_block + flops_per_block(r, width) / rate)
 
-separately for forward and backward, by least squares over several k, r and widths. The points come
-from the interpreter itself running a one-stage schedule (`gpipe` with p = 1: no messages) on
-one rank per core at once, each with one thread, as `microddp bench pipeline` runs its ranks:
-its own recorded F and B spans, the median of each point fitted. A step pays every action,
-the ones a busy host delays included, not the typical one: `tail`, their mean over their
-median (the median over points), stretches every action's fitted cost. That one stage is the last: its F and B include the
-head, the loss and `loss.item()`, which only a pipeline's last stage runs; they are timed
-apart (`_head_times`: the head's Linear, the loss and its backward, on the same rows) and
-taken out of the fit, and charged to the last stage alone. The step's fixed cost (zero_grad,
-the optimizer, the start and end of `run_schedule`) is the rest of the measured step, fitted
-as fixed + per_block x k. What messages cost is measured apart, with two ranks
-(`pipeline_messages`).
+separately for forward and backward and for each width the calibration runs, by least
+squares over several k and r (`fit_width`); for any other width, one fit over all widths
+with a per-weight term beside the per-block one (`fit_actions`). The points come from the
+interpreter itself running a pipeline: GPipe on one rank per core (at least two), one stage
+of k blocks each, one thread per rank as `microddp bench pipeline` runs its ranks, so the
+actions pay what they pay in a pipeline (gloo's threads waking on the same cores, the
+receives posted inside a forward); its recorded F and B spans, the median of each point
+over the ranks' medians, fitted. A step pays every action, the ones a busy host delays
+included, not the typical one: `tail`, their trimmed mean over their median (the median
+over points), stretches every action's fitted cost. The last rank's stage is the model's
+last: its F and B include the head, the loss and `loss.item()`, which only a pipeline's last
+stage runs; they are timed apart (`_head_times`: the head's Linear, the loss and its
+backward, on the same rows), taken out of the last rank's points, and charged to the last
+stage alone. The step's fixed cost (zero_grad, the optimizer, the start and end of
+`run_schedule`) is the time before the first action and after the last, fitted as fixed +
+per_block x k. The same runs' sends and receives give what a message costs its two ranks
+(`pipeline_messages`), and a relay of two ranks its latency and bandwidth.
 
 Nothing here reads a benchmark's timeline: the figures come from these runs alone, so
 `predict --compare` tests the model against a measurement it was not fitted on.
@@ -27,7 +33,7 @@ Nothing here reads a benchmark's timeline: the figures come from these runs alon
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,14 +76,24 @@ class PipelineCosts:
     wake: float
     ranks: int
     cores: int
+    # per calibrated width (its str: a json key): [fixed, per_block, rate] fitted on that
+    # width's points alone, used for a stage of that width instead of the fit over widths
+    forward_widths: dict[str, list[float]] = field(default_factory=dict)
+    backward_widths: dict[str, list[float]] = field(default_factory=dict)
 
     def forward(self, blocks: int, rows: float, dim: int) -> float:
         """One F action of a stage of `blocks` blocks of width `dim` on `rows` rows."""
+        if str(dim) in self.forward_widths:
+            fixed, per_block, rate = self.forward_widths[str(dim)]
+            return fixed + blocks * (per_block + block_flops(dim, rows) / rate)
         return self.forward_fixed + blocks * (self.forward_block + dim * dim * self.forward_weight
                                               + block_flops(dim, rows) / self.forward_rate)
 
     def backward(self, blocks: int, rows: float, dim: int) -> float:
         """One B action (input and weight gradients) of the same stage."""
+        if str(dim) in self.backward_widths:
+            fixed, per_block, rate = self.backward_widths[str(dim)]
+            return fixed + blocks * (per_block + 2 * block_flops(dim, rows) / rate)
         return self.backward_fixed + blocks * (self.backward_block
                                                + dim * dim * self.backward_weight
                                                + 2 * block_flops(dim, rows) / self.backward_rate)
@@ -114,11 +130,36 @@ def fit_actions(points: list[tuple[int, int, int, float]],
             or len({d for _, _, d, _ in points}) < 2:
         raise MicroDDPError("fitting action costs needs at least 4 (blocks, rows, width) "
                             "points with 2 different block counts and 2 widths")
-    features = [[1.0, k, k * d * d, k * flops_factor * block_flops(d, r)]
-                for k, r, d, _ in points]
+    fixed, per_block, per_weight, per_flop = _nonnegative_fit(
+        [[1.0, k, k * d * d, k * flops_factor * block_flops(d, r)] for k, r, d, _ in points],
+        [s for *_, s in points])
+    return fixed, per_block, per_weight, (1 / per_flop if per_flop > 0 else float("inf"))
+
+
+def fit_width(points: list[tuple[int, int, int, float]],
+              flops_factor: float = 1.0) -> list[float]:
+    """[fixed, per_block, rate] of seconds = fixed + k (per_block + factor flops(r, dim) /
+    rate) over one width's points, as `fit_actions` fits all widths at once: one width's
+    per-weight cost is part of its per-block cost, so a width's own fit needs no assumption
+    of how overheads and FLOPs scale from one width to another (with one FLOP rate and one
+    per-weight cost for widths 128 and 512, the fit put a width-128 forward ~25% below the
+    interpreter's)."""
+    if len({(k, r) for k, r, _, _ in points}) < 3 or len({k for k, *_ in points}) < 2 \
+            or len({d for _, _, d, _ in points}) != 1:
+        raise MicroDDPError("fitting one width's action costs needs at least 3 (blocks, rows) "
+                            "points of that one width with 2 different block counts")
+    fixed, per_block, per_flop = _nonnegative_fit(
+        [[1.0, k, k * flops_factor * block_flops(d, r)] for k, r, d, _ in points],
+        [s for *_, s in points])
+    return [fixed, per_block, 1 / per_flop if per_flop > 0 else float("inf")]
+
+
+def _nonnegative_fit(features: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares of `times` on `features`, relative error; a negative coefficient is set
+    to zero and the rest refitted, the most negative first."""
     a = torch.tensor(features, dtype=torch.float64)
-    t = torch.tensor([s for *_, s in points], dtype=torch.float64)
-    keep = [0, 1, 2, 3]
+    t = torch.tensor(times, dtype=torch.float64)
+    keep = list(range(a.shape[1]))
     while True:
         w = (1 / t).unsqueeze(1)  # relative error: small actions count as much as large
         sol = torch.linalg.lstsq(a[:, keep] * w, (t * w.squeeze(1)).unsqueeze(1)).solution
@@ -126,9 +167,8 @@ def fit_actions(points: list[tuple[int, int, int, float]],
         negative = [i for i, c in coef.items() if c < 0]
         if not negative or len(keep) == 1:
             break
-        keep.remove(min(negative, key=lambda i: coef[i]))  # the most negative first
-    fixed, per_block, per_weight, per_flop = (max(coef.get(i, 0.0), 0.0) for i in range(4))
-    return fixed, per_block, per_weight, (1 / per_flop if per_flop > 0 else float("inf"))
+        keep.remove(min(negative, key=lambda i: coef[i]))
+    return [max(coef.get(i, 0.0), 0.0) for i in range(a.shape[1])]
 
 
 def _head_times(dim: int, rows: int, microbatches: int, repeats: int) -> tuple[float, float]:
@@ -230,16 +270,26 @@ def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCost
         receives += rc
         wakes += w
     fwd, bwd = fit_actions(fwd_points), fit_actions(bwd_points, 2.0)
+    fwd_widths = {str(d): fit_width([pt for pt in fwd_points if pt[2] == d]) for d in DIMS}
+    bwd_widths = {str(d): fit_width([pt for pt in bwd_points if pt[2] == d], 2.0)
+                  for d in DIMS}
     step_fixed, step_block = fit_line([k for k, _ in rest], [t for _, t in rest],
                                       nonnegative=True)
     msg = messages.mean_costs(sends, receives, wakes)
     return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, median(tails),
-                         latency, bandwidth, msg.send, msg.receive, msg.wake, ranks, cores)
+                         latency, bandwidth, msg.send, msg.receive, msg.wake, ranks, cores,
+                         fwd_widths, bwd_widths)
 
 
 def median_costs(rounds: list[PipelineCosts]) -> PipelineCosts:
-    """Each figure's median over calibration rounds."""
-    fields = PipelineCosts.__dataclass_fields__
-    return PipelineCosts(**{name: median(getattr(c, name) for c in rounds)
-                            if name not in ("ranks", "cores") else getattr(rounds[0], name)
-                            for name in fields})
+    """Each figure's median over calibration rounds (a width's fit: each of its terms')."""
+    def med(name: str):
+        values = [getattr(c, name) for c in rounds]
+        if name in ("ranks", "cores"):
+            return values[0]
+        if isinstance(values[0], dict):
+            return {w: [median(v[w][i] for v in values) for i in range(len(fit))]
+                    for w, fit in values[0].items() if all(w in v for v in values)}
+        return median(values)
+
+    return PipelineCosts(**{name: med(name) for name in PipelineCosts.__dataclass_fields__})
