@@ -236,8 +236,11 @@ def test_sends_receives_and_wake_ups_are_read_from_the_interpreters_records():
     # than due: 0, never a negative cost
     early = [step[0], [(recv_act, 5.0, 15.0, 6.0, 14.0), step[1][1]]]
     assert pm.read_messages([early], 1.0, 4.0, 4)[2] == [0.0]
-    # charged: each figure's trimmed mean, so one stalled call among ten moves it little
-    assert pm.mean_costs([1.0] * 9 + [100.0], [2.0], []) == pm.MessageCosts(1.0, 2.0, 0.0)
+    # charged: a send's and a receive's trimmed mean, so one stalled call among ten moves it
+    # little; the wake-ups' plain mean, each slow one counted (every waiting receive pays one)
+    assert pm.mean_costs([1.0] * 9 + [100.0], [2.0], [0.0] * 9 + [100.0]) == \
+        pm.MessageCosts(1.0, 2.0, 10.0)
+    assert pm.mean_costs([], [], []) == pm.MessageCosts(0.0, 0.0, 0.0)
 
 
 def test_a_send_costs_its_sender_time_on_its_own_clock():

@@ -14,11 +14,15 @@ Two sources, neither of which reads a benchmark's timeline:
   send pays a round trip through both ranks' gloo threads inside its `irecv`: the relay,
   whose ranks block in every call, shows neither, so they are read where they happen.
 
-A step pays every send, receive and wake-up, the ones a busy host delays included, so each is
-charged its mean, trimmed (`timing.trimmed_mean`): on a host whose cores other processes
-hold, most take tens of microseconds and a few a scheduler's time slice (milliseconds), one
-in several steps; the benchmark reports the median step, which such a stall seldom reaches,
-and one 3 ms send among a calibration's hundreds moved the plain mean by 0.9 ms.
+A step pays every send, receive and wake-up, the ones a busy host delays included. A send and
+a receive's own time are charged their trimmed mean (`timing.trimmed_mean`): most take tens
+of microseconds, and a few stall for a scheduler's time slice (the thread loses its core
+inside gloo's call), one in several steps, which the benchmark's median step seldom reaches;
+one 3 ms send among a calibration's hundreds moved the plain mean by 0.9 ms. A wake-up is
+charged its plain mean: on a busy host the slow ones (a time slice before the woken rank
+runs) are a large share of the receives that wait, not rare stalls, and every receive that
+waits pays one (1F1B waits in nearly every receive, GPipe in few); trimmed, a calibration at
+load average 7 kept 6 us of them and the prediction of 1F1B came out 56% low.
 
 `time.perf_counter` is one clock for every process of a host (CLOCK_MONOTONIC), so a send's
 end on one rank and its receipt on the other are compared directly, as the benchmark's
@@ -27,6 +31,7 @@ timelines are.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -129,5 +134,8 @@ def read_messages(steps: list[list[list[tuple]]], latency: float, bandwidth: flo
 
 
 def mean_costs(sends: list[float], receives: list[float], wakes: list[float]) -> MessageCosts:
-    """Each figure's trimmed mean (see the module's text), 0 when there is none."""
-    return MessageCosts(*(trimmed_mean(v) if v else 0.0 for v in (sends, receives, wakes)))
+    """The sends' and the receives' trimmed means and the wake-ups' plain mean (see the
+    module's text), 0 when there is none."""
+    return MessageCosts(trimmed_mean(sends) if sends else 0.0,
+                        trimmed_mean(receives) if receives else 0.0,
+                        statistics.fmean(wakes) if wakes else 0.0)
