@@ -248,7 +248,7 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
                        f"({1e6 * b[1]:.1f} us + 2 FLOPs / {b[2]:.3g})"
                        for (w, f), b in zip(costs.forward_widths.items(),
                                             costs.backward_widths.values(), strict=True))
-    print(f"pipeline actions (the interpreter's GPipe, {costs.ranks} ranks, one stage each, 1 "
+    print(f"pipeline actions (the interpreter's GPipe and 1F1B, {costs.ranks} ranks, one stage each, 1 "
           f"thread each): {widths + '; other widths: ' if widths else ''}F = "
           f"{1e6 * costs.forward_fixed:.0f} us + blocks x ({1e6 * costs.forward_block:.1f} us + "
           f"weights x {1e9 * costs.forward_weight:.2f} ns + FLOPs / {costs.forward_rate:.3g}), "

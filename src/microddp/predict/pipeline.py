@@ -1,8 +1,8 @@
 """Predict a pipeline step: the schedule played with each action's cost and each message's.
 
 With a calibration of this host (`microddp predict --calibrate`, `pipeline_costs`), an action
-costs what the interpreter measured there, running a pipeline of its own (GPipe, one stage
-per rank, one rank per core): a fixed cost per action and per block plus the FLOPs at a rate,
+costs what the interpreter measured there, running a pipeline of its own (GPipe and 1F1B in
+turn, one stage per rank, one rank per core): a fixed cost per action and per block plus the FLOPs at a rate,
 fitted per width (a width the calibration did not run falls back to one fit over widths), so
 a micro-batch of 8 rows costs its per-operation overheads and not 1/4 of a 32-row one; the
 last stage alone adds its head, loss and `loss.item()`; and every action is stretched by the

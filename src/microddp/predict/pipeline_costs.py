@@ -11,8 +11,8 @@ is fitted as
 separately for forward and backward and for each width the calibration runs, by least
 squares over several k and r (`fit_width`); for any other width, one fit over all widths
 with a per-weight term beside the per-block one (`fit_actions`). The points come from the
-interpreter itself running a pipeline: GPipe on one rank per core (at least two), one stage
-of k blocks each, one thread per rank as `microddp bench pipeline` runs its ranks, so the
+interpreter itself running a pipeline: GPipe and 1F1B in turn on one rank per core (at least
+two), one stage of k blocks each, one thread per rank as `microddp bench pipeline` runs its ranks, so the
 actions pay what they pay in a pipeline (gloo's threads waking on the same cores, the
 receives posted inside a forward); its recorded F and B spans, the median of each point
 over the ranks' medians, fitted. A step pays every action, the ones a busy host delays
@@ -199,12 +199,15 @@ def _head_times(dim: int, rows: int, microbatches: int, repeats: int) -> tuple[f
 
 def _pipeline_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
     """On every rank at once (the world is the pipeline: one stage of k blocks per rank), run
-    the interpreter's GPipe for every (blocks k, rows r, width) and time it: [(k, r, dim, this
-    rank's F spans, B spans, step minus its actions, message records per step, head F, head
-    B)]; the last rank's F and B include the head and loss, timed apart on every rank."""
+    the interpreter's GPipe and 1F1B, step by step in turn, for every (blocks k, rows r,
+    width) and time them: [(k, r, dim, this rank's F spans, B spans, step minus its actions,
+    message records per step, head F, head B)]; the last rank's F and B include the head and
+    loss, timed apart on every rank. Both schedules, because their messages differ: GPipe's
+    ranks stream sends and seldom wait long, 1F1B's hand every micro-batch back and forth
+    and wait in nearly every receive."""
     torch.set_num_threads(1)  # as `bench pipeline` runs each rank
     p, rank = world.world_size, world.rank
-    schedule = pipeline.build("gpipe", p, microbatches)
+    schedules = [pipeline.build(name, p, microbatches) for name in ("gpipe", "1f1b")]
     out = []
     for dim, k in ((d, k) for d in DIMS for k in BLOCKS):
         torch.manual_seed(0)
@@ -214,7 +217,7 @@ def _pipeline_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
             x = torch.randn(r * microbatches, dim)
             y = torch.randint(0, 2, (r * microbatches,))
             f, b, rest, steps = [], [], [], []
-            for i in range(repeats + 2):
+            for i, schedule in ((i, s) for i in range(repeats + 2) for s in schedules):
                 record, messages = [], []
                 comms.barrier()
                 t0 = time.perf_counter()
