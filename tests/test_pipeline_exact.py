@@ -95,10 +95,12 @@ def test_receives_are_posted_ahead_activations_first_gradients_after_their_forwa
 def test_at_most_window_receives_are_posted_ahead_each_in_program_order(name):
     m = 6
     schedule = pipeline.build(name, 2, m)
-    # the window is the most micro-batches a rank's program holds at once: GPipe all m on
-    # each rank, 1F1B p - r (worked out by hand from the programs)
+    # the window is the most micro-batches a rank's program holds at once, at least 2: GPipe
+    # all m on each rank, 1F1B p - r = 2 and 1, so 2 and 2 (worked out by hand)
     assert [pipeline.runtime.window(schedule, r) for r in range(2)] == \
-        ([m, m] if name == "gpipe" else [2, 1])
+        ([m, m] if name == "gpipe" else [2, 2])
+    assert [pipeline.runtime.window(pipeline.build("1f1b", 4, 8), r) for r in range(4)] == \
+        [4, 3, 2, 2]
     for rank, events in enumerate(mdp.launch.spawn(_order_of_posts_and_forwards, 2,
                                                    args=(m, name), timeout=120)):
         posts = [e[1:] for e in events if e[0] == "post"]
