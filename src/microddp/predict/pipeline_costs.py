@@ -14,8 +14,8 @@ with a per-weight term beside the per-block one (`fit_actions`). The points come
 interpreter itself running a pipeline: GPipe and 1F1B in turn on one rank per core (at least
 two), one stage of k blocks each, one thread per rank as `microddp bench pipeline` runs its ranks, so the
 actions pay what they pay in a pipeline (gloo's threads waking on the same cores, the
-receives posted inside a forward); its recorded F and B spans, the median of each point
-over the ranks' medians, fitted. A step pays every action, the ones a busy host delays
+receives posted inside a forward); its recorded F and B spans, each point the slowest rank's
+median (a pipeline runs at its slowest stage's pace), fitted. A step pays every action, the ones a busy host delays
 included, not the typical one: `tail`, their trimmed mean over their median (the median
 over points), stretches every action's fitted cost. The last rank's stage is the model's
 last: its F and B include the head, the loss and `loss.item()`, which only a pipeline's last
@@ -254,12 +254,14 @@ def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCost
     fwd_points, bwd_points, rest, tails = [], [], [], []
     sends, receives, wakes = [], [], []
     for i, (k, r, dim, *_) in enumerate(per_rank[0]):
-        # the median over ranks of each rank's median: every rank ran the same work at once;
-        # the last rank's actions less the head and loss only it runs
-        f = median(median(rank[i][3]) - (head_f if n == last else 0.0)
-                   for n, rank in enumerate(per_rank))
-        b = median(median(rank[i][4]) - (head_b if n == last else 0.0)
-                   for n, rank in enumerate(per_rank))
+        # the slowest rank's median: every rank ran the same work at once, but a pipeline
+        # runs at its slowest stage's pace, and on a shared host one rank's core is slower
+        # than another's (rank 0's forward 360 us against rank 1's 272 with the head, in one
+        # run); the last rank's actions less the head and loss only it runs
+        f = max(median(rank[i][3]) - (head_f if n == last else 0.0)
+                for n, rank in enumerate(per_rank))
+        b = max(median(rank[i][4]) - (head_b if n == last else 0.0)
+                for n, rank in enumerate(per_rank))
         if f > 0:  # a point less than its head is noise: left out, not fitted as ~0
             fwd_points.append((k, r, dim, f))
         if b > 0:
