@@ -15,7 +15,7 @@ from torch import nn
 from microddp import pipeline
 from microddp.bench.pipeline_report import measured_timeline
 from microddp.pipeline.activations import ActivationMeter, hold
-from microddp.pipeline.runtime import WINDOW
+from microddp.pipeline.runtime import window
 from microddp.pipeline.sleep import Sleeping
 from microddp.trace import report as trace_report
 
@@ -122,17 +122,19 @@ def test_sleep_mode_run_keeps_each_schedules_structure_and_1f1b_holds_less(tmp_p
     gp, ofob = result["gpipe"]["peak_saved_bytes"], result["1f1b"]["peak_saved_bytes"]
     assert ofob[0] == pytest.approx(gp[0] * p / m, rel=0.02)
     assert ofob[1] == pytest.approx(gp[1] * 1 / m, rel=0.02)
-    # Beside them a rank holds message buffers: at most WINDOW posted receives, the gradient
-    # received that its B has not used yet, and sends not yet waited for (at most the step's
-    # m across a boundary): the total is at least the saved bytes and at most that much more;
+    # Beside them a rank holds message buffers: at most its window of posted receives, the
+    # gradient received that its B has not used yet, and sends not yet waited for (at most
+    # the step's m across a boundary): the total is at least the saved bytes and at most that much more;
     # rank 0 holds its gradients' receive buffers at its peak (a received activation, on the
     # others, is the input autograd saves: no more bytes)
     message = 16 * 32 * 4  # one micro-batch's activation or gradient, dim 32
     for name in ("gpipe", "1f1b"):
         total, saved = result[name]["peak_activation_bytes"], result[name]["peak_saved_bytes"]
         assert total[0] > saved[0], name
+        schedule = pipeline.build(name, p, m)
         for r in range(p):
-            assert saved[r] <= total[r] <= saved[r] + (WINDOW + 1 + m) * message, (name, r)
+            bound = saved[r] + (window(schedule, r) + 1 + m) * message
+            assert saved[r] <= total[r] <= bound, (name, r)
     assert all(o < g for o, g in zip(result["1f1b"]["peak_activation_bytes"],
                                      result["gpipe"]["peak_activation_bytes"], strict=True))
     # the recorded timeline is the schedule's: each rank ran its compute actions in its order

@@ -81,8 +81,8 @@ def _order_of_posts_and_forwards(world, m=3, name="gpipe"):
 
 def test_receives_are_posted_ahead_activations_first_gradients_after_their_forward():
     # gloo moves a message only once its receive is posted: the runtime posts the activations'
-    # receives before the first forward, a gradient's right after its forward (m = 3: each
-    # is within the window of 2 when its turn to be posted comes)
+    # receives before the first forward, a gradient's right after its forward (GPipe holds
+    # all m = 3 micro-batches: its window is 3)
     first, last = (
         [e for e in events if e[0] != "wait"]
         for events in mdp.launch.spawn(_order_of_posts_and_forwards, 2, timeout=120))
@@ -94,8 +94,15 @@ def test_receives_are_posted_ahead_activations_first_gradients_after_their_forwa
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_at_most_window_receives_are_posted_ahead_each_in_program_order(name):
     m = 6
-    for events in mdp.launch.spawn(_order_of_posts_and_forwards, 2, args=(m, name),
-                                   timeout=120):
+    schedule = pipeline.build(name, 2, m)
+    # the window is the most micro-batches a rank's program holds at once, at least 2: GPipe
+    # all m on each rank, 1F1B p - r = 2 and 1, so 2 and 2 (worked out by hand)
+    assert [pipeline.runtime.window(schedule, r) for r in range(2)] == \
+        ([m, m] if name == "gpipe" else [2, 2])
+    assert [pipeline.runtime.window(pipeline.build("1f1b", 4, 8), r) for r in range(4)] == \
+        [4, 3, 2, 2]
+    for rank, events in enumerate(mdp.launch.spawn(_order_of_posts_and_forwards, 2,
+                                                   args=(m, name), timeout=120)):
         posts = [e[1:] for e in events if e[0] == "post"]
         waits = [e[1:] for e in events if e[0] == "wait"]
         assert posts == waits and len(posts) == m  # each posted once, waited in that order
@@ -103,7 +110,7 @@ def test_at_most_window_receives_are_posted_ahead_each_in_program_order(name):
         for e in events:
             outstanding += {"post": 1, "wait": -1}.get(e[0], 0)
             peak = max(peak, outstanding)
-        assert peak == pipeline.runtime.WINDOW  # reached, never passed
+        assert peak == pipeline.runtime.window(schedule, rank)  # reached, never passed
 
 
 def _sends_and_receipts(world, p=3, m=5):

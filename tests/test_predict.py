@@ -113,15 +113,17 @@ def test_one_rank_computes_at_its_own_rate_not_the_whole_hosts():
 
 
 def _fixed_pipeline_costs(monkeypatch):
-    """--calibrate also times pipeline actions on one rank per core, three rounds: tests of
-    the rest of it replace that with fixed figures (test_predict_memory_pipeline.py runs it)."""
+    """--calibrate also times pipeline actions in a pipeline of one rank per core, three
+    rounds: tests of the rest of it replace that with fixed figures, a width's own fit
+    included (test_predict_memory_pipeline.py runs it)."""
     from microddp.predict import calibrate
 
     costs = calibrate.PipelineCosts(
         forward_fixed=1e-4, forward_block=2e-5, forward_weight=1e-9, forward_rate=5e10,
         backward_fixed=2e-4, backward_block=4e-5, backward_weight=2e-9, backward_rate=4e10,
         step_fixed=3e-4, step_block=1e-5, last_forward=3e-5, last_backward=6e-5, tail=1.2,
-        latency=1e-4, bandwidth=1e9, send=2e-5, receive=3e-5, wake=2e-4, ranks=2, cores=2)
+        latency=1e-4, bandwidth=1e9, send=2e-5, receive=3e-5, wake=2e-4, ranks=2, cores=2,
+        forward_widths={"128": [1e-5, 2e-5, 3e10]}, backward_widths={"128": [2e-5, 4e-5, 3e10]})
     monkeypatch.setattr(calibrate, "measure_pipeline", lambda *a: costs)
     return costs
 

@@ -109,6 +109,32 @@ def test_action_fit_recovers_a_fixed_a_per_block_a_per_weight_and_a_per_flop_cos
         pc.fit_actions([pt for pt in points if pt[2] == 128])
 
 
+def test_a_widths_own_fit_is_recovered_and_used_for_that_width_only():
+    # at width 128 an action costs 30 us + k (20 us + FLOPs / 3e10) forward, its backward
+    # 60 us + k (40 us + 2 FLOPs / 3e10): one width's fit recovers both, the backward with
+    # its FLOPs counted twice
+    points = [(k, r, 128, 3e-5 + k * (2e-5 + pc.block_flops(128, r) / 3e10))
+              for k in (2, 4, 8) for r in (4, 8, 32)]
+    assert pc.fit_width(points) == pytest.approx([3e-5, 2e-5, 3e10], rel=1e-6)
+    back = [(k, r, d, 2 * t) for k, r, d, t in points]
+    assert pc.fit_width(back, 2.0) == pytest.approx([6e-5, 4e-5, 3e10], rel=1e-6)
+    with pytest.raises(pc.MicroDDPError, match="one width"):
+        pc.fit_width(points + [(2, 4, 512, 1e-3)])
+    with pytest.raises(pc.MicroDDPError, match="2 different block counts"):
+        pc.fit_width([pt for pt in points if pt[0] == 2])
+    # a calibrated width's actions come from its own fit, any other width's from the fit
+    # over widths
+    costs = _costs(forward_widths={"128": [3e-5, 2e-5, 3e10]},
+                   backward_widths={"128": [6e-5, 4e-5, 3e10]})
+    assert costs.forward(8, 8, 128) == pytest.approx(3e-5 + 8 * (2e-5 + pc.block_flops(128, 8)
+                                                                 / 3e10))
+    assert costs.backward(8, 8, 128) == pytest.approx(2 * costs.forward(8, 8, 128))
+    assert costs.forward(8, 8, 512) == _costs().forward(8, 8, 512)
+    # the median of calibration rounds takes each term of a width's fit apart
+    rounds = [_costs(forward_widths={"128": [a, 2 * a, 3e10]}) for a in (1.0, 3.0, 2.0)]
+    assert pc.median_costs(rounds).forward_widths == {"128": [2.0, 4.0, 3e10]}
+
+
 def test_calibrated_actions_fill_the_schedule_by_hand():
     # 2 ranks, 4 blocks of width 16, batch 6 in 3 micro-batches of 2 rows: F and B per stage of
     # 2 blocks come from the fitted costs, the step adds its fixed cost once
@@ -125,11 +151,24 @@ def test_calibrated_actions_fill_the_schedule_by_hand():
     late = pp.predict(pp.PipelineJob(2, 3, 16, 4, 6, sleep_ms=1.0), "gpipe", INSTANT, slow)
     sleeps = (3 + 2 - 1) * (2e-3 + 4e-3)
     assert late["step_s"] == pytest.approx(r["step_s"] + sleeps + 2 * 2e-3 + 6 * 5e-4, rel=1e-9)
-    # four ranks on two cores time-share them: compute (not sleep) takes twice as long
+    # ranks beyond the cores time-share them while they compute, not while they wait: GPipe
+    # on 4 ranks, 3 micro-batches, 1 block a stage, plays in (3 + 4 - 1)(f + b) with 4 x 3 x
+    # (f + b) of compute: 2 ranks compute at once on average. On 2 cores that needs no
+    # stretch; on 1 core compute takes twice as long. The step's fixed cost (zero_grad, the
+    # optimizer) runs on all 4 ranks at once: ranks / cores times as long
     four = pp.PipelineJob(stages=4, microbatches=3, dim=16, depth=4, batch=6)
-    one = pp.predict(four, "gpipe", INSTANT, _costs(cores=4))
-    shared = pp.predict(four, "gpipe", INSTANT, _costs(cores=2))
-    assert shared["step_s"] == pytest.approx(2 * one["step_s"], rel=1e-9)
+    f1, b1 = costs.forward(1, 2, 16), costs.backward(1, 2, 16)
+    for cores, stretch in ((4, 1.0), (2, 1.0), (1, 2.0)):
+        got = pp.predict(four, "gpipe", INSTANT, _costs(cores=cores))["step_s"]
+        assert got == pytest.approx(6 * (f1 + b1) * stretch + costs.step(1) * max(1, 4 / cores),
+                                    rel=1e-9), cores
+    # a sleeping rank holds no core: with a 1 ms sleep a block forward (3 ms forward and
+    # backward), the 4 ranks compute 12 (f + b) in a step of 6 (f + b + 3 ms), under one core
+    # at once on average: even on 1 core, compute is not stretched (ranks / cores would be 4)
+    slept = pp.PipelineJob(stages=4, microbatches=3, dim=16, depth=4, batch=6, sleep_ms=1.0)
+    assert 12 * (f1 + b1) / (6 * (f1 + b1 + 3e-3)) < 1
+    got = pp.predict(slept, "gpipe", INSTANT, _costs(cores=1))["step_s"]
+    assert got == pytest.approx(6 * (f1 + b1 + 3e-3) + 4 * costs.step(1), rel=1e-9)
 
 
 def test_the_head_and_loss_cost_the_last_stage_only_and_the_tail_stretches_compute():
@@ -141,6 +180,12 @@ def test_the_head_and_loss_cost_the_last_stage_only_and_the_tail_stretches_compu
     f, b = _costs().forward(2, 2, 16), _costs().backward(2, 2, 16)
     stretched = pp.predict(job, "gpipe", INSTANT, _costs(tail=1.5))["step_s"]
     assert stretched == pytest.approx(base + 0.5 * 2 * (f + b), rel=1e-9)
+    # a send's and a receive's own times are measured as trimmed means, their tail included:
+    # the tail does not stretch them (here 2 sends and 2 receives on the critical path)
+    messages = pp.predict(job, "gpipe", INSTANT, _costs(send=1e-3, receive=2e-3))["step_s"]
+    both = pp.predict(job, "gpipe", INSTANT, _costs(send=1e-3, receive=2e-3, tail=1.5))
+    assert messages == pytest.approx(base + 2 * 1e-3 + 2 * 2e-3, rel=1e-9)
+    assert both["step_s"] == pytest.approx(messages + 0.5 * 2 * (f + b), rel=1e-9)
 
 
 def test_describe_names_the_stages_the_split_really_makes():
@@ -169,27 +214,33 @@ def test_a_receive_costs_its_own_time_and_a_wake_up_where_it_waits():
     assert f0 == pytest.approx(1.5) and f1 == pytest.approx(b0_end) == pytest.approx(4.5)
 
 
-def test_wake_and_receive_are_read_from_the_two_ranks_clocks():
+def test_sends_receives_and_wake_ups_are_read_from_the_interpreters_records():
     from microddp.predict import pipeline_messages as pm
 
-    # blocked phase: (send post) and (receive post, wait start, wait end); message due 10 after
-    sends = {"blocked": [0.0, 0.0, 100.0, 200.0, 300.0, 400.0],
-             "ready": [0.0, 0.0, 10.0, 20.0, 30.0, 40.0]}
-    recvs = {"blocked": [(0, 0, 0), (0, 0, 0),
-                         (50.0, 90.0, 114.0),    # waited from before due: 4 late
-                         (150.0, 195.0, 216.0),  # 6 late
-                         (250.0, 300.0, 330.0),  # 20 late: the mean is 10 (the median 6)
-                         (410.0, 420.0, 500.0)],  # posted after its send: left out
-             "ready": [(0, 0, 0), (0, 0, 0),
-                       (5.0, 30.0, 31.0),   # there already: 1
-                       (15.0, 40.0, 43.0),  # 3
-                       (25.0, 60.0, 70.0),  # 10: the median of 1, 3, 10 is 3
-                       (35.0, 46.0, 99.0)]}  # waited before due: not a ready receive
-    wake, receive = pm.wake_and_receive(sends, recvs, message=10.0)
-    assert wake == pytest.approx(10.0) and receive == pytest.approx(3.0)
-    # nothing to read: 0, never a negative cost
-    early = {"blocked": [(0, 0, 0), (0, 0, 0), (50.0, 90.0, 105.0)], "ready": []}
-    assert pm.wake_and_receive({"blocked": [0, 0, 100.0], "ready": []}, early, 10.0) == (0, 0)
+    # GPipe, 2 ranks, 1 micro-batch: rank 0 sends the activation and receives the gradient,
+    # rank 1 the other way round; a message is due latency 1 + 4 bytes / 4 B/s = 2 after its
+    # send's end. Records: (action, start, end, wait start, wait end), as run_schedule writes
+    send_act, recv_grad = (a for a in pipeline.build("gpipe", 2, 1).actions[0]
+                           if a.kind in ("SEND_ACT", "RECV_GRAD"))
+    recv_act, send_grad = (a for a in pipeline.build("gpipe", 2, 1).actions[1]
+                           if a.kind in ("RECV_ACT", "SEND_GRAD"))
+    step = [[(send_act, 10.0, 13.0, 13.0, 13.0),      # a send of 3
+             (recv_grad, 30.0, 38.0, 31.0, 37.0)],    # gradient due 26 + 2 = 28: its wait
+             # began at 31, after it was due: the message ran late, all 8 is its own time
+            [(recv_act, 5.0, 17.0, 6.0, 16.0),        # due 13 + 2 = 15, waited from 6: a
+             # wake-up of 16 - 15 = 1, its own time 12 - 10 = 2
+             (send_grad, 25.0, 26.0, 26.0, 26.0)]]    # a send of 1
+    sends, receives, wakes = pm.read_messages([step], 1.0, 4.0, 4)
+    assert (sends, receives, wakes) == ([3.0, 1.0], [8.0, 2.0], [1.0])
+    # a wait that ended before its message was due (the clocks' resolution) wakes no later
+    # than due: 0, never a negative cost
+    early = [step[0], [(recv_act, 5.0, 15.0, 6.0, 14.0), step[1][1]]]
+    assert pm.read_messages([early], 1.0, 4.0, 4)[2] == [0.0]
+    # charged: a send's and a receive's trimmed mean, so one stalled call among ten moves it
+    # little; the wake-ups' plain mean, each slow one counted (every waiting receive pays one)
+    assert pm.mean_costs([1.0] * 9 + [100.0], [2.0], [0.0] * 9 + [100.0]) == \
+        pm.MessageCosts(1.0, 2.0, 10.0)
+    assert pm.mean_costs([], [], []) == pm.MessageCosts(0.0, 0.0, 0.0)
 
 
 def test_a_send_costs_its_sender_time_on_its_own_clock():
@@ -232,10 +283,10 @@ def test_compare_uses_the_saved_pipeline_costs(tmp_path, capsys):
 
 
 def test_the_pipeline_measurement_runs_and_fits_positive_costs():
-    # the real thing, briefly (one rank, one timed round per point): what --calibrate saves
+    # the real thing, briefly (two ranks, one timed round per point): what --calibrate saves
     costs = pc.measure(1, microbatches=2, repeats=1)
-    assert (costs.ranks, costs.cores) == (1, 1)
+    assert (costs.ranks, costs.cores) == (2, 1)  # a pipeline needs two ranks, even on one core
     assert costs.forward(4, 8, 128) > 0 and costs.backward(4, 8, 128) > 0
-    assert costs.message(2**16) > 0 and costs.send >= 0
+    assert costs.message(2**16) > 0 and costs.send > 0
     assert costs.receive >= 0 and costs.wake >= 0 and costs.tail > 0
     assert costs.last_forward >= 0 and costs.last_backward >= 0

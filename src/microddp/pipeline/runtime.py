@@ -6,12 +6,18 @@ once a message has arrived that its receiver sent after receiving it (an activat
 when the gradient of the same micro-batch comes back), the rest at the end of the step. A receive is
 waited for where the program says, so a rank blocks exactly where `validate`'s model
 (receives block, sends do not) proved the schedule free of deadlock. But a receive is
-*posted* (irecv) ahead: gloo moves a message only once both sides have posted it, so a
-receive posted when the program reaches it costs a round trip between the two ranks (two more
-wake-ups of busy processes), and one posted ahead lets the data flow the moment it is sent.
-Receives are posted in the program's order, at most `WINDOW` posted and not yet waited for
-(a window, so that 1F1B does not hold a buffer for every micro-batch from the step's start),
-and a gradient's receive no earlier than its forward (its buffer has the output's shape).
+*posted* (irecv) ahead. gloo hands a message over only once both sides have posted it: a
+send posted first only announces itself, and the data leaves when the receiver's post reaches
+the sender, so a receive posted after its send costs a round trip through both ranks' gloo
+threads (each a wake-up of a busy process), paid inside the receiver's irecv call; posted
+ahead, the announcement is already there and the send writes the data at once. Measured on
+2 ranks and 2 cores (GPipe, 8 micro-batches, interleaved steps): posting every activation's
+receive at the step's start, not two at a time, took 0.63-0.68 of the step time.
+Receives are posted in the program's order, at most `window(schedule, rank)` posted and not
+yet waited for: the most micro-batches the rank's program holds at once (from a forward to
+its backward, at least 2), which it pays in memory anyway (GPipe: all m, so every
+activation's receive is posted at the step's start; 1F1B: p - r), and a gradient's receive
+no earlier than its forward (its buffer has the output's shape).
 Posting never blocks, and every receive posted is one the program waits for later (the
 validator's rule 'matched' gives it its send), so the window adds no wait the validator did
 not see: when the program reaches a receive, every receive before it has been waited for, so
@@ -42,7 +48,22 @@ from ..monitor import note
 from .activations import hold
 from .schedules import COMPUTE, RECVS, SENDS, Action, Schedule, message_key
 
-WINDOW = 2  # receives a rank keeps posted ahead of the program, at most
+
+def window(schedule: Schedule, rank: int) -> int:
+    """How many receives `rank` keeps posted ahead of its program, at most: the most
+    micro-batches its program holds at once (a stage's micro-batch from its F to its B or W),
+    and at least 2. A posted activation's buffer becomes the input its stage then holds, so
+    the window costs no more memory than the schedule's own peak, give or take one buffer:
+    1F1B's last rank holds one micro-batch, and posting its next two receives, not one, took
+    0.98x and 0.88x of the step (p = 2, m = 4 and 8, interleaved steps, load average 3)."""
+    held, most = set(), 2
+    for a in schedule.actions[rank]:
+        if a.kind == "F":
+            held.add((a.stage, a.mb))
+            most = max(most, len(held))
+        elif a.kind in ("B", "W"):
+            held.discard((a.stage, a.mb))
+    return most
 
 
 def microbatch_sizes(batch: int, m: int) -> list[int]:
@@ -128,6 +149,8 @@ class _Step:
         # this rank's receives in program order; the first `next_post` of them are posted
         self.receives = [a for a in schedule.actions[rank] if a.kind in RECVS]
         self.next_post = 0
+        self.waited = (0.0, 0.0)   # (start, end) of the last receive's wait for its data
+        self.window = window(schedule, rank)
         self.done_after = _sends_done_after(schedule, rank)
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
@@ -150,9 +173,9 @@ class _Step:
         return self.outputs.get((a.stage, a.mb))
 
     def post_ahead(self) -> None:
-        """Post the next receives in program order while fewer than WINDOW are posted and
-        not yet waited for, stopping at a gradient whose forward has not run yet."""
-        while self.next_post < len(self.receives) and len(self.posted) < WINDOW:
+        """Post the next receives in program order while fewer than the window are posted
+        and not yet waited for, stopping at a gradient whose forward has not run yet."""
+        while self.next_post < len(self.receives) and len(self.posted) < self.window:
             a = self.receives[self.next_post]
             like = self._buffer_like(a)
             if like is None:
@@ -177,7 +200,9 @@ class _Step:
                                 "before the forward whose output's gradient it receives; "
                                 "put the forward first (microddp.pipeline.validate)")
         handle, buf = self.posted.pop(key)
+        start = time.perf_counter()
         handle.wait()
+        self.waited = (start, time.perf_counter())
         self.post_ahead()
         for sent in self.done_after.pop(message_key(a), ()):
             self.sends.pop(sent).wait()  # done already: returns at once
@@ -199,7 +224,7 @@ class _Step:
 def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
                  y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  *, group=None, record: list | None = None,
-                 sent: list | None = None) -> float | None:
+                 sent: list | None = None, messages: list | None = None) -> float | None:
     """Run this rank's program of `schedule` for one step; gradients accumulate into the
     parameters of `stages` ({stage index: module}, the stages this rank holds).
 
@@ -209,7 +234,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     (default: the world), in which rank r runs program r. `record`, if given, receives
     (action, start, end) for every compute action, in time.perf_counter() seconds, which one
     host's processes share: the timeline the course and the benchmarks draw. `sent`, if
-    given, receives the bytes of the activations and gradients this rank sent.
+    given, receives the bytes of the activations and gradients this rank sent. `messages`, if
+    given, receives (action, start, end, wait start, wait end) for every send and receive:
+    the action's span and, for a receive, the span of its wait for the data (a send's is
+    (end, end)), what `microddp predict --calibrate` reads a message's costs from.
     """
     rank = comms.group_rank(group)
     p = schedule.ranks
@@ -230,8 +258,11 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
             note(a)  # a hang report names the action a stuck rank waits in
             start = time.perf_counter()
             _perform(st, a, xs, ys, loss_fn, n)
+            end = time.perf_counter()
             if record is not None and a.kind in COMPUTE:
-                record.append((a, start, time.perf_counter()))
+                record.append((a, start, end))
+            elif messages is not None and a.kind not in COMPUTE:
+                messages.append((a, start, end, *(st.waited if a.kind in RECVS else (end, end))))
         note(f"{schedule.name}: waiting for its sends to be received")
         for handle in st.sends.values():
             handle.wait()

@@ -243,7 +243,13 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
           f"saved to {args.calibration} "
           "(--hardware calibrated)")
     k = max(depth // 2, 1)
-    print(f"pipeline actions (interpreter, {costs.ranks} ranks at once, 1 thread each): F = "
+    widths = ", ".join(f"width {w}: F {1e6 * f[0]:.0f} us + blocks x ({1e6 * f[1]:.1f} us + "
+                       f"FLOPs / {f[2]:.3g}), B {1e6 * b[0]:.0f} us + blocks x "
+                       f"({1e6 * b[1]:.1f} us + 2 FLOPs / {b[2]:.3g})"
+                       for (w, f), b in zip(costs.forward_widths.items(),
+                                            costs.backward_widths.values(), strict=True))
+    print(f"pipeline actions (the interpreter's GPipe and 1F1B, {costs.ranks} ranks, one stage each, 1 "
+          f"thread each): {widths + '; other widths: ' if widths else ''}F = "
           f"{1e6 * costs.forward_fixed:.0f} us + blocks x ({1e6 * costs.forward_block:.1f} us + "
           f"weights x {1e9 * costs.forward_weight:.2f} ns + FLOPs / {costs.forward_rate:.3g}), "
           f"B = {1e6 * costs.backward_fixed:.0f} us + blocks x ({1e6 * costs.backward_block:.1f}"
@@ -251,12 +257,12 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
           f"{costs.backward_rate:.3g}) "
           f"(F {1e3 * costs.forward(k, 8, dim):.3f} ms, B {1e3 * costs.backward(k, 8, dim):.3f} ms for "
           f"{k} blocks of width {dim} x 8 rows); step +{1e6 * costs.step_fixed:.0f} us + "
-          f"{1e6 * costs.step_block:.1f} us per block; actions' mean {costs.tail:.2f} x their "
-          f"median; the last stage's head and loss "
+          f"{1e6 * costs.step_block:.1f} us per block; actions' trimmed mean {costs.tail:.2f} x "
+          f"their median; the last stage's head and loss "
           f"+{1e6 * costs.last_forward:.0f} us F, +{1e6 * costs.last_backward:.0f} us B; "
-          f"messages {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} B/s, send "
-          f"hand-off {1e6 * costs.send:.0f} us, receive {1e6 * costs.receive:.0f} us, "
-          f"+{1e6 * costs.wake:.0f} us wake-up where a receive waits")
+          f"messages {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} B/s, a send "
+          f"{1e6 * costs.send:.0f} us, a receive {1e6 * costs.receive:.0f} us, "
+          f"+{1e6 * costs.wake:.0f} us wake-up where a receive waits (trimmed means)")
     if not worlds:
         return 0
     print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  {'limit':<10} "

@@ -1,29 +1,29 @@
 """Predict a pipeline step: the schedule played with each action's cost and each message's.
 
 With a calibration of this host (`microddp predict --calibrate`, `pipeline_costs`), an action
-costs what the interpreter measured there: a fixed cost per action, per block and per weight
-plus the FLOPs at the measured rate, so a micro-batch of 8 rows costs its per-operation
-overheads and not 1/4 of a 32-row one; the last stage alone adds its head, loss and
-`loss.item()`; and every action is stretched by the measured mean over median of the
-actions (a step pays the ones a busy host delays too). A message costs the measured latency
-plus its bytes at the measured bandwidth; its sender pays the measured hand-off (isend
-posted and completed) and its receiver its own receive time (the wait, posting the next
-receive); a receive that gets there before its message (it waits) pays, on top, the wake-up
-measured with two ranks in the pipeline's own pattern (a busy sender, a receiver blocked in
-a receive posted ahead): the time from the message's due arrival to the woken rank running
-again, which on a host whose cores the ranks share is most of what a message costs. The
-step adds its measured fixed cost (optimizer, zero_grad). With more ranks than the
-calibration ran at once (one per core), compute stretches by ranks / cores: they time-share
-the cores (sleep does not).
+costs what the interpreter measured there, running a pipeline of its own (GPipe and 1F1B in
+turn, one stage per rank, one rank per core): a fixed cost per action and per block plus the FLOPs at a rate,
+fitted per width (a width the calibration did not run falls back to one fit over widths), so
+a micro-batch of 8 rows costs its per-operation overheads and not 1/4 of a 32-row one; the
+last stage alone adds its head, loss and `loss.item()`; and every action is stretched by the
+measured trimmed mean over median of the actions (a step pays the ones a busy host delays
+too). A message costs the measured latency plus its bytes at the measured bandwidth; its
+sender pays the interpreter's measured send and its receiver its receive's own time (posting
+the next receives, waiting for the sends its message proves done); a receive that gets
+there before its message (it waits) pays, on top, the measured wake-up: from the message's
+due arrival to the woken rank running again, which on a host whose cores the ranks share is
+much of what a message costs. The step adds its measured fixed cost (optimizer, zero_grad).
+With more ranks than cores, compute stretches by the ranks computing at once over the cores:
+they time-share them (a rank waiting in a receive leaves its core; sleep does not hold one).
 
-Without it (a preset), a stage's forward of one micro-batch costs its blocks' FLOPs (2 per weight per sample) at the
-rank's rate, plus, with `--sleep-ms`, the sleep `microddp bench pipeline --compute sleep` adds
-per block; a backward costs twice a forward (I and W one forward each). Every activation and
-every gradient crossing a stage boundary is one message of micro-batch x width x 4 bytes,
-costing alpha + bytes x beta. The schedule's own programs are then played
-(`microddp.pipeline.simulate`) with these costs: the bubble and the step time come out of the
-same plan the interpreter runs, not out of a formula, so interleaving's extra messages and
-zero-bubble's filled slots are counted as they happen.
+Without it (a preset), a stage's forward of one micro-batch costs its blocks' FLOPs (2 per
+weight per sample) at the rank's rate, plus, with `--sleep-ms`, the sleep `microddp bench
+pipeline --compute sleep` adds per block; a backward costs twice a forward (I and W one
+forward each). Every activation and every gradient crossing a stage boundary is one message
+of micro-batch x width x 4 bytes, costing alpha + bytes x beta. The schedule's own programs
+are then played (`microddp.pipeline.simulate`) with these costs: the bubble and the step time
+come out of the same plan the interpreter runs, not out of a formula, so interleaving's extra
+messages and zero-bubble's filled slots are counted as they happen.
 """
 
 from __future__ import annotations
@@ -71,12 +71,18 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
     cost = (_calibrated_cost(job, blocks, costs, mb, sleep) if costs is not None
             else _flops_cost(job, blocks, hw, mb, sleep))
     if costs is not None:
-        # a send's and a receive's own time run on their rank's clock as compute does: the
-        # host delays them as often (the tail); the transfer and the wake-up are waits
-        transfer, send = costs.message(message), costs.send * costs.tail
-        receive, wake = costs.receive * costs.tail, costs.wake
+        # a send's and a receive's own time run on their rank's clock as compute does, but
+        # are measured as means already (their tail included); the transfer and the wake-up
+        # are waits
+        transfer, send = costs.message(message), costs.send
+        receive, wake = costs.receive, costs.wake
+        # every rank runs zero_grad and the optimizer at once: p ranks share the cores
         fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
                     for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
+        if job.stages > costs.cores:
+            cost = _calibrated_cost(job, blocks, costs, mb, sleep,
+                                    _stretch(schedule, blocks, job, costs, mb,
+                                             (transfer, send, receive, wake)))
     else:
         transfer, send, fixed = hw.latency + message / hw.bandwidth, 0.0, 0.0
         receive = wake = 0.0
@@ -107,13 +113,28 @@ def _flops_cost(job: PipelineJob, blocks: list[int], hw: Hardware, mb: float, sl
     return cost
 
 
+def _stretch(schedule, blocks: list[int], job: PipelineJob, costs: PipelineCosts, mb: float,
+             messages: tuple[float, float, float, float]) -> float:
+    """How much longer compute takes when the pipeline has more ranks than the host has
+    cores: the ranks computing at once, on average over the step played unstretched (their
+    compute, sleeps left out, over the step), over the cores, at least 1. A rank waiting in a
+    receive leaves its core to the others, so a pipeline's bubble is time the computing ranks
+    do not share (GPipe, p = 4, m = 8: 2.9 ranks compute at once on average, not 4)."""
+    compute = _calibrated_cost(job, blocks, costs, mb, 0.0)
+    timeline = pipeline.simulate(schedule, _calibrated_cost(job, blocks, costs, mb,
+                                                            (job.sleep_ms or 0.0) / 1e3),
+                                 *messages)
+    busy = sum(compute(a) for spans in timeline.spans for _, _, a in spans)
+    return max(1.0, busy / timeline.makespan / costs.cores) if timeline.makespan else 1.0
+
+
 def _calibrated_cost(job: PipelineJob, blocks: list[int], costs: PipelineCosts, mb: float,
-                     sleep: float):
+                     sleep: float, stretch: float = 1.0):
     """An action's cost as the calibration measured the interpreter's: F and B fitted; I
     computes the input's gradient only (one of a backward's two products per Linear: half a
     B), and none on stage 0, whose input needs none; W walks the whole backward again for the
-    weights (`runtime`'s simple split: a B). Compute stretches when ranks outnumber cores."""
-    stretch = max(1.0, job.stages / costs.cores)
+    weights (`runtime`'s simple split: a B). Compute (not sleep) takes `stretch` times as
+    long (ranks beyond the cores: `_stretch`)."""
     last = len(blocks) - 1
 
     def cost(a: Action) -> float:
@@ -178,12 +199,12 @@ def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None)
         return (f"pipeline: {job.stages} ranks, {job.microbatches} micro-batches, FullMLP("
                 f"{job.dim}, depth {job.depth}), batch {job.batch}; compute: {sleep}this "
                 f"host's calibrated actions, {mb:g} rows: {_stage_costs(job, costs, mb)} "
-                f"(x {costs.tail:.2f}, their mean over their median); "
+                f"(x {costs.tail:.2f}, their trimmed mean over their median); "
                 f"last stage + {1e3 * costs.last_forward:.3f} ms F, "
                 f"+ {1e3 * costs.last_backward:.3f} ms B (head, loss); step + "
                 f"{1e3 * costs.step(max(pipeline.blocks_per_stage(job.depth, job.stages))):.3f}"
                 f" ms; messages: {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} "
-                f"B/s, send hand-off {1e6 * costs.send:.0f} us, receive "
+                f"B/s, a send {1e6 * costs.send:.0f} us, a receive "
                 f"{1e6 * costs.receive:.0f} us, + {1e6 * costs.wake:.0f} us wake-up where a "
                 f"receive waits (calibrated with {costs.ranks} ranks on {costs.cores} cores)")
     compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "

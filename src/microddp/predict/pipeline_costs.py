@@ -2,23 +2,29 @@
 
 A FullMLP stage's forward on a micro-batch of a few rows is not its FLOPs at a whole model's
 rate: each Linear and ReLU is a call into torch that costs its overhead whatever the rows, and
-each action of the interpreter (`run_schedule`) adds its own (autograd's graph, the loss on the
-last stage, the bookkeeping). So an action of a stage of k blocks on r rows is fitted as
+each action of the interpreter (`run_schedule`) adds its own (autograd's graph, posting the
+next receives, the bookkeeping). So an action of a stage of k blocks on r rows of one width
+is fitted as
 
-    seconds = fixed + k x (per_block + width^2 x per_weight + flops_per_block(r, width) / rate)
+    seconds = fixed + k x (per_block + flops_per_block(r, width) / rate)
 
-separately for forward and backward, by least squares over several k, r and widths. The points come
-from the interpreter itself running a one-stage schedule (`gpipe` with p = 1: no messages) on
-one rank per core at once, each with one thread, as `microddp bench pipeline` runs its ranks:
-its own recorded F and B spans, the median of each point fitted. A step pays every action,
-the ones a busy host delays included, not the typical one: `tail`, their mean over their
-median (the median over points), stretches every action's fitted cost. That one stage is the last: its F and B include the
-head, the loss and `loss.item()`, which only a pipeline's last stage runs; they are timed
-apart (`_head_times`: the head's Linear, the loss and its backward, on the same rows) and
-taken out of the fit, and charged to the last stage alone. The step's fixed cost (zero_grad,
-the optimizer, the start and end of `run_schedule`) is the rest of the measured step, fitted
-as fixed + per_block x k. What messages cost is measured apart, with two ranks
-(`pipeline_messages`).
+separately for forward and backward and for each width the calibration runs, by least
+squares over several k and r (`fit_width`); for any other width, one fit over all widths
+with a per-weight term beside the per-block one (`fit_actions`). The points come from the
+interpreter itself running a pipeline: GPipe and 1F1B in turn on one rank per core (at least
+two), one stage of k blocks each, one thread per rank as `microddp bench pipeline` runs its ranks, so the
+actions pay what they pay in a pipeline (gloo's threads waking on the same cores, the
+receives posted inside a forward); its recorded F and B spans, each point the slowest rank's
+median (a pipeline runs at its slowest stage's pace), fitted. A step pays every action, the ones a busy host delays
+included, not the typical one: `tail`, their trimmed mean over their median (the median
+over points), stretches every action's fitted cost. The last rank's stage is the model's
+last: its F and B include the head, the loss and `loss.item()`, which only a pipeline's last
+stage runs; they are timed apart (`_head_times`: the head's Linear, the loss and its
+backward, on the same rows), taken out of the last rank's points, and charged to the last
+stage alone. The step's fixed cost (zero_grad, the optimizer, the start and end of
+`run_schedule`) is the time before the first action and after the last, fitted as fixed +
+per_block x k. The same runs' sends and receives give what a message costs its two ranks
+(`pipeline_messages`), and a relay of two ranks its latency and bandwidth.
 
 Nothing here reads a benchmark's timeline: the figures come from these runs alone, so
 `predict --compare` tests the model against a measurement it was not fitted on.
@@ -26,9 +32,8 @@ Nothing here reads a benchmark's timeline: the figures come from these runs alon
 
 from __future__ import annotations
 
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +43,7 @@ from ..comms.world import World
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
+from ..timing import median, trimmed_mean
 from . import pipeline_messages as messages
 
 BLOCKS = (2, 4, 8)  # blocks per stage the fit sees
@@ -70,14 +76,24 @@ class PipelineCosts:
     wake: float
     ranks: int
     cores: int
+    # per calibrated width (its str: a json key): [fixed, per_block, rate] fitted on that
+    # width's points alone, used for a stage of that width instead of the fit over widths
+    forward_widths: dict[str, list[float]] = field(default_factory=dict)
+    backward_widths: dict[str, list[float]] = field(default_factory=dict)
 
     def forward(self, blocks: int, rows: float, dim: int) -> float:
         """One F action of a stage of `blocks` blocks of width `dim` on `rows` rows."""
+        if str(dim) in self.forward_widths:
+            fixed, per_block, rate = self.forward_widths[str(dim)]
+            return fixed + blocks * (per_block + block_flops(dim, rows) / rate)
         return self.forward_fixed + blocks * (self.forward_block + dim * dim * self.forward_weight
                                               + block_flops(dim, rows) / self.forward_rate)
 
     def backward(self, blocks: int, rows: float, dim: int) -> float:
         """One B action (input and weight gradients) of the same stage."""
+        if str(dim) in self.backward_widths:
+            fixed, per_block, rate = self.backward_widths[str(dim)]
+            return fixed + blocks * (per_block + 2 * block_flops(dim, rows) / rate)
         return self.backward_fixed + blocks * (self.backward_block
                                                + dim * dim * self.backward_weight
                                                + 2 * block_flops(dim, rows) / self.backward_rate)
@@ -114,11 +130,36 @@ def fit_actions(points: list[tuple[int, int, int, float]],
             or len({d for _, _, d, _ in points}) < 2:
         raise MicroDDPError("fitting action costs needs at least 4 (blocks, rows, width) "
                             "points with 2 different block counts and 2 widths")
-    features = [[1.0, k, k * d * d, k * flops_factor * block_flops(d, r)]
-                for k, r, d, _ in points]
+    fixed, per_block, per_weight, per_flop = _nonnegative_fit(
+        [[1.0, k, k * d * d, k * flops_factor * block_flops(d, r)] for k, r, d, _ in points],
+        [s for *_, s in points])
+    return fixed, per_block, per_weight, (1 / per_flop if per_flop > 0 else float("inf"))
+
+
+def fit_width(points: list[tuple[int, int, int, float]],
+              flops_factor: float = 1.0) -> list[float]:
+    """[fixed, per_block, rate] of seconds = fixed + k (per_block + factor flops(r, dim) /
+    rate) over one width's points, as `fit_actions` fits all widths at once: one width's
+    per-weight cost is part of its per-block cost, so a width's own fit needs no assumption
+    of how overheads and FLOPs scale from one width to another (with one FLOP rate and one
+    per-weight cost for widths 128 and 512, the fit put a width-128 forward ~25% below the
+    interpreter's)."""
+    if len({(k, r) for k, r, _, _ in points}) < 3 or len({k for k, *_ in points}) < 2 \
+            or len({d for _, _, d, _ in points}) != 1:
+        raise MicroDDPError("fitting one width's action costs needs at least 3 (blocks, rows) "
+                            "points of that one width with 2 different block counts")
+    fixed, per_block, per_flop = _nonnegative_fit(
+        [[1.0, k, k * flops_factor * block_flops(d, r)] for k, r, d, _ in points],
+        [s for *_, s in points])
+    return [fixed, per_block, 1 / per_flop if per_flop > 0 else float("inf")]
+
+
+def _nonnegative_fit(features: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares of `times` on `features`, relative error; a negative coefficient is set
+    to zero and the rest refitted, the most negative first."""
     a = torch.tensor(features, dtype=torch.float64)
-    t = torch.tensor([s for *_, s in points], dtype=torch.float64)
-    keep = [0, 1, 2, 3]
+    t = torch.tensor(times, dtype=torch.float64)
+    keep = list(range(a.shape[1]))
     while True:
         w = (1 / t).unsqueeze(1)  # relative error: small actions count as much as large
         sol = torch.linalg.lstsq(a[:, keep] * w, (t * w.squeeze(1)).unsqueeze(1)).solution
@@ -126,9 +167,8 @@ def fit_actions(points: list[tuple[int, int, int, float]],
         negative = [i for i, c in coef.items() if c < 0]
         if not negative or len(keep) == 1:
             break
-        keep.remove(min(negative, key=lambda i: coef[i]))  # the most negative first
-    fixed, per_block, per_weight, per_flop = (max(coef.get(i, 0.0), 0.0) for i in range(4))
-    return fixed, per_block, per_weight, (1 / per_flop if per_flop > 0 else float("inf"))
+        keep.remove(min(negative, key=lambda i: coef[i]))
+    return [max(coef.get(i, 0.0), 0.0) for i in range(a.shape[1])]
 
 
 def _head_times(dim: int, rows: int, microbatches: int, repeats: int) -> tuple[float, float]:
@@ -154,74 +194,107 @@ def _head_times(dim: int, rows: int, microbatches: int, repeats: int) -> tuple[f
         if i >= 2:  # warm-up
             f.append((t1 - t0) - (t3 - t2))
             b.append((t2 - t1) - (t4 - t3))
-    return statistics.median(f), statistics.median(b)
+    return median(f), median(b)
 
 
-def _stage_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
-    """On this rank alone (its own group of one), time the interpreter's F, B and whole step
-    for every (blocks, rows, width), and the last stage's own part of F and B: [(k, r, dim,
-    median F, median B, median step minus its actions, median head F, median head B, F and B's
-    mean over their median)]."""
+def _pipeline_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
+    """On every rank at once (the world is the pipeline: one stage of k blocks per rank), run
+    the interpreter's GPipe and 1F1B, step by step in turn, for every (blocks k, rows r,
+    width) and time them: [(k, r, dim, this rank's F spans, B spans, step minus its actions,
+    message records per step, head F, head B)]; the last rank's F and B include the head and
+    loss, timed apart on every rank. Both schedules, because their messages differ: GPipe's
+    ranks stream sends and seldom wait long, 1F1B's hand every micro-batch back and forth
+    and wait in nearly every receive."""
     torch.set_num_threads(1)  # as `bench pipeline` runs each rank
-    groups = [comms.new_group([r]) for r in range(world.world_size)]
-    mine = groups[world.rank]
-    schedule = pipeline.build("gpipe", 1, microbatches)
+    p, rank = world.world_size, world.rank
+    schedules = [pipeline.build(name, p, microbatches) for name in ("gpipe", "1f1b")]
     out = []
     for dim, k in ((d, k) for d in DIMS for k in BLOCKS):
         torch.manual_seed(0)
-        stage = FullMLP(dim, k)
+        stage = pipeline.split_model(FullMLP(dim, k * p), p)[rank]
         opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
         for r in ROWS:
             x = torch.randn(r * microbatches, dim)
             y = torch.randint(0, 2, (r * microbatches,))
-            f, b, rest = [], [], []
-            for i in range(repeats + 2):
-                record: list = []
+            f, b, rest, steps = [], [], [], []
+            for i, schedule in ((i, s) for i in range(repeats + 2) for s in schedules):
+                record, messages = [], []
+                comms.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
-                pipeline.run_schedule(schedule, {0: stage}, x, y,
-                                      torch.nn.functional.cross_entropy, group=mine,
-                                      record=record)
+                pipeline.run_schedule(schedule, {rank: stage}, x, y,
+                                      torch.nn.functional.cross_entropy, record=record,
+                                      messages=messages)
                 opt.step()
-                wall = time.perf_counter() - t0
+                t1 = time.perf_counter()
                 if i < 2:
                     continue  # warm-up
                 f += [e - s for a, s, e in record if a.kind == "F"]
                 b += [e - s for a, s, e in record if a.kind == "B"]
-                rest.append(wall - sum(e - s for _, s, e in record))
-            out.append((k, r, dim, statistics.median(f), statistics.median(b),
-                        statistics.median(rest), *_head_times(dim, r, microbatches, repeats),
-                        statistics.mean(f + b) / statistics.median(f + b)))
+                spans = [(s, e) for _, s, e in record] + [(s, e) for _, s, e, *_ in messages]
+                # before the first action and after the last: zero_grad, the optimizer, the
+                # runtime's start and its end-of-step waits for sends
+                rest.append((min(s for s, _ in spans) - t0) + (t1 - max(e for _, e in spans)))
+                steps.append(messages)
+            out.append((k, r, dim, f, b, median(rest), steps,
+                        *_head_times(dim, r, microbatches, repeats)))
     return out
 
 
 def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCosts:
-    """Run the stage job on this host and the message jobs on two ranks, and fit them (see
-    the module's text)."""
-    ranks = max(cores, 1)
-    per_rank = spawn(_stage_job, ranks, args=(microbatches, repeats), timeout=600,
+    """Run the pipeline job on one rank per core (at least 2) and the relay on two, and fit
+    them (see the module's text)."""
+    ranks = max(cores, 2)
+    per_rank = spawn(_pipeline_job, ranks, args=(microbatches, repeats), timeout=600,
                      backend="gloo")
-    # the median over ranks of each point: every rank ran the same work at the same time
-    points = [tuple(statistics.median(rank[i][j] for rank in per_rank) for j in range(9))
-              for i in range(len(per_rank[0]))]
-    # one figure each (a head to 2 classes costs about the same at any width), never < 0
-    head_f = max(statistics.median(p[6] for p in points), 0.0)
-    head_b = max(statistics.median(p[7] for p in points), 0.0)
-    # a point less than its head is noise: left out, not fitted as a near-zero time
-    fwd = fit_actions([(k, r, d, f - head_f) for k, r, d, f, *_ in points if f > head_f])
-    bwd = fit_actions([(k, r, d, b - head_b) for k, r, d, _, b, *_ in points if b > head_b],
-                      2.0)
-    tail = statistics.median(p[8] for p in points)
-    step_fixed, step_block = fit_line([p[0] for p in points], [p[5] for p in points],
+    latency, bandwidth = messages.latency_and_bandwidth(repeats * 2)
+    last = ranks - 1
+    head_f = max(median(median(rank[i][7] for i in range(len(rank))) for rank in per_rank), 0.0)
+    head_b = max(median(median(rank[i][8] for i in range(len(rank))) for rank in per_rank), 0.0)
+    fwd_points, bwd_points, rest, tails = [], [], [], []
+    sends, receives, wakes = [], [], []
+    for i, (k, r, dim, *_) in enumerate(per_rank[0]):
+        # the slowest rank's median: every rank ran the same work at once, but a pipeline
+        # runs at its slowest stage's pace, and on a shared host one rank's core is slower
+        # than another's (rank 0's forward 360 us against rank 1's 272 with the head, in one
+        # run); the last rank's actions less the head and loss only it runs
+        f = max(median(rank[i][3]) - (head_f if n == last else 0.0)
+                for n, rank in enumerate(per_rank))
+        b = max(median(rank[i][4]) - (head_b if n == last else 0.0)
+                for n, rank in enumerate(per_rank))
+        if f > 0:  # a point less than its head is noise: left out, not fitted as ~0
+            fwd_points.append((k, r, dim, f))
+        if b > 0:
+            bwd_points.append((k, r, dim, b))
+        both = [t for rank in per_rank for t in rank[i][3] + rank[i][4]]
+        tails.append(trimmed_mean(both) / median(both))
+        rest.append((k, median(rank[i][5] for rank in per_rank)))
+        steps = [[rank[i][6][j] for rank in per_rank] for j in range(len(per_rank[0][i][6]))]
+        s, rc, w = messages.read_messages(steps, latency, bandwidth, r * dim * 4)
+        sends += s
+        receives += rc
+        wakes += w
+    fwd, bwd = fit_actions(fwd_points), fit_actions(bwd_points, 2.0)
+    fwd_widths = {str(d): fit_width([pt for pt in fwd_points if pt[2] == d]) for d in DIMS}
+    bwd_widths = {str(d): fit_width([pt for pt in bwd_points if pt[2] == d], 2.0)
+                  for d in DIMS}
+    step_fixed, step_block = fit_line([k for k, _ in rest], [t for _, t in rest],
                                       nonnegative=True)
-    msg = messages.measure(repeats * 2)
-    return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, tail, msg.latency,
-                         msg.bandwidth, msg.send, msg.receive, msg.wake, ranks, cores)
+    msg = messages.mean_costs(sends, receives, wakes)
+    return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, median(tails),
+                         latency, bandwidth, msg.send, msg.receive, msg.wake, ranks, cores,
+                         fwd_widths, bwd_widths)
 
 
 def median_costs(rounds: list[PipelineCosts]) -> PipelineCosts:
-    """Each figure's median over calibration rounds."""
-    fields = PipelineCosts.__dataclass_fields__
-    return PipelineCosts(**{name: statistics.median(getattr(c, name) for c in rounds)
-                            if name not in ("ranks", "cores") else getattr(rounds[0], name)
-                            for name in fields})
+    """Each figure's median over calibration rounds (a width's fit: each of its terms')."""
+    def med(name: str):
+        values = [getattr(c, name) for c in rounds]
+        if name in ("ranks", "cores"):
+            return values[0]
+        if isinstance(values[0], dict):
+            return {w: [median(v[w][i] for v in values) for i in range(len(fit))]
+                    for w, fit in values[0].items() if all(w in v for v in values)}
+        return median(values)
+
+    return PipelineCosts(**{name: med(name) for name in PipelineCosts.__dataclass_fields__})
