@@ -18,7 +18,6 @@ import torch
 from ..errors import MicroDDPError
 from ..transport.peers import Peers, wait_all
 from .checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
-from .sized_tags import settle
 
 # The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
 # ring's data (ring_carried.py) goes with it, so that it meets another rank's agreement.
@@ -79,20 +78,6 @@ PAIR_WORDS = 2 * SLOTS + INLINE_MAX_CHUNK // 8
 
 
 _PAD = array.array("q", bytes(8 * (PAIR_WORDS - 2 * SLOTS)))
-# Where a ring's header (ring_carried.py) carries its sender's tag base: past every field an
-# agreement compares (at most 9), so a rank running `agree` ignores it. The base is even; an
-# odd value says the ring sent its first step early, on the sized tags (sized_tags.py) held
-# in the two words after the numbers.
-TAG_SLOT = SLOTS - 1
-EARLY_WORD = 2 * SLOTS
-
-
-def early_tags(words) -> tuple[int, int] | None:
-    """The (send tag, receive tag) a ring's header says its sender used early, or None: read
-    from a header alone, or from the max of one and an agreement (whose slots there are 0)."""
-    if not words[TAG_SLOT] & 1:
-        return None
-    return int(words[EARLY_WORD]), int(words[EARLY_WORD + 1])
 
 
 def message_words(peers: Peers) -> int:
@@ -152,16 +137,7 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     butterfly_(peers, buf, torch.empty_like(buf), lambda a, b: torch.maximum(a, b, out=a))
     # Only the numbers are read: past them is padding, or another rank's data (a header's).
     combined = words[:2 * SLOTS].tolist() if place.type == "cpu" else buf[:2 * SLOTS].tolist()
-    theirs = None
-    if len(words) == PAIR_WORDS:
-        theirs = early_tags(words if place.type == "cpu" else buf[:EARLY_WORD + 2].tolist())
-        if theirs is not None:  # met a ring that sent its first step early: take it, fill its
-            settle(peers, 1 - peers.me, theirs, None, [])  # receive (sized_tags.py), then judge
     judge(where, peers.me, fields, settings, combined, problem)
-    if theirs is not None:  # a ring's header never equals an agreement; were it ever to...
-        raise MicroDDPError(f"{where}: the other rank of the group called ring_all_reduce at "
-                            "this point; every rank of the group must call the same "
-                            "collectives, in the same order")
 
 
 def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:

@@ -253,8 +253,7 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
             inline = header.payloads(flat.data.dtype, send0.numel(), into0.numel())
             loop = partial(inline_ring_all_reduce_, plan=plan, name=name, header=header,
                            inline=inline)
-        else:  # the header beside the first step, which goes early on its sized tags
-            header.send_early(plan.steps[0][0], plan.steps[0][1])
+        else:
             loop = partial(carried_ring_all_reduce_, plan=plan, name=name, header=header)
     elif preposted:
         loop = partial(preposted_ring_all_reduce_, plan=plan, name=name)

@@ -7,25 +7,17 @@ each rank still sends the very same numbers (its header: shape, dtype, op, setti
 same connection and tag as an agreement, so it meets a rank that called another collective
 and both raise the same errors. What changes is the order around it:
 
-1. post both data receives: the first step's on the tag that fixes its size (sized_tags.py),
-   the second's on a tag no other call uses (a per-process counter: the tag base, which the
-   header carries, so the other rank knows where to send);
-2. send the header, then the first step's data on its sized tag, and receive the other's
-   header. The data may leave before the check has come back because a message on a sized
-   tag can only meet a receive of its own size: gloo, which aborts the process on a size
-   mismatch, cannot be made to;
-3. compare: on a mismatch, settle (sized_tags.py: each rank takes or fills what the other
-   sent or posted early, so nothing is left for a later call of that size) and raise. What
-   arrived early sits in a scratch buffer and was never used, and the other rank, which
-   holds the same two headers, raises too. The second step's receive stays posted, on a tag
-   no later call uses (see _next_base), so no later message lands in it;
-4. otherwise add what arrived, send the second step to the other's tag base, and finish.
+1. post both data receives, into tags no other call uses (a per-process counter: the tag
+   base, which the header carries, so the other rank knows where to send);
+2. send the header, receive the other's;
+3. compare: on a mismatch, raise. Nothing size-dependent has been *sent* yet, so no rank can
+   get a message of the wrong size (which gloo answers by aborting the process), and the
+   other rank, which holds the same two headers, raises too. The two receives stay posted,
+   on tags no later call uses (see _next_base), so no later message lands in them;
+4. otherwise send the data, to the other's tag base, and run the ring's two steps.
 
-So the check is in front of nothing: the header travels beside the first step's data and is
-read while that data is on the wire. (It used to be read before the data was sent: one
-wake-up of the caller's thread in front of every call, 1.07-1.16x the unchecked ring's time
-at 1 MiB on a quiet machine.) With the repeat-call memo (ring_plan.py) nothing else is in
-front of the data either.
+So the only thing in front of the data is one small message that travels while the data
+receives are being announced; with the repeat-call memo (ring_plan.py) nothing else is either.
 This takes only 2 ranks: on more, a rank hears from one neighbour only, and a rank whose
 neighbour agrees with it would send on to one that gave up (the butterfly is kept there).
 
@@ -49,30 +41,21 @@ import itertools
 import torch
 
 from ..transport.peers import COMBINE, Peers
-from .agree import (
-    EARLY_WORD,
-    FIRST_TAG,
-    PAIR_WORDS,
-    SLOTS,
-    TAG_SLOT,
-    described,
-    early_tags,
-    encode,
-    judge,
-)
+from .agree import FIRST_TAG, PAIR_WORDS, SLOTS, described, encode, judge
 from .ring_plan import RingPlan
-from .sized_tags import settle, sized_tag
 
-# Data tags: from here on, 4 per call (the ring's two steps use 1 and 2), below 2**30 (where
-# the sized tags begin). Far above the tags of every other loop, so a stale receive never
-# meets them.
+# Where a header carries its sender's tag base. It is past every field an agreement compares
+# (at most 9), so a rank running `agree` reads the rest of the header and ignores it.
+TAG_SLOT = SLOTS - 1
+# Data tags: from here on, 4 per call (the ring's two steps use 1 and 2), below 2**31 (gloo's
+# limit). Far above the tags of every other loop, so a stale receive never meets them.
 TAG_BASE = 1 << 24
-_WRAP = 1 << 27
+_WRAP = 1 << 28
 _calls = itertools.count()
 
 
 def _next_base() -> int:
-    """This process's data tags for its next carried call. Unique for 2**27 calls: a receive
+    """This process's data tags for its next carried call. Unique for 2**28 calls: a receive
     left posted by a refused call (step 3 above) could only match a message that long after."""
     return TAG_BASE + 4 * (next(_calls) % _WRAP)
 
@@ -92,18 +75,6 @@ class Header:
         # Tensors over the arrays' memory: what goes on the wire is read and written there.
         self.mine_t = torch.frombuffer(self.mine, dtype=torch.int64)
         self.theirs_t = torch.frombuffer(self.theirs, dtype=torch.int64)
-        self.early: tuple[int, int] | None = None  # see send_early
-
-    def send_early(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """Mark this header's calls as sending their first step early: `send` and `recv` are
-        that step's message and receive buffer, whose sizes fix their tags (sized_tags.py).
-        The tags travel in the header, after the numbers (never with a chunk inline), so a
-        rank that refuses the call knows what to settle. Not for sizes without a sized tag."""
-        out, into = sized_tag(send.nbytes), sized_tag(recv.nbytes)
-        if out is None or into is None:
-            return
-        self.early = (out, into)
-        self.mine[EARLY_WORD], self.mine[EARLY_WORD + 1] = out, into
 
     def payloads(self, dtype: torch.dtype, mine: int, theirs: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,13 +90,8 @@ class Header:
 
     def stamp(self, base: int) -> None:
         """Write this call's tag base into the header: as a field, and negated in the second half
-        (the layout `encode` gives every field); plus 1 if the first step goes early."""
-        word = base + (self.early is not None)
-        self.mine[TAG_SLOT], self.mine[SLOTS + TAG_SLOT] = word, -word
-
-    def their_base(self) -> int:
-        """The other rank's tag base, from its header once received."""
-        return self.theirs[TAG_SLOT] & ~1
+        (the layout `encode` gives every field)."""
+        self.mine[TAG_SLOT], self.mine[SLOTS + TAG_SLOT] = base, -base
 
     def matches(self) -> bool:
         """Whether the other rank's header, once received, has every compared field equal."""
@@ -140,35 +106,33 @@ class Header:
 
 def carried_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: Header) -> None:
     """The ring on 2 gloo ranks, whole chunks, every receive posted before any send, with the
-    header beside the first step's data (steps in the module docstring). Raises the
+    header exchanged before the data is sent (steps in the module docstring). Raises the
     agreement's MicroDDPError, on both ranks, if the headers differ."""
     other = 1 - peers.me
     (send0, recv0, into0, tag0), (send1, recv1, _, tag1) = plan.steps
     base = _next_base()
-    early = header.early  # (send tag, receive tag) of the first step; None over ~1 GiB
     # Both receives first, so that the other rank's sends find them announced. The gather's
     # lands in the chunk this rank sends in step 0: safe, see planned_ring_all_reduce_.
-    got0 = peers.irecv(recv0, other, early[1] if early else base + tag0)
-    got1 = peers.irecv(recv1, other, base + tag1)
+    got0 = peers.irecv(recv0, other, base + tag0) if recv0.numel() else None
+    got1 = peers.irecv(recv1, other, base + tag1) if recv1.numel() else None
     header.stamp(base)
     heard = peers.irecv_main(header.theirs_t, other, FIRST_TAG)
     told = peers.isend_main(header.mine_t, other, FIRST_TAG)
-    sent0 = peers.isend(send0, other, early[0]) if early else None
     heard.wait()
     if not header.matches():
-        settle(peers, other, early_tags(header.theirs), early, [sent0, got0] if early else [])
         told.wait()  # the other rank posted its receive for it: an agreement or a header
         header.refuse(peers.me)
-    to = header.their_base()
-    if sent0 is None:
-        sent0 = peers.isend(send0, other, to + tag0)
-    got0.wait()
-    COMBINE[name](into0, recv0)
+    to = header.theirs[TAG_SLOT]
+    sent0 = peers.isend(send0, other, to + tag0) if send0.numel() else None
+    if got0 is not None:
+        got0.wait()
+        COMBINE[name](into0, recv0)
     if name == "avg":
         plan.mine.div_(2)
-    sent1 = peers.isend(send1, other, to + tag1)
+    sent1 = peers.isend(send1, other, to + tag1) if send1.numel() else None
     for work in (got1, sent0, sent1, told):
-        work.wait()
+        if work is not None:
+            work.wait()
 
 
 def inline_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: Header,
@@ -191,14 +155,13 @@ def inline_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: Hea
     told = peers.isend_main(header.mine_t, other, FIRST_TAG)
     heard.wait()
     if not header.matches():
-        settle(peers, other, early_tags(header.theirs), None, [])  # a ring's early step
         told.wait()
         header.refuse(peers.me)
     if into0.numel():
         COMBINE[name](into0, came)
     if name == "avg":
         plan.mine.div_(2)
-    sent1 = peers.isend(send1, other, header.their_base() + tag1) if send1.numel() else None
+    sent1 = peers.isend(send1, other, header.theirs[TAG_SLOT] + tag1) if send1.numel() else None
     if got1 is not None:
         got1.wait()
         if into1 is not None:
