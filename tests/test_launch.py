@@ -73,6 +73,7 @@ def test_max_restarts_starts_the_group_again(tmp_path):
     "args, says",
     [
         (["run", "-n", "2", "no/such/script.py"], "does not exist"),
+        (["run", "-n", "2", "tests"], "'tests' is a folder; give the path to a .py file"),
         (["run", "-n", "0", "x.py"], "--nproc must be between 1"),
         (["hello", "-n", "0"], "--nproc must be between 1"),
         (["run", "--master-port", "99999", "x.py"], "--master-port must be between 0 and 65535"),
@@ -151,3 +152,17 @@ def test_microddp_workers_run_unchanged_under_torchrun():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("all_reduce(sum of ranks) = 1 (expected 1)") == 2
     assert "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1" in out.stdout
+
+
+def test_a_backend_used_unregistered_gets_the_line_that_registers_it(tmp_path):
+    """dist.init_process_group("microddp") without `import microddp.backend`: torch's own
+    error (an AssertionError: "Unknown backend type microddp") says nothing about the cure."""
+    script = write(tmp_path, "noimport.py", """
+        import torch.distributed as dist
+        dist.init_process_group("microddp")
+    """)
+    out = microddp("run", "-n", "2", script)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        'microddp run: the "microddp" backend is registered by `import microddp.backend`: add '
+        'that line before dist.init_process_group("microddp")'), out.stderr

@@ -65,9 +65,8 @@ def shared(group=None) -> _State | None:
     key = _key(group)
     if key is None:  # no default group after all (torch's was never formed, or is gone)
         return None
-    try:
-        state = _states[key]
-    except KeyError:
+    state = _states.get(key)
+    if state is None:  # set up here, not in an except: its errors are the user's to read
         state = _states[key] = _setup(key)
         weakref.finalize(key, state.close)
     return state if state.group is not None else None

@@ -116,6 +116,8 @@ def _command(script: str, script_args: list[str], module: bool) -> list[str]:
         _check_module(script)
         return [sys.executable, "-u", "-m", script, *script_args]
     path = Path(script)
+    if path.is_dir():
+        raise MicroDDPError(f"script {script!r} is a folder; give the path to a .py file")
     if not path.is_file():
         raise MicroDDPError(f"script {script!r} does not exist; give the path to a .py file")
     return [sys.executable, "-u", str(path), *script_args]
@@ -176,6 +178,16 @@ def _report(first: _Worker, workers: list[_Worker]) -> None:
         print(f"{failed}; stopped the other ranks. {tail}", file=sys.stderr)
     for line in first.tail:
         print(f"  [rank {first.rank}] {line}", file=sys.stderr)
+    for needle, hint in HINTS.items():
+        if any(needle in line for line in first.tail):
+            print(f"microddp run: {hint}", file=sys.stderr)
+
+
+# What a failing rank's last lines show, and what to do about it, where torch's words do not say.
+HINTS = {
+    "Unknown backend type microddp": 'the "microddp" backend is registered by `import '
+    'microddp.backend`: add that line before dist.init_process_group("microddp")',
+}
 
 
 def _report_expendable(w: _Worker) -> None:
