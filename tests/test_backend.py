@@ -6,9 +6,7 @@ environment only): `init_process_group("microddp")`, then the same calls on a gl
 beside it, compared bit for bit.
 """
 
-import multiprocessing as mp
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
+from killed_rank import survivors
 from microddp.backend import MicroDDPProcessGroup
 from microddp.transport import shm as transport
 
@@ -363,27 +362,8 @@ def _doomed(rank: int, world_size: int, store: str, results) -> None:
 
 
 def test_a_killed_rank_makes_the_survivors_raise(tmp_path):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_doomed, args=(r, 3, str(tmp_path / "store"), results),
-                         daemon=True)
-             for r in range(3)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < 2:
-            rank, kind, text = results.get(timeout=90)  # the group's timeout is 30 s
-            out[rank] = (kind, text)
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert procs[2].exitcode == -signal.SIGKILL
+    codes, out = survivors(_doomed, (3, str(tmp_path / "store")))  # the group's timeout is 30 s
+    assert codes[2] == -signal.SIGKILL
     assert sorted(out) == [0, 1], out
     for kind, text in out.values():
         assert kind == "MicroDDPError" and "rank(s) [2]" in text, (kind, text)

@@ -6,9 +6,7 @@ every path: one synchronisation, reduce-scatter then gather, chunks beyond the b
 keeps the defaults, at sizes around them.
 """
 
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
+from killed_rank import survivors
 from microddp import collectives as C
 from microddp import comms
 from microddp.collectives import shm, shm_group
@@ -352,26 +351,8 @@ def _tolerant_rank(rank, world_size, store, monitor, results):
 
 @pytest.mark.parametrize("monitor", [False, True])
 def test_a_killed_rank_makes_the_survivors_raise(tmp_path, monitor):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_tolerant_rank, args=(r, 3, str(tmp_path / "store"), monitor,
-                                                      results), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < 2:
-            rank, status, text = results.get(timeout=90)  # the group's timeout is 30 s
-            out[rank] = (status, text)
-    except queue.Empty:
-        pass
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert procs[2].exitcode == -signal.SIGKILL
+    codes, out = survivors(_tolerant_rank, (3, str(tmp_path / "store"), monitor))  # the group's timeout is 30 s
+    assert codes[2] == -signal.SIGKILL
     assert sorted(out) == [0, 1], out
     for status, text in out.values():
         assert status == "error"
