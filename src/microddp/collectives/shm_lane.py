@@ -151,7 +151,8 @@ class Deliveries:
         for _ in threads:
             self._queue.put(None)
         for thread in threads:
-            thread.join(timeout_s)
+            if thread is not threading.current_thread():  # a callback may end the group
+                thread.join(timeout_s)
 
 
 class Lane:
