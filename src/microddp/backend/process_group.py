@@ -33,16 +33,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..collectives.route import OPS, ORDERED, carries
-from ..collectives.shm_group import SharedGroup, segment_bytes, sizes
-from ..collectives.shm_lane import Lane
+from ..collectives.route import OPS, carries, gives_gloos_bits
+from ..collectives.shm import flat_data, open_shared
+from ..collectives.shm_group import SharedGroup
 from ..comms.args import op_name
 from ..errors import MicroDDPError
-from ..transport.shm_attach import attach, wanted
 from .work import LaneWork
 
 BackendType = dist.ProcessGroup.BackendType
-_setups: dict[str, int] = {}  # groups of each name set up by this process (a re-made world)
 
 
 _NO_OP = object()  # _takes: a call that takes no reduce op (broadcast, all_gather, barrier)
@@ -61,25 +59,16 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
             self._register_backend(torch.device(device), BackendType.GLOO, self.gloo)
         self._set_default_backend(BackendType.GLOO)
         self.calls: Counter[tuple[str, str]] = Counter()
-        self.shared: SharedGroup | None = None
-        self._lane: Lane | None = None
-        if size > 1:
-            self._attach(store, group_name, rank, size, timeout.total_seconds())
-        # As route.py: on 2 ranks x0 + x1 is gloo's sum to the bit; beyond, only if asked.
-        self.any_order = size == 2 or wanted() == "shm"
-
-    def _attach(self, store: dist.Store, group_name: str, rank: int, size: int,
-                timeout_s: float) -> None:
-        # A prefix per set-up of this group name in this process: every rank forms the same
-        # groups in the same order, and a world made again after destroy_process_group reuses
-        # the names (and, under torchrun, the store) of the first.
-        _setups[group_name] = _setups.get(group_name, -1) + 1
-        slot, small = sizes(size)
-        got = attach(store, f"microddp/backend/{_setups[group_name]}", rank, size,
-                     segment_bytes(size, slot), timeout_s, f"slot={slot} small={small}")
-        if got is not None:
-            self.shared = SharedGroup(got.segment, rank, size, got.pids, timeout_s, slot, small)
-            self._lane = Lane(f"pg-{group_name or 'world'}")
+        # As microddp's own groups set theirs up (collectives/shm.py), under a kind of its own
+        # in the store: a world made again after destroy_process_group reuses the names (and,
+        # under torchrun, the store) of the first, and each set-up gets a prefix of its own.
+        state = (open_shared(store, "backend", group_name or "world", rank, size,
+                             timeout.total_seconds()) if size > 1 else None)
+        self._state = state
+        self.shared: SharedGroup | None = state.group if state is not None else None
+        self._lane = state.lane if state is not None else None
+        # on 2 ranks x0 + x1 is gloo's sum to the bit; beyond, only if asked (route.py)
+        self.any_order = state is not None and state.any_order
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name for it)
         """What `dist.get_backend(group)` answers."""
@@ -95,8 +84,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
             return False
         if op is _NO_OP:
             return True
-        return op in OPS and (self.any_order or op not in ORDERED
-                              or not tensors[0].is_floating_point())
+        return op in OPS and gives_gloos_bits(self.any_order, op, tensors[0])
 
     def _to_gloo(self, name: str) -> dist.Backend:
         self.calls[name, "gloo"] += 1
@@ -120,7 +108,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         op = _op(opts.reduceOp)
         if not self._takes(tensors, op):
             return self._to_gloo("allreduce").allreduce(tensors, opts)
-        flat = _flat(tensors[0])
+        flat = flat_data(tensors[0])
         size = self.size()
 
         def body(g: SharedGroup) -> None:
@@ -135,7 +123,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         opts = opts or dist.BroadcastOptions()
         if opts.rootTensor != 0 or not self._takes(tensors):
             return self._to_gloo("broadcast").broadcast(tensors, opts)
-        flat, root = _flat(tensors[0]), opts.rootRank
+        flat, root = flat_data(tensors[0]), opts.rootRank
         return self._run("broadcast", lambda g: g.broadcast(flat, root), tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -145,7 +133,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         if not (self._takes(inputs) and len(output_lists) == 1
                 and _alike(output_lists[0], inputs[0], self.size())):
             return self._to_gloo("allgather").allgather(output_lists, inputs, opts)
-        outputs, flat = [_flat(t) for t in output_lists[0]], _flat(inputs[0])
+        outputs, flat = [flat_data(t) for t in output_lists[0]], flat_data(inputs[0])
         return self._run("allgather", lambda g: g.all_gather(outputs, flat), output_lists)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -156,7 +144,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         if not (self._takes(outputs, op) and len(input_lists) == 1
                 and _alike(input_lists[0], outputs[0], self.size())):
             return self._to_gloo("reduce_scatter").reduce_scatter(outputs, input_lists, opts)
-        flat, inputs, size = _flat(outputs[0]), [_flat(t) for t in input_lists[0]], self.size()
+        flat, inputs, size = flat_data(outputs[0]), [flat_data(t) for t in input_lists[0]], self.size()
 
         def body(g: SharedGroup) -> None:
             g.reduce_scatter(flat, inputs, op)
@@ -186,11 +174,9 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Leave the shared memory (a peer still waiting raises at once), then gloo's group
         (dist.destroy_process_group calls it)."""
-        if self._lane is not None:
-            self._lane.close()
-        if self.shared is not None:
-            self.shared.close()
-        self.shared = self._lane = None
+        if self._state is not None:
+            self._state.close()
+        self._state = self.shared = self._lane = None
         super().shutdown()
 
 
@@ -201,12 +187,6 @@ def _op(reduce_op) -> str | None:
         return op_name(reduce_op)
     except MicroDDPError:
         return None
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    # .data: torch's collectives write into tensors without autograd seeing it; so do these
-    data = t.data
-    return data if data.dim() == 1 else data.view(-1)
 
 
 def _alike(tensors: list[torch.Tensor], like: torch.Tensor, size: int) -> bool:

@@ -51,6 +51,13 @@ def carries(tensor: torch.Tensor) -> bool:
             and tensor.layout is torch.strided and tensor.is_contiguous())
 
 
+def gives_gloos_bits(any_order: bool, op: str, tensor: torch.Tensor) -> bool:
+    """Whether shared memory's result is gloo's to the bit: always, but for float sums and
+    products where gloo adds in an order of its own (3+ ranks) and `any_order` was not asked
+    for (shm.py's state says which)."""
+    return any_order or op not in ORDERED or not tensor.is_floating_point()
+
+
 def _fits(tensor: torch.Tensor, op: str) -> bool:
     """Whether shared memory can carry this tensor and op: `carries` it, and one of its ops."""
     return op in OPS and carries(tensor)
@@ -65,7 +72,7 @@ def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | Non
     state = shm.shared(group)
     if state is None:
         return None
-    if not state.any_order and op in ORDERED and tensor.is_floating_point():
+    if not gives_gloos_bits(state.any_order, op, tensor):
         return None  # 3+ ranks: gloo's order gives other last bits (above)
     # Looked up now, not bound at import: the hang monitor wraps it while it runs.
     return _this.all_reduce

@@ -51,7 +51,7 @@ class _State:
 
 
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_setups: dict[str, int] = {}  # set-ups per group name in this process
+_setups: dict[tuple[str, str], int] = {}  # set-ups per (kind, group name) in this process
 
 
 def _key(group):
@@ -77,14 +77,22 @@ def _setup(key) -> _State:
     if size < 2 or rank < 0 or "gloo" not in str(dist.get_backend(key)):
         return _State(None, None)
     name = str(getattr(key, "group_name", "") or "world")
+    return open_shared(dist.distributed_c10d._get_default_store(), "shm", name, rank, size,
+                       group_timeout_s(key))
+
+
+def open_shared(store: dist.Store, kind: str, name: str, rank: int, size: int,
+                timeout_s: float) -> _State:
+    """Set up a group's shared memory through `store` (collective over the group's ranks):
+    its segment and lane, or a state without them where the ranks may not share memory
+    (transport/shm_attach.py decides). `kind` keeps apart the users of one store (microddp's
+    own groups, the torch backend's)."""
     # A prefix of its own for every set-up: the same on every rank of the group (each sets
     # up a group of this name as often as the others), never one used before in this job.
-    _setups[name] = _setups.get(name, -1) + 1
-    prefix = f"microddp/shm/{name}/{_setups[name]}"
-    timeout_s = group_timeout_s(key)
+    n = _setups[kind, name] = _setups.get((kind, name), -1) + 1
     slot, small = sizes(size)
-    got = attach(dist.distributed_c10d._get_default_store(), prefix, rank, size,
-                 segment_bytes(size, slot), timeout_s, f"slot={slot} small={small}")
+    got = attach(store, f"microddp/{kind}/{name}/{n}", rank, size, segment_bytes(size, slot),
+                 timeout_s, f"slot={slot} small={small}")
     if got is None:
         return _State(None, None)
     return _State(SharedGroup(got.segment, rank, size, got.pids, timeout_s, slot, small),
@@ -142,8 +150,9 @@ def _check_list(tensors: list, name: str, like: torch.Tensor, like_name: str, si
                                 "match")
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    # .data: the write is not autograd's business (written() says it); no view of a flat one
+def flat_data(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's memory as one flat tensor, outside autograd (.data: a collective's write
+    is not autograd's business; written() says it where microddp bumps the version)."""
     data = t.data
     return data if data.dim() == 1 else data.view(-1)
 
@@ -171,7 +180,7 @@ def shm_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
     if name not in ("sum", "avg", "product", "min", "max"):
         raise MicroDDPError(f"{where}: op {name!r} is not supported; use comms.all_reduce")
     state = _required(group, where)
-    flat = _flat(tensor)
+    flat = flat_data(tensor)
 
     def finish() -> None:
         if name == "avg":
@@ -192,7 +201,7 @@ def all_reduce_unversioned(tensor: torch.Tensor, op: str, group, async_op: bool)
     torch's collectives, it leaves autograd's version counter alone, and "avg" is its caller's
     division."""
     state = shared(group)
-    flat = _flat(tensor)
+    flat = flat_data(tensor)
     if not async_op and state.lane.run_now(_all_reduce_here, state.group, flat, op):
         return None
     return _run(state, lambda g: g.all_reduce(flat, op), [tensor], async_op)
@@ -207,7 +216,7 @@ def shm_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op:
     comms_args.check_op_dtype(name, output)
     state = _required(group, where)
     _check_list(input_list, "input_list", output, "output", state.group.size, where)
-    flat, inputs = _flat(output), [_flat(t) for t in input_list]
+    flat, inputs = flat_data(output), [flat_data(t) for t in input_list]
 
     def finish() -> None:
         if name == "avg":
@@ -225,13 +234,13 @@ def shm_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=
     _check(tensor, where)
     state = _required(group, where)
     _check_list(tensor_list, "tensor_list", tensor, "tensor", state.group.size, where)
-    outputs = [_flat(t) for t in tensor_list]
+    outputs = [flat_data(t) for t in tensor_list]
 
     def finish() -> None:
         for t in tensor_list:
             written(t)
 
-    return _run(state, lambda g: g.all_gather(outputs, _flat(tensor)), list(tensor_list),
+    return _run(state, lambda g: g.all_gather(outputs, flat_data(tensor)), list(tensor_list),
                 async_op, finish)
 
 
@@ -244,7 +253,7 @@ def shm_broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
     root = comms_args.root(src, group_src, group, "src")
     state = _required(group, where)
     g_src = root if group is None else dist.get_group_rank(group, root)
-    flat = _flat(tensor)
+    flat = flat_data(tensor)
     return _run(state, lambda g: g.broadcast(flat, g_src), [tensor], async_op,
                 lambda: written(tensor))
 
