@@ -6,6 +6,8 @@ import os
 import pytest
 import torch._dynamo  # noqa: F401
 
+from shm_leftovers import dev_shm_clean  # noqa: F401 (a fixture the shared-memory tests use)
+
 # Why torch._dynamo here: most tests' ranks build a torch.optim optimizer, whose first use
 # imports it (1.2 s on an idle core). Imported in this process before the first spawn, each
 # worker's forkserver preloads it (microddp.launch.spawn), so it is paid once per worker rather

@@ -26,17 +26,7 @@ SLOT, SMALL = 1024, 256  # bytes: small thresholds, so small tensors cross every
 TIMEOUT = timedelta(seconds=60)
 
 
-def _ours() -> set[str]:
-    """microddp segments in /dev/shm whose creator has exited."""
-    return {n for n in os.listdir(transport.SHM_DIR) if n.startswith(transport.PREFIX)
-            and not transport.alive(int(n[len(transport.PREFIX):].split("-")[1]))}
-
-
-@pytest.fixture(autouse=True)
-def _dev_shm_clean():
-    before = _ours()
-    yield
-    assert _ours() - before == set(), "a microddp segment was left in /dev/shm"
+pytestmark = pytest.mark.usefixtures("dev_shm_clean")
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from microddp import comms
 from microddp.collectives import shm, shm_group
 from microddp.transport import shm as transport
 from microddp.transport import shm_attach
+from shm_leftovers import PLANTED
 
 SLOT, SMALL = 1024, 256  # bytes, for the threshold tests
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64,
@@ -31,25 +32,10 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 OPS = ["sum", "avg", "product", "min", "max"]
 
 
-# The random part of the segments the sweep tests plant on purpose, as if a dead job had left
-# them. The check below ignores them: with xdist, a test on another worker may plant one while
-# this test runs (a killed-rank test once failed on another test's plant).
-PLANTED = "0badc0ffee"
-
-
-def left_behind() -> set[str]:
-    """microddp segments in /dev/shm whose creator has exited (other tests running beside
-    this one may hold a live one for a moment, while their ranks attach)."""
-    return {n for n in os.listdir(transport.SHM_DIR) if n.startswith(transport.PREFIX)
-            and not n.split("-")[-1].startswith(PLANTED)
-            and not transport.alive(int(n[len(transport.PREFIX):].split("-")[1]))}
-
-
-@pytest.fixture(autouse=True)
-def _dev_shm_clean():
-    before = left_behind()
-    yield
-    assert left_behind() - before == set(), "a microddp segment was left in /dev/shm"
+# Nothing left in /dev/shm after each test (shm_leftovers.py); the segments the sweep tests
+# below plant on purpose end in PLANTED, which that check ignores: with xdist, a test on
+# another worker may plant one while this test runs (a killed-rank test once failed on one).
+pytestmark = pytest.mark.usefixtures("dev_shm_clean")
 
 
 @pytest.fixture
