@@ -43,8 +43,16 @@ def _different_calls(world, settled: bool) -> dict:
     return out
 
 
+# Where the ranks share memory (the default here) the checks meet there (shm_agree.py, and the
+# ring's early first step, ring_early.py); with MICRODDP_TRANSPORT=gloo, in gloo messages
+# (agree.py's butterfly, the ring's carried header, ring_carried.py). Both must name it all.
+TRANSPORTS = ["auto", "gloo"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("settled", [False, True])
-def test_ranks_calling_different_things_all_get_a_clear_error(settled):
+def test_ranks_calling_different_things_all_get_a_clear_error(settled, transport, monkeypatch):
+    monkeypatch.setenv("MICRODDP_TRANSPORT", transport)
     for rank, out in enumerate(microddp.launch.spawn(_different_calls, 2, (settled,), timeout=120)):
         for name in ("ring vs tree", "naive vs tree", "broadcast vs reduce"):
             assert "the ranks of the group called different collectives" in out[name], (rank, out)
@@ -61,8 +69,9 @@ def test_ranks_calling_different_things_all_get_a_clear_error(settled):
 
 def _carried_mismatches(world) -> dict:
     """On 2 ranks, once a ring call has settled the connections, the check travels beside the
-    data (ring_carried.py): every mismatch is still named, on both ranks, including on a tensor
-    whose call is kept (ring_plan.py), and nothing left posted by a refused call lands anywhere."""
+    data (ring_carried.py), or goes through shared memory beside the early first step
+    (ring_early.py): every mismatch is still named, on both ranks, including on a tensor whose
+    call is kept (ring_plan.py), and nothing left posted by a refused call lands anywhere."""
     r = world.rank
     C.ring_all_reduce(torch.ones(2))
     kept = torch.ones(6)
@@ -104,7 +113,9 @@ def _with_duplex(value: str, fn):
             MICRODDP_DUPLEX=old)
 
 
-def test_the_check_carried_beside_the_data_names_every_mismatch():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_check_carried_beside_the_data_names_every_mismatch(transport, monkeypatch):
+    monkeypatch.setenv("MICRODDP_TRANSPORT", transport)
     for rank, out in enumerate(microddp.launch.spawn(_carried_mismatches, 2, timeout=120)):
         assert f"ranks disagree on shape (this rank, group rank {rank}: shape=({4 + rank},)" \
             in out["shape"], out["shape"]

@@ -228,9 +228,15 @@ def test_a_host_lost_without_a_word_ends_the_others_in_the_hang_report(tmp_path)
                                  "microddp hang report: collective all_reduce #")), log
     assert re.search(r" on rank [01] (timed out \(Timed out waiting 30000ms|failed \(Connection "
                      r"closed by peer)", report[0]), report
-    assert report[1].startswith("  ranks 0,1 are in "), report
-    assert report[2] == ("  ranks 2,3 did not answer (exited, crashed, or frozen outside "
-                         "Python)"), report
+    # Host 0's ranks are named where they are: in one call together ("ranks 0,1 are in"),
+    # or each in its own (seen in CI: rank 1 still in the epoch report's all_reduce #51 that
+    # rank 0 had left for a bucket's hierarchical_all_reduce #52); host 1's are named lost.
+    lost = report.index("  ranks 2,3 did not answer (exited, crashed, or frozen outside Python)")
+    where = report[1:lost]
+    heads = [("  ranks 0,1 are in ",), ("  rank 0 is in ", "  rank 1 is in ")]
+    assert any(len(where) == len(h) and all(w.startswith(x) for w, x in zip(where, h,
+                                                                          strict=True))
+               for h in heads), report
 
 
 STUCK = """import sys, time
@@ -389,7 +395,13 @@ def test_raw_torchrun_with_a_host_missing_stops_at_the_rendezvous_timeout_it_was
     if rendezvous == "static":
         assert "waiting for clients. 2/3 clients joined." in logs[0], logs[0]
     else:
-        assert "RendezvousTimeoutError" in logs[0], logs[0]
+        # The agent whose join_timeout runs out first raises RendezvousTimeoutError and closes
+        # the rendezvous; the other one, still waiting, then ends on RendezvousClosedError,
+        # or, when host 0 (which serves the store) was first and has gone, on the store's
+        # RendezvousConnectionError. Which one is first is a race (both seen here and in CI).
+        ends = ("RendezvousTimeoutError", "RendezvousClosedError", "RendezvousConnectionError")
+        assert any("RendezvousTimeoutError" in log for log in logs), logs
+        assert all(any(end in log for end in ends) for log in logs), logs
     assert "hello from rank" not in "".join(logs)
 
 

@@ -3,10 +3,15 @@ gloo ranks, a tensor whose first chunk fits in INLINE_MAX_CHUNK bytes sends its 
 that chunk together. Results equal torch.distributed's (repeat calls included), the call
 sends 2 messages instead of 3, and every mismatch it can meet (another size on either side of
 the bound, another dtype or op, another collective whose data follows its agreement on the
-same tag) is named on both ranks, with no rank aborted and the group still working."""
+same tag) is named on both ranks, with no rank aborted and the group still working.
+
+This is the check where the ranks do not share memory (another host, or
+MICRODDP_TRANSPORT=gloo, which every test here sets); where they do, the check is in shared
+memory and the ring sends its first step at once (tests/test_ring_early.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,6 +23,12 @@ from microddp.collectives.agree import INLINE_MAX_CHUNK, PAIR_WORDS, SLOTS
 from microddp.comms import REDUCE_OPS
 
 F32_BOUND = 2 * INLINE_MAX_CHUNK // 4  # float32 elements of the largest tensor sent inline
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_memory(monkeypatch):
+    """The ranks (spawned from this process, so they inherit it) talk through gloo only."""
+    monkeypatch.setenv("MICRODDP_TRANSPORT", "gloo")
 
 
 def _counting(module, name: str, calls: list):

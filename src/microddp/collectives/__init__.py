@@ -4,9 +4,11 @@ Each algorithm gives the same result as torch.distributed's collective of the sa
 (bit for bit for integers and min/max, to rounding for float sums and products), on the
 default group or on any sub-group. Ranks given as `src`/`dst` are global ranks, as in torch;
 torch's `group_src`/`group_dst` (ranks inside the group) are accepted instead.
-Every call checks, with one tiny exchange, that all ranks passed the same shape, dtype and
-op, so a mistake is the same clear MicroDDPError on every rank, never a hang. The ring on 2
-gloo ranks sends that exchange beside its data (ring_carried.py); the others send it first.
+Every call checks that all ranks passed the same shape, dtype and op, so a mistake is the same
+clear MicroDDPError on every rank, never a hang: where the group's ranks share memory, by
+writing and reading a few numbers there (shm_agree.py; the ring on 2 ranks sends its first
+step before reading them, ring_early.py); otherwise with one tiny exchange, which the ring on
+2 gloo ranks sends beside its data (ring_carried.py) and the others send first.
 
 Tensors that require grad (a model's parameters) are written in place like any other, as
 torch.distributed does: the algorithms work on a detached view, since a collective is not a

@@ -17,7 +17,10 @@ import torch
 
 from ..errors import MicroDDPError
 from ..transport.peers import Peers, wait_all
+from . import shm
 from .checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
+from .shm_agree import SharedAgreement
+from .sized_tags import settle
 
 # The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
 # ring's data (ring_carried.py) goes with it, so that it meets another rank's agreement.
@@ -117,7 +120,9 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     shared too, so that the other ranks raise instead of waiting for a rank that gave up. One
     butterfly over max(v) and max(-v) gives every rank both the maximum and the minimum of
     each field; a field is consistent exactly when they are equal. With `check=False` nothing
-    is exchanged and only this rank's own problem is raised.
+    is exchanged and only this rank's own problem is raised. Where the group's ranks share
+    memory, the numbers go through it instead of the butterfly (shm_agree.py), to the same
+    result.
     """
     if not check or peers.size <= 1:
         if problem is not None:
@@ -125,6 +130,11 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
         return
     settings = settings or {}
     fields = described(where, problem, fields, settings)
+    box = shared_agreement(peers)
+    if box is not None:
+        _agree_in_memory(peers, box, array.array("q", encode(fields)), where, fields,
+                         settings, problem)
+        return
     # Everything before the first send delays the other ranks too, so this is built and read
     # back the cheap way: from a Python array, and with one tolist (torch.tensor() from a
     # list, slicing and negating tensors cost 25 us more per call, measured).
@@ -138,6 +148,47 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     # Only the numbers are read: past them is padding, or another rank's data (a header's).
     combined = words[:2 * SLOTS].tolist() if place.type == "cpu" else buf[:2 * SLOTS].tolist()
     judge(where, peers.me, fields, settings, combined, problem)
+
+
+def shared_agreement(peers: Peers) -> SharedAgreement | None:
+    """Where this group agrees through shared memory (every rank on this host, gloo, not
+    MICRODDP_TRANSPORT=gloo: decided once per group, alike on every rank); None: through the
+    butterfly. The group's first call sets its shared memory up (collective over the group)."""
+    if peers.nccl:
+        return None
+    state = shm.shared(peers.group)
+    return None if state is None else state.group.agreement
+
+
+def _agree_in_memory(peers: Peers, box: SharedAgreement, mine: array.array, where: str,
+                     fields: dict, settings: dict, problem: Exception | None) -> None:
+    """agree() through shared memory: `mine` is encode(fields)."""
+    seq = box.post(mine)
+    combined = box.result(seq, mine, where)  # None: every rank posted these very numbers
+    if problem is None and combined is None:
+        return
+    early = box.extra(seq, 1 - peers.me) if peers.size == 2 else (0, 0)
+    if early[0]:  # met a ring that sent its first step early: take it and fill its
+        settle(peers, 1 - peers.me, early, None, [])  # receive (sized_tags.py), then judge
+    judge(where, peers.me, fields, settings, combined or mine.tolist(), problem)
+    raise MicroDDPError(f"{where}: the ranks' checks differ in a number no field holds; every "
+                        "rank of the group must call the same collectives, in the same "
+                        "order")  # judge raises first: a defence, never seen
+
+
+def agreed(where: str, fields: dict, settings: dict,
+           loop: Callable[[Peers], object]) -> Callable[[Peers], None]:
+    """`loop`, preceded by the agreement on `fields` and `settings` through shared memory: a
+    repeat call's whole work (ring_plan.py's memo), for a group where shared_agreement is
+    not None. Holds neither a tensor nor the group."""
+    fields = described(where, None, fields, settings)
+    mine = array.array("q", encode(fields))
+
+    def run(peers: Peers) -> None:
+        _agree_in_memory(peers, shared_agreement(peers), mine, where, fields, settings, None)
+        loop(peers)
+
+    return run
 
 
 def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:

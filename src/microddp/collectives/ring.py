@@ -15,9 +15,18 @@ import torch
 from ..errors import MicroDDPError
 from ..transport.duplex import duplex, duplex_decided, duplex_enabled
 from ..transport.peers import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
-from .agree import INLINE_MAX_CHUNK, agree, check_all_reduce, describe_tensor, home
+from .agree import (
+    INLINE_MAX_CHUNK,
+    agree,
+    agreed,
+    check_all_reduce,
+    describe_tensor,
+    home,
+    shared_agreement,
+)
 from .checks import check_tensor, try_layout, try_list, try_op, try_tensor
 from .ring_carried import Header, carried_ring_all_reduce_, inline_ring_all_reduce_
+from .ring_early import EarlyCall, early_ring_all_reduce_, goes_early
 from .ring_loops import (
     PAIR_MIN_CHUNK,
     PAIR_SEGMENT,
@@ -183,10 +192,12 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
                     segment_bytes: int | None = None) -> torch.Tensor:
     """In place, every rank ends with op over all ranks' `tensor`; returns `tensor`.
 
-    `check=False` skips the metadata agreement (one small exchange per round of log2 p; on 2
-    gloo ranks, after the group's first call, one header sent beside the data, or with the
-    first chunk for tensors up to 2 * INLINE_MAX_CHUNK bytes: ring_carried.py)
-    when the caller already knows every rank passes the same shape, dtype and op.
+    `check=False` skips the metadata agreement (where the group's ranks are all on this host,
+    numbers written to and read from shared memory, no message: shm_agree.py; otherwise one
+    small exchange per round of log2 p, or on 2 gloo ranks, after the group's first call, one
+    header sent beside the data, or with the first chunk for tensors up to 2 *
+    INLINE_MAX_CHUNK bytes: ring_carried.py) when the caller already knows every rank passes
+    the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
     through the ring independently (a pipeline, see ring_loops.py; gloo only: NCCL pipelines
     internally). By default chunks go whole, except on more than 2 ranks, where chunks of
@@ -199,8 +210,8 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
     A repeat call on a tensor whose chunks go whole (the same tensor object, memory, dtype, op
-    and group), with `check=False`, or with check=True where the check is carried, skips the
-    local checks and set-up as well: it runs the loop kept from its last such call (ring_plan.py).
+    and group), with `check=False`, or with check=True where the check is carried or in shared
+    memory, skips the local checks and set-up as well: it runs the loop kept from its last such call (ring_plan.py).
     """
     where = "ring_all_reduce"
     bad_segment = (MicroDDPError(f"{where}: segment_bytes must be positive, got {segment_bytes}")
@@ -219,11 +230,17 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     # each other on different connections until the timeout, or send messages of different
     # sizes (which gloo answers by aborting the process).
     settings = {"MICRODDP_DUPLEX": int(duplex_enabled()), "segment_bytes": segment_bytes or 0}
-    # On 2 gloo ranks whose connections are settled (the group's first ring call settles
-    # them, after agreeing on MICRODDP_DUPLEX), the check travels beside the data.
-    carried = (check and problem is None and segment_bytes is None and peers.size == 2
-               and not peers.nccl and duplex_decided(peers) and duplex(peers).back is not None)
-    if not carried:
+    # Where the group shares memory, the check goes through it (no message: shm_agree.py).
+    # Otherwise, on 2 gloo ranks whose connections are settled (the group's first ring call
+    # settles them, after agreeing on MICRODDP_DUPLEX), the check travels beside the data.
+    box = shared_agreement(peers) if check and peers.size > 1 else None
+    # Both ask for 2 gloo ranks whose connections are settled; early, for a tensor of two
+    # elements or more (ring_early.py), where the group shares memory, carried otherwise.
+    paired = (check and problem is None and segment_bytes is None and peers.size == 2
+              and not peers.nccl and duplex_decided(peers) and duplex(peers).back is not None)
+    early = paired and box is not None and goes_early(tensor.numel(), tensor.element_size())
+    carried = paired and box is None
+    if not carried and not early:
         agree(peers, where, home(tensor, peers), problem, check, settings,
               **describe_tensor(tensor), op=name)
         if peers.size <= 1:
@@ -246,7 +263,11 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     preposted = how == "prepost"
     plan = (plan_for(tensor, flat.data, peers.size, peers.me, preposted)
             if flat.in_place else make_plan(flat.data, peers.size, peers.me, preposted))
-    if carried:  # receive-first, with the header (posting picks it for 2 duplex ranks)
+    if early:  # receive-first, checked in shared memory, the first step sent at once
+        loop = partial(early_ring_all_reduce_, plan=plan, name=name,
+                       call=EarlyCall(where, {**describe_tensor(tensor), "op": name}, settings,
+                                      plan))
+    elif carried:  # receive-first, with the header (posting picks it for 2 duplex ranks)
         header = Header(where, {**describe_tensor(tensor), "op": name}, settings)
         if chunk_bytes <= INLINE_MAX_CHUNK:  # the header and the first chunk in one message
             (send0, _, into0, _) = plan.steps[0]
@@ -260,7 +281,12 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     else:
         loop = partial(planned_ring_all_reduce_, plan=plan, name=name, how=how)
     loop(peers)
-    if (carried or not check) and flat.in_place and segment_bytes is None:  # only these recall
+    # Not a first call on 2 ranks whose connections were not settled yet: the next one goes
+    # early or carried, and must not find this one's loop kept.
+    kept = box is not None and (paired or peers.size != 2)
+    if flat.in_place and segment_bytes is None and (carried or not check or kept):
+        if box is not None and not early:  # a repeat call agrees in shared memory, then runs
+            loop = agreed(where, {**describe_tensor(tensor), "op": name}, settings, loop)
         remember(tensor, op, group, loop, check)  # holds the plan, whose views alias, not `tensor`
     return flat.done()
 

@@ -1,9 +1,10 @@
 """The shared-memory collectives of one group: all-reduce, reduce-scatter, all-gather, broadcast.
 
 Layout of the group's segment (transport/shm.py): three rows of per-rank counters (`arrive`,
-`reduced`, `gone`), then two sets ("parities") of n+1 slots of SLOT_BYTES each: one input slot
-per rank and one result slot. Every step (a call, or one chunk of a call larger than a slot)
-takes the next sequence number and uses the parity seq % 2, alternately.
+`reduced`, `gone`), the metadata agreement's counters and numbers (shm_agree.py), then two
+sets ("parities") of n+1 slots of SLOT_BYTES each: one input slot per rank and one result
+slot. Every step (a call, or one chunk of a call larger than a slot) takes the next sequence
+number and uses the parity seq % 2, alternately.
 
 All-reduce, for a chunk of m bytes:
 - small (m <= SMALL_BYTES): each rank copies its input into its slot and posts `arrive`; once
@@ -32,6 +33,7 @@ import torch
 
 from ..errors import MicroDDPError
 from ..transport.shm import LINE_WORDS, Flags, Segment
+from .shm_agree import SharedAgreement, area_words
 
 # Per rank and parity: a larger message goes in chunks of this. Each chunk costs a
 # synchronisation or two, which on a busy host can cost a time slice each: against 1 MiB, 4 MiB
@@ -67,7 +69,8 @@ def segment_bytes(size: int, slot: int) -> int:
 
 
 def _control_bytes(size: int) -> int:
-    return -(-3 * size * LINE_WORDS * 8 // 4096) * 4096
+    """The three rows of counters, then the metadata agreement's area (shm_agree.py)."""
+    return -(-(3 * size * LINE_WORDS + area_words(size)) * 8 // 4096) * 4096
 
 
 def fold(op: str, parts: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -116,6 +119,9 @@ class SharedGroup:
         self.gone = Flags(segment, 2 * size * LINE_WORDS, rank, size, pids)
         self.arrive = Flags(segment, 0, rank, size, pids, self.gone)
         self.reduced = Flags(segment, size * LINE_WORDS, rank, size, pids, self.gone)
+        # Every metadata agreement of the group (agree.py): no gloo message for it.
+        self.agreement = SharedAgreement(segment, 3 * size * LINE_WORDS, rank, size, pids,
+                                         self.gone, timeout_s)
         base = _control_bytes(size)
         self.slots = [[segment.data[base + (p * (size + 1) + j) * slot:
                                     base + (p * (size + 1) + j + 1) * slot]

@@ -22,8 +22,12 @@ waiting for ever.
 
 Memory ordering: a rank writes its data (torch ops), then its counter (one aligned 8-byte
 store), then rings the bell; a reader reads the bell, then the counter, then the data (and
-sleeps only if the bell still holds what it read: the kernel checks that, so no wake-up is
-lost). That is correct on x86-64, whose
+sleeps only if the bell still holds what it read: the kernel checks that). The wake-up is a
+system call, and under load every system call is a moment the kernel may run someone else,
+so a poster makes it only when a rank says it is asleep (a flag in that rank's line, raised
+before it reads the counter a last time): poster and sleeper each store, then `fence()`,
+then read the other's word, so at least one of them sees the other's store and no wake-up
+is lost. That is correct on x86-64, whose
 total store order keeps stores in order and loads in order, and where each torch op is an
 opaque call the compiler cannot move a load or store across (a multi-threaded op joins its
 threads first, a full fence). Weakly ordered CPUs (ARM, POWER) need fences that Python cannot
@@ -73,6 +77,20 @@ def _futex_wait(address: int, expected: int, timeout_s: float) -> None:
 def _futex_wake(address: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1),
                   None, None, 0)
+
+
+# A full memory barrier without a system call: a locked compare-and-swap, which is what
+# pthread_spin_trylock is on x86-64 (glibc: `lock cmpxchg`, executed whether or not it takes
+# the lock; musl alike), and a locked instruction orders every load and store around it.
+# Python has no fence of its own; the lock word is this process's and never taken.
+_fence_word = ctypes.c_int(0)
+_fence_call = _libc.pthread_spin_trylock
+_fence_ref = ctypes.byref(_fence_word)
+
+
+def fence() -> None:
+    """Make this thread's earlier stores visible to every CPU before its later loads."""
+    _fence_call(_fence_ref)
 
 # Set by the hang monitor while it runs (it sits above this layer): turns the reason a wait
 # failed into the report of where every rank is.
@@ -207,9 +225,13 @@ class Segment:
         self.data = self._mm = None
 
 
+_ASLEEP = 2  # a line's third word: its rank sleeps in a wait on this row of counters
+
+
 class Flags:
     """Per-rank counters in a segment: each rank posts its own, and waits for the others.
-    A counter is the first 8 bytes of its rank's 64-byte line; its bell the next 4."""
+    A counter is the first 8 bytes of its rank's 64-byte line; its bell the next 4; the
+    third word says its rank is asleep waiting for another's counter of this row."""
 
     def __init__(self, segment: Segment, first_word: int, rank: int, size: int,
                  pids: Sequence[int], gone: Flags | None = None) -> None:
@@ -223,12 +245,18 @@ class Flags:
         self.spins = SPINS if size <= _cores() else 0
 
     def post(self, value: int) -> None:
-        """Post this rank's step `value` and wake any rank sleeping on it."""
+        """Post this rank's step `value` and wake any rank sleeping on it. After it, the post
+        is visible to every rank before this one's next read (`fence`)."""
         i = self.index[self.rank]
-        self.words[i] = value
+        words = self.words
+        words[i] = value
         bell = 2 * i + 2  # the 32-bit word after the counter
         self.bells[bell] = (self.bells[bell] + 1) & 0x7FFFFFFF
-        _futex_wake(self.address + 4 * bell)
+        fence()
+        for j in self.others:
+            if words[j + _ASLEEP]:
+                _futex_wake(self.address + 4 * bell)
+                return
 
     def get(self, rank: int) -> int:
         """The last step `rank` posted."""
@@ -261,9 +289,13 @@ class Flags:
                 return
             i = late[0]
             bell = 2 * i + 2
+            asleep = self.index[self.rank] + _ASLEEP
+            words[asleep] = 1  # raised, then fenced, before the last read (module docstring)
+            fence()
             rung = bells[bell]  # the bell first, then the counter: see the module's docstring
             if words[i] < value:
                 _futex_wait(self.address + 4 * bell, rung, LIVENESS_S)
+            words[asleep] = 0
             now = time.monotonic()
             if now >= check_at:
                 check_at = now + LIVENESS_S

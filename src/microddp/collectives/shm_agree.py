@@ -1,0 +1,103 @@
+"""The metadata agreement through shared memory, for a group whose ranks are all on this host.
+
+agree.py makes every rank agree on shapes, dtypes and ops before data moves, with a butterfly
+of small messages through the group's backend. On one host those are loopback TCP messages,
+each handled by gloo's threads: on 2 ranks of this 2-core host the ring's default check cost
+1.1-1.2x the unchecked ring's time at 1 MiB, however the header travelled (beside the data,
+ahead of it, on its own connection; chapter 4 has the table), because the cost was the
+messages themselves. Here no message is sent: every rank writes the very numbers the
+butterfly would send (agree.encode's) into its own line of the group's segment, then posts a
+counter; once every rank's counter shows this call, each rank reads every rank's numbers and
+takes their maximum, which is exactly what the butterfly computes. judge() then raises the same
+error on every rank, from the same numbers, as before.
+
+Every agreement of such a group goes through here, never some through gloo: a rank that
+called a ring and one that called a tree or a broadcast still meet in this mailbox and both
+raise. (Only the ring's header carried beside its data, ring_carried.py, is skipped for such a
+group: it would be an agreement through gloo.)
+
+Why two sets of lines ("parities") are enough, agreement s using set s % 2: a rank writes set
+p again at agreement s + 2 only after the wait of agreement s + 1, which returns only once
+every rank has posted s + 1, and a rank posts s + 1 only after it has read every line of s.
+So no rank's numbers for s are overwritten before every rank has read them, and no rank can
+be more than one agreement ahead of another. A rank that never comes (it crashed, or called
+a collective that does not agree) makes the others' wait end at the group's timeout with the
+hang report, like any shared-memory wait (transport/shm.py).
+
+The memory ordering is transport/shm.py's: numbers first, then the counter, then the bell.
+"""
+
+from __future__ import annotations
+
+import array
+
+from ..transport.shm import LINE_WORDS, Flags, Segment
+
+# agree.py's message without its padding: SLOTS codes, then the same negated (agree.encode).
+# A literal here, since agree.py imports this module; tests/test_shm_agree.py checks it.
+WORDS = 20
+# Beside them, not compared: where a ring sent and posted its first step early (ring_early.py),
+# so that a rank refusing the call knows what to settle; zeros for every other agreement.
+EXTRA = 2
+STRIDE = -(-(WORDS + EXTRA) // LINE_WORDS) * LINE_WORDS  # whole cache lines per rank
+
+
+def area_words(size: int) -> int:
+    """Words of the segment an agreement needs: a counter line per rank, then two sets of
+    per-rank numbers."""
+    return size * LINE_WORDS + 2 * size * STRIDE
+
+
+class SharedAgreement:
+    """One rank's side of its group's agreements in shared memory (see the module docstring).
+    `first_word`: where its area (area_words long) starts in the segment."""
+
+    def __init__(self, segment: Segment, first_word: int, rank: int, size: int,
+                 pids: list[int], gone: Flags, timeout_s: float) -> None:
+        self.words, self.rank, self.size, self.timeout_s = segment.words, rank, size, timeout_s
+        self.told = Flags(segment, first_word, rank, size, pids, gone)
+        self.numbers = first_word + size * LINE_WORDS
+        self.seq = 0
+
+    def _at(self, rank: int, seq: int) -> int:
+        return self.numbers + ((seq % 2) * self.size + rank) * STRIDE
+
+    def post(self, mine: array.array, extra: tuple[int, int] = (0, 0)) -> int:
+        """Write this rank's WORDS numbers (an int64 array) and EXTRA words for the group's
+        next agreement and post them; returns its sequence number, for `result`."""
+        self.seq += 1
+        seq = self.seq
+        at = self._at(self.rank, seq)
+        self.words[at:at + WORDS] = mine
+        self.words[at + WORDS], self.words[at + WORDS + 1] = extra
+        self.told.post(seq)
+        return seq
+
+    def result(self, seq: int, mine: array.array, what: str) -> list[int] | None:
+        """Once every rank has posted agreement `seq`: None if every rank's numbers equal
+        `mine` (compared in C, the common case), else the maximum of each number over all
+        ranks (a butterfly's result, for agree.judge)."""
+        self.told.wait(seq, self.timeout_s, what)
+        at = [self._at(r, seq) for r in range(self.size)]
+        if all(self.words[a:a + WORDS] == mine for a in at):
+            return None
+        rows = [self.words[a:a + WORDS].tolist() for a in at]
+        return [max(column) for column in zip(*rows, strict=True)]
+
+    def posted(self, rank: int, seq: int) -> bool:
+        """Whether `rank` has posted agreement `seq` yet, without waiting. Asked after this
+        rank's own post, it cannot be False on both of two ranks: each post ends in a futex
+        wake, a system call whose kernel side is a full memory barrier (futex_wake's
+        smp_mb(), there so that a waker's store is seen before it looks for sleepers), so a
+        rank's post is visible to all before its own read of the other's (ring_early.py
+        relies on it: one of the two reads the check at once)."""
+        return self.told.get(rank) >= seq
+
+    def extra(self, seq: int, rank: int) -> tuple[int, int]:
+        """The EXTRA words `rank` posted with agreement `seq` (read after `result`)."""
+        at = self._at(rank, seq) + WORDS
+        return self.words[at], self.words[at + 1]
+
+    def combine(self, mine: array.array, what: str) -> list[int] | None:
+        """post, then result: this rank's numbers against every rank's."""
+        return self.result(self.post(mine), mine, what)
