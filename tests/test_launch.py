@@ -109,9 +109,16 @@ def test_missing_script_names_only_the_script():
 def test_a_usage_error_is_not_restarted(tmp_path):
     """Exit code 2 is a user's mistake (microddp's and argparse's code): a restart repeats it."""
     script = write(tmp_path, "usage.py", """
-        import os, sys
+        import os, sys, time
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
         open(os.path.join(sys.argv[1], f"attempt{attempt}-{os.environ['RANK']}"), "w").close()
+        if os.environ["RANK"] == "1":
+            # Rank 0 has written its file first: the launcher stops the others as soon as one
+            # fails, and on a busy machine it once stopped rank 0 before it got there.
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(sys.argv[1], f"attempt{attempt}-0")):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
         sys.exit(2 if os.environ["RANK"] == "1" else 0)
     """)
     out = microddp("run", "-n", "2", "--max-restarts", "2", script, str(tmp_path))
