@@ -161,3 +161,30 @@ def test_no_shared_memory_no_shared_agreement(monkeypatch):
 def test_the_mailbox_holds_what_an_agreement_sends():
     # shm_agree cannot import agree (agree imports it): its literal is checked here
     assert shm_agree.WORDS == 2 * agree.SLOTS
+
+
+def test_a_post_wakes_a_peer_only_when_it_said_it_sleeps(monkeypatch):
+    """transport/shm.py: a post makes the futex system call only when another rank raised its
+    asleep flag (set by a wait before its last look, behind a fence); otherwise none."""
+    import os
+
+    from microddp.transport import shm
+
+    assert shm._fence_call is not None  # the fence is a libc call here, not a system call
+    shm.fence()
+    name = shm.segment_name()
+    seg = shm.Segment(name, 4096, create=True)
+    seg.unlink()
+    try:
+        pids = [os.getpid()] * 2
+        mine, theirs = shm.Flags(seg, 0, 0, 2, pids), shm.Flags(seg, 0, 1, 2, pids)
+        woken: list = []
+        monkeypatch.setattr(shm, "_futex_wake", lambda address: woken.append(address))
+        mine.post(1)
+        assert woken == [] and theirs.get(0) == 1  # nobody asleep: no system call
+        seg.words[theirs.index[1] + shm._ASLEEP] = 1  # rank 1 is about to sleep on a bell
+        mine.post(2)
+        assert len(woken) == 1  # rank 0's bell is rung for it
+        theirs.wait(2, 1.0, "test")  # already posted: returns at once, flag untouched
+    finally:
+        seg.close()

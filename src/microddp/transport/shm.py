@@ -82,15 +82,23 @@ def _futex_wake(address: int) -> None:
 # A full memory barrier without a system call: a locked compare-and-swap, which is what
 # pthread_spin_trylock is on x86-64 (glibc: `lock cmpxchg`, executed whether or not it takes
 # the lock; musl alike), and a locked instruction orders every load and store around it.
-# Python has no fence of its own; the lock word is this process's and never taken.
+# Python has no fence of its own; the lock word is this process's. Where libc does not export
+# it, a futex wake of a word nobody waits on does the same, at a system call's price: the
+# kernel's futex_wake runs a full barrier (smp_mb) before it looks for waiters.
 _fence_word = ctypes.c_int(0)
-_fence_call = _libc.pthread_spin_trylock
 _fence_ref = ctypes.byref(_fence_word)
+try:
+    _fence_call = _libc.pthread_spin_trylock
+except AttributeError:  # pragma: no cover (every libc we know exports it)
+    _fence_call = None
 
 
 def fence() -> None:
     """Make this thread's earlier stores visible to every CPU before its later loads."""
-    _fence_call(_fence_ref)
+    if _fence_call is not None:
+        _fence_call(_fence_ref)
+    else:  # pragma: no cover
+        _futex_wake(ctypes.addressof(_fence_word))
 
 # Set by the hang monitor while it runs (it sits above this layer): turns the reason a wait
 # failed into the report of where every rank is.
