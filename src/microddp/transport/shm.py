@@ -87,8 +87,9 @@ def _futex_wake(address: int) -> None:
 # kernel's futex_wake runs a full barrier (smp_mb) before it looks for waiters.
 _fence_word = ctypes.c_int(0)
 _fence_ref = ctypes.byref(_fence_word)
-try:
-    _fence_call = _libc.pthread_spin_trylock
+try:  # through PyDLL, which keeps the GIL: letting go of it for one instruction would invite
+    # another thread (DDP's lane) in, and cost more than the fence
+    _fence_call = ctypes.PyDLL(None).pthread_spin_trylock
 except AttributeError:  # pragma: no cover (every libc we know exports it)
     _fence_call = None
 
