@@ -206,6 +206,7 @@ def _pipeline_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
     ranks stream sends and seldom wait long, 1F1B's hand every micro-batch back and forth
     and wait in nearly every receive."""
     torch.set_num_threads(1)  # as `bench pipeline` runs each rank
+    pipeline.placement.pin(world.rank)  # as `bench pipeline` places them
     p, rank = world.world_size, world.rank
     schedules = [pipeline.build(name, p, microbatches) for name in ("gpipe", "1f1b")]
     out = []

@@ -42,6 +42,7 @@ from ..collectives.cost import fit_line
 from ..comms.world import World
 from ..launch.spawn import spawn
 from ..model import FullMLP
+from ..pipeline import placement
 from ..pipeline.schedules import RECVS, SENDS, message_key
 from ..timing import median, trimmed_mean
 
@@ -73,6 +74,7 @@ def _stage_work():
 def _relay_job(world: World, repeats: int) -> list[tuple[int, float]]:
     """[(bytes, one way s beyond the compute)] per message size."""
     torch.set_num_threads(1)
+    placement.pin(world.rank)  # as `bench pipeline` places its ranks
     other, work = 1 - world.rank, _stage_work()
     out = []
     for nbytes in MESSAGE_BYTES:

@@ -1,0 +1,45 @@
+"""Pin a pipeline rank's process to one core: rank r on the r-th core it may use (mod their count).
+
+Why: a pipeline rank blocks in a receive, and the send that ends its wait wakes it. Sockets
+wake their reader as a *synchronous* wake-up (the writer is expected to sleep next), so Linux
+puts the woken rank, and gloo's thread that reads for it, on the sender's core: the sender,
+still inside its `isend`, then waits on that core's run queue while the other core may sit
+idle, until the scheduler balances the two (milliseconds). Measured on this 2-core host
+(2 ranks, 8 micro-batches, interleaved steps, `/proc/self/task/*/schedstat`): a send to a
+rank already waiting took 0.5-2 ms on average against 40-140 us to a busy one, nearly all of
+it the sender's run-queue delay, and the woken receiver ran before the sender's `isend`
+returned. Pinned, each rank's threads stay on its own core, so a wake-up never takes the
+sender's: 1F1B's step 18.6 ms against 28.0, interleaved 30 against 38, GPipe 13.6 against
+15.8 (load average 2.2-2.7). With more ranks than cores the ranks sharing a core are fixed
+(r, r + cores, ...), so how they time-share is known in advance (`microddp predict` uses it).
+
+`microddp bench pipeline` and `microddp predict --calibrate` pin their ranks; torch's
+schedules in the benchmark run in the same pinned processes, so both are measured alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def cores() -> list[int]:
+    """The cores this process may run on, in order."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def core_of(rank: int, allowed: list[int] | None = None) -> int:
+    """The core rank `rank` is pinned to: the (rank mod count)-th of the allowed cores."""
+    allowed = cores() if allowed is None else allowed
+    return allowed[rank % len(allowed)]
+
+
+def pin(rank: int) -> int:
+    """Pin every thread of this process (gloo's included, started before) and the threads it
+    starts later (they inherit it) to `core_of(rank)`; returns that core."""
+    core = core_of(rank)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that has just ended, or one we may not move: nothing to pin
+    return core
