@@ -300,6 +300,11 @@ def test_compare_uses_the_saved_pipeline_costs(tmp_path, capsys):
     assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 0
     out = capsys.readouterr().out
     assert "this host's calibrated actions" in out
+    assert "were not pinned" in out  # this benchmark's config does not say it pinned its ranks
+    path.write_text(json.dumps({**bench, "config": {**bench["config"], "pinned": True}}))
+    assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 0
+    out = capsys.readouterr().out
+    assert "not pinned" not in out
     predicted = pp.predict(pp.from_bench(bench), "gpipe", hw, costs)["step_s"]
     row = re.search(r"^gpipe\s+\S+\s+\S+\s+(\S+)", out, re.M)
     assert float(row.group(1)) == pytest.approx(1e3 * predicted, abs=0.01)

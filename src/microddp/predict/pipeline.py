@@ -165,6 +165,11 @@ def table(job: PipelineJob, rows: list[dict], measured: dict | None = None) -> s
             err = (1e3 * r["step_s"] - got["step_ms"]) / got["step_ms"]
             line += f"{got['bubble_measured']:>17.3f}{got['step_ms']:>10.2f}{100 * err:>7.0f}%"
         lines.append(line)
+    if measured is not None and not measured.get("config", {}).get("pinned", False):
+        lines.append("note: the benchmark's ranks were not pinned (--no-pin, or a benchmark "
+                     "older than pinning); the calibration's are and the model assumes so "
+                     "(microddp.pipeline.placement): a send that wakes a waiting rank cost "
+                     "0.5-2 ms more unpinned here")
     return "\n".join(lines)
 
 
