@@ -2,6 +2,7 @@
 thread of the process there, the ones started before it (gloo's) and after it (they inherit).
 Pinning is done in a child process: pinning pytest itself would leave it on one core."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -38,3 +39,11 @@ def test_pin_moves_every_thread_of_the_process_older_and_newer():
     core, threads, where, sizes = done.stdout.split(maxsplit=3)
     assert int(threads) >= 3  # main, older, newer
     assert where == f"[{core}]" and sizes.strip() == "{1}"
+
+
+def test_without_affinity_pinning_leaves_the_ranks_to_the_os(monkeypatch):
+    # macOS has neither sched_getaffinity nor sched_setaffinity: every core, and no pinning
+    monkeypatch.delattr("os.sched_getaffinity")
+    monkeypatch.delattr("os.sched_setaffinity")
+    assert placement.cores() == list(range(os.cpu_count() or 1))
+    assert placement.pin(0) is None

@@ -23,8 +23,11 @@ import os
 
 
 def cores() -> list[int]:
-    """The cores this process may run on, in order."""
-    return sorted(os.sched_getaffinity(0))
+    """The cores this process may run on, in order (every core where the OS cannot say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this OS (macOS)
+        return list(range(os.cpu_count() or 1))
 
 
 def core_of(rank: int, allowed: list[int] | None = None) -> int:
@@ -33,13 +36,20 @@ def core_of(rank: int, allowed: list[int] | None = None) -> int:
     return allowed[rank % len(allowed)]
 
 
-def pin(rank: int) -> int:
+def pin(rank: int) -> int | None:
     """Pin every thread of this process (gloo's included, started before) and the threads it
-    starts later (they inherit it) to `core_of(rank)`; returns that core."""
+    starts later (they inherit it) to `core_of(rank)`; returns that core, or None where the
+    OS offers no pinning (macOS): the ranks then run where the OS puts them."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
     core = core_of(rank)
-    for tid in os.listdir("/proc/self/task"):
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread, and the ones it starts from now on
+        threads = [0]
+    for tid in threads:
         try:
-            os.sched_setaffinity(int(tid), {core})
+            os.sched_setaffinity(tid, {core})
         except (ProcessLookupError, PermissionError):
             pass  # a thread that has just ended, or one we may not move: nothing to pin
     return core
