@@ -1,6 +1,7 @@
 """`microddp predict` beyond data parallelism: the ZeRO paper's memory model (its Fig. 1 figures
 for 7.5B parameters on 64 ranks) and a pipeline step played from the schedule with costs."""
 
+import dataclasses
 import json
 import re
 from dataclasses import asdict
@@ -151,24 +152,55 @@ def test_calibrated_actions_fill_the_schedule_by_hand():
     late = pp.predict(pp.PipelineJob(2, 3, 16, 4, 6, sleep_ms=1.0), "gpipe", INSTANT, slow)
     sleeps = (3 + 2 - 1) * (2e-3 + 4e-3)
     assert late["step_s"] == pytest.approx(r["step_s"] + sleeps + 2 * 2e-3 + 6 * 5e-4, rel=1e-9)
-    # ranks beyond the cores time-share them while they compute, not while they wait: GPipe
-    # on 4 ranks, 3 micro-batches, 1 block a stage, plays in (3 + 4 - 1)(f + b) with 4 x 3 x
-    # (f + b) of compute: 2 ranks compute at once on average. On 2 cores that needs no
-    # stretch; on 1 core compute takes twice as long. The step's fixed cost (zero_grad, the
-    # optimizer) runs on all 4 ranks at once: ranks / cores times as long
+    # ranks beyond the cores share them while they compute (rank r on core r mod cores):
+    # GPipe on 4 ranks, 3 micro-batches, 1 block a stage plays in (3 + 4 - 1)(f + b) on 4
+    # cores; on 1 core some rank always computes (messages cost nothing here), so the step
+    # is all 4 x 3 x (f + b) of compute; 2 cores fall between. The step's fixed cost
+    # (zero_grad, the optimizer) runs on all 4 ranks at once: ranks / cores times as long
     four = pp.PipelineJob(stages=4, microbatches=3, dim=16, depth=4, batch=6)
     f1, b1 = costs.forward(1, 2, 16), costs.backward(1, 2, 16)
-    for cores, stretch in ((4, 1.0), (2, 1.0), (1, 2.0)):
-        got = pp.predict(four, "gpipe", INSTANT, _costs(cores=cores))["step_s"]
-        assert got == pytest.approx(6 * (f1 + b1) * stretch + costs.step(1) * max(1, 4 / cores),
-                                    rel=1e-9), cores
-    # a sleeping rank holds no core: with a 1 ms sleep a block forward (3 ms forward and
-    # backward), the 4 ranks compute 12 (f + b) in a step of 6 (f + b + 3 ms), under one core
-    # at once on average: even on 1 core, compute is not stretched (ranks / cores would be 4)
+    got = {cores: pp.predict(four, "gpipe", INSTANT, _costs(cores=cores))["step_s"]
+           for cores in (4, 2, 1)}
+    assert got[4] == pytest.approx(6 * (f1 + b1) + costs.step(1), rel=1e-9)
+    assert got[1] == pytest.approx(12 * (f1 + b1) + 4 * costs.step(1), rel=1e-9)
+    assert got[4] < got[2] - 2 * costs.step(1) + costs.step(1) < got[1]
+    # a sleeping rank holds no core: all-sleep stages (the FLOPs cost nothing) on 1 core play
+    # as on 4
+    sleepy = _costs(forward_fixed=0.0, forward_block=0.0, forward_weight=0.0,
+                    forward_rate=float("inf"), backward_fixed=0.0, backward_block=0.0,
+                    backward_weight=0.0, backward_rate=float("inf"), step_fixed=0.0,
+                    step_block=0.0)
     slept = pp.PipelineJob(stages=4, microbatches=3, dim=16, depth=4, batch=6, sleep_ms=1.0)
-    assert 12 * (f1 + b1) / (6 * (f1 + b1 + 3e-3)) < 1
-    got = pp.predict(slept, "gpipe", INSTANT, _costs(cores=1))["step_s"]
-    assert got == pytest.approx(6 * (f1 + b1 + 3e-3) + 4 * costs.step(1), rel=1e-9)
+    one, all_ = (pp.predict(slept, "gpipe", INSTANT, dataclasses.replace(sleepy, cores=c))
+                 for c in (1, 4))
+    assert one["step_s"] == pytest.approx(all_["step_s"]) == pytest.approx(6 * 3e-3)
+
+
+def test_ranks_on_one_core_share_it_while_they_compute_and_not_while_they_wait():
+    # GPipe, 2 ranks, F = 1, B = 2. One micro-batch: the ranks never compute at once, so one
+    # core plays as two: F0 F0 B0 B0 = 6
+    one = pipeline.build("gpipe", 2, 1)
+    assert pipeline.simulate(one, cores=1).makespan == pipeline.simulate(one).makespan == 6
+    # Two (9 on two cores): rank 0's F1 and rank 1's F0 run at once from t = 1, each at half
+    # speed, both done at 3; rank 1's F1 alone (3-4), its B0 alone (4-6); then rank 1's B1
+    # and rank 0's B0 at once (6-10); rank 0's B1 alone (10-12): 12, all the compute, back
+    # to back
+    two = pipeline.build("gpipe", 2, 2)
+    shared = pipeline.simulate(two, cores=1)
+    assert shared.makespan == pytest.approx(12)
+    assert [t for s, e, _ in shared.spans[1] for t in (s, e)] == \
+        pytest.approx([1, 3, 3, 4, 4, 6, 6, 10])
+    assert pipeline.simulate(two).makespan == 9
+    # all of it a sleep (no core held): as on two cores
+    asleep = pipeline.simulate(two, cores=1, idle=lambda a: {"F": 1, "B": 2}[a.kind])
+    assert asleep.makespan == 9
+    # as many cores as ranks: the plain play, messages' costs included
+    for name in pipeline.BUILDERS:
+        s = pipeline.build(name, 3, 5)
+        args = (lambda a: 1 + 0.1 * a.stage + (a.kind == "B"), 0.3, 0.05, 0.02, 0.1)
+        plain, cored = pipeline.simulate(s, *args), pipeline.simulate(s, *args, cores=3)
+        assert cored.makespan == pytest.approx(plain.makespan)
+        assert cored.spans == plain.spans
 
 
 def test_the_head_and_loss_cost_the_last_stage_only_and_the_tail_stretches_compute():
@@ -236,10 +268,10 @@ def test_sends_receives_and_wake_ups_are_read_from_the_interpreters_records():
     # than due: 0, never a negative cost
     early = [step[0], [(recv_act, 5.0, 15.0, 6.0, 14.0), step[1][1]]]
     assert pm.read_messages([early], 1.0, 4.0, 4)[2] == [0.0]
-    # charged: a send's and a receive's trimmed mean, so one stalled call among ten moves it
-    # little; the wake-ups' plain mean, each slow one counted (every waiting receive pays one)
+    # charged: plain means, each slow call counted (interleaved's stalled sends are part of
+    # what its step pays)
     assert pm.mean_costs([1.0] * 9 + [100.0], [2.0], [0.0] * 9 + [100.0]) == \
-        pm.MessageCosts(1.0, 2.0, 10.0)
+        pm.MessageCosts(10.9, 2.0, 10.0)
     assert pm.mean_costs([], [], []) == pm.MessageCosts(0.0, 0.0, 0.0)
 
 
@@ -268,6 +300,11 @@ def test_compare_uses_the_saved_pipeline_costs(tmp_path, capsys):
     assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 0
     out = capsys.readouterr().out
     assert "this host's calibrated actions" in out
+    assert "were not pinned" in out  # this benchmark's config does not say it pinned its ranks
+    path.write_text(json.dumps({**bench, "config": {**bench["config"], "pinned": True}}))
+    assert cli.main(["predict", "--compare", str(path), "--calibration", str(calibration)]) == 0
+    out = capsys.readouterr().out
+    assert "not pinned" not in out
     predicted = pp.predict(pp.from_bench(bench), "gpipe", hw, costs)["step_s"]
     row = re.search(r"^gpipe\s+\S+\s+\S+\s+(\S+)", out, re.M)
     assert float(row.group(1)) == pytest.approx(1e3 * predicted, abs=0.01)
@@ -290,3 +327,31 @@ def test_the_pipeline_measurement_runs_and_fits_positive_costs():
     assert costs.message(2**16) > 0 and costs.send > 0
     assert costs.receive >= 0 and costs.wake >= 0 and costs.tail > 0
     assert costs.last_forward >= 0 and costs.last_backward >= 0
+    # each schedule's own message costs, at each calibrated width; other widths: the pooled
+    assert set(costs.schedule_messages) == set(pipeline.BUILDERS)
+    for name, widths in costs.schedule_messages.items():
+        assert set(widths) == {str(d) for d in pc.DIMS}, name
+        send, receive, wake = widths["128"]
+        assert send > 0 and receive >= 0 and wake >= 0, name
+        assert costs.messages(name, 128) == (send, receive, wake)
+        assert costs.messages(name, 64) == (costs.send, costs.receive, costs.wake)
+
+
+def test_each_schedule_pays_its_own_message_costs_and_rounds_take_their_median():
+    own = {"interleaved": {"16": [5e-4, 1e-4, 2e-4]}}
+    costs = _costs(send=1e-5, schedule_messages=own)
+    assert costs.messages("interleaved", 16) == (5e-4, 1e-4, 2e-4)
+    assert costs.messages("gpipe", 16) == costs.messages("interleaved", 32) == (1e-5, 0.0, 0.0)
+    # predicted with them: interleaved's messages cost its own, GPipe's the pooled
+    job = pp.PipelineJob(stages=2, microbatches=4, dim=16, depth=4, batch=8)
+    for name in ("interleaved", "gpipe"):
+        schedule = pipeline.build(name, 2, 4)
+        cost = pp._calibrated_cost(job, pipeline.blocks_per_stage(4, schedule.stages), costs,
+                                   2.0, 0.0)
+        play = pipeline.simulate(schedule, cost, costs.message(2 * 16 * 4),
+                                 *costs.messages(name, 16), cores=2)
+        got = pp.predict(job, name, INSTANT, costs)["step_s"]
+        assert got == pytest.approx(play.makespan + costs.step(2), rel=1e-9), name
+    # rounds: each figure's median, a schedule's message costs term by term
+    rounds = [_costs(schedule_messages={"1f1b": {"16": [a, 2 * a, 3 * a]}}) for a in (1, 5, 2)]
+    assert pc.median_costs(rounds).schedule_messages == {"1f1b": {"16": [2, 4, 6]}}

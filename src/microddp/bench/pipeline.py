@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--no-torch", action="store_true", help="leave out torch's ScheduleGPipe "
                    "and Schedule1F1B")
+    p.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned (by "
+                   "default rank r runs on core r mod cores, its threads too: see "
+                   "microddp.pipeline.placement)")
     p.add_argument("--out", default=None, help="folder for pipeline.json, the PNGs and "
                    "trace.json (default: a new runs/bench-pipeline-DATE-TIME)")
 
@@ -158,6 +161,8 @@ def torch_schedule_step(schedule, rank: int, p: int, x: torch.Tensor, y: torch.T
 
 def _job(world: World, cfg: dict) -> dict:
     torch.set_num_threads(1)  # one core's worth per rank for every contender alike
+    if cfg["pinned"]:
+        pipeline.placement.pin(world.rank)  # why: pipeline/placement.py
     log: dict = {}
     ours = {name: _ours(world, name, cfg, log) for name in cfg["schedules"]}
     contenders = {name: step for name, (step, _) in ours.items()}
@@ -215,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
            "dim": args.dim, "depth": args.depth, "batch": args.batch, "compute": args.compute,
            "sleep_ms": args.sleep_ms if args.compute == "sleep" else None,
            "repeats": args.repeats, "warmup": args.warmup, "schedules": schedules,
-           "torch": theirs}
+           "torch": theirs, "pinned": not args.no_pin}
     with outputs.run_folder(args.out, "bench-pipeline") as out:
         load = os.getloadavg()
         ranks = spawn(_job, args.stages, args=(cfg,), backend="gloo", timeout=1800)

@@ -74,7 +74,8 @@ def table(result: dict) -> str:
     lines = [f"pipeline: {cfg['stages']} ranks, {cfg['microbatches']} micro-batches, "
              f"FullMLP({cfg['dim']}, depth {cfg['depth']}), batch {cfg['batch']}, gloo; "
              f"median of {cfg['repeats']} interleaved steps; load average {la}",
-             f"compute mode: {mode}",
+             f"compute mode: {mode}; ranks "
+             + ("pinned, rank r to core r mod cores" if cfg.get("pinned") else "unpinned"),
              f"{'schedule':12}{'bubble':>8}{'theory':>8}{'paper':>7}{'step ms':>10}  "
              "peak activations per rank, KiB: held (of it saved by autograd)"]
     for name in cfg["schedules"]:

@@ -10,6 +10,7 @@
 Hybrid DP x PP: `Replicated` wraps a rank's stages in DDP over their data-parallel group.
 """
 
+from . import placement
 from .hybrid import Replicated
 from .runtime import microbatch_sizes, run_schedule
 from .schedules import (
@@ -27,6 +28,6 @@ from .split import blocks_per_stage, split_model, stage_bounds, stage_parameter_
 from .validate import validate
 
 __all__ = ["BUILDERS", "Action", "Replicated", "Schedule", "Timeline", "blocks_per_stage", "build", "gpipe",
-           "grid", "interleaved_1f1b", "microbatch_sizes", "one_f_one_b", "run_schedule",
+           "grid", "interleaved_1f1b", "microbatch_sizes", "placement", "one_f_one_b", "run_schedule",
            "simulate", "split_model", "stage_bounds", "stage_parameter_names", "theory_bubble",
            "validate", "zero_bubble_h1"]

@@ -34,7 +34,8 @@ class Timeline:
 
 def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], float] | None = None,
              transfer: float = 0.0, send: float = 0.0, receive: float = 0.0,
-             wake: float = 0.0) -> Timeline:
+             wake: float = 0.0, cores: int | None = None,
+             idle: Callable[[Action], float] | None = None) -> Timeline:
     """Run every rank's program in order; raise MicroDDPError naming the stuck ranks if the
     programs deadlock (each rank waits for a receive whose send never comes first).
 
@@ -44,10 +45,16 @@ def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], fl
     `receive`: the time a receive takes on its receiver's clock once its message is there;
     `wake`: what a receive that waits (its rank got there before the message) pays on top,
     from the message's arrival to its rank running again (0: none).
+    `cores`: with fewer cores than ranks, rank r runs on core r mod cores (as
+    `placement.pin` places it) and the ranks of one core share it (`_shared`); `idle`: the
+    part of an action's cost that holds no core (a sleep), for that sharing.
     """
     costs = COSTS if costs is None else costs
     cost = costs if callable(costs) else (lambda a: costs[a.kind])
     p = schedule.ranks
+    if cores is not None and cores < p:
+        return _shared(schedule, cost, idle or (lambda a: 0.0), cores,
+                       transfer, send, receive, wake)
     pos, clock = [0] * p, [0.0] * p
     posted: dict[tuple, float] = {}  # message key -> when its send was posted
     spans: list[list] = [[] for _ in range(p)]
@@ -80,6 +87,82 @@ def simulate(schedule: Schedule, costs: dict[str, float] | Callable[[Action], fl
                             f"unfinished rank waits for a message not yet sent: {waits}; "
                             "reorder the programs so each receive's send comes first")
     return Timeline(spans, max(clock, default=0.0))
+
+
+def _shared(schedule: Schedule, cost: Callable[[Action], float],
+            idle: Callable[[Action], float], cores: int, transfer: float, send: float,
+            receive: float, wake: float) -> Timeline:
+    """`simulate` with ranks sharing cores: while k ranks of one core need it (computing,
+    sending, or a receive's own time), each runs at 1/k of its speed; a rank waiting (for a
+    message, its wake-up, or a sleep) needs none. Played as events: at each step every rank's
+    current piece of work runs at its speed until the first piece ends."""
+    p, programs = schedule.ranks, schedule.actions
+    pos = [0] * p
+    work: list[list | None] = [None] * p  # [kind, left, action, start]: "cpu" left seconds of
+    # core time, "wait" until a time, "sleep" until a time then done
+    posted: dict[tuple, float] = {}
+    spans: list[list] = [[] for _ in range(p)]
+    now = 0.0
+
+    def start(r: int) -> None:
+        """Give rank r its next piece of work, if its next action can start now."""
+        while work[r] is None and pos[r] < len(programs[r]):
+            a = programs[r][pos[r]]
+            if a.kind in RECVS:
+                key = message_key(a)
+                if key not in posted:
+                    return  # blocked until the sender gets there
+                arrival = posted[key] + transfer
+                work[r] = (["wait", arrival + wake, a, now] if arrival > now
+                           else ["cpu", receive, a, now])
+            elif a.kind in SENDS:
+                work[r] = ["cpu", send, a, now]
+            else:
+                work[r] = ["cpu", cost(a) - idle(a), a, now]
+
+    def finish(r: int) -> None:
+        kind, _, a, begun = work[r]
+        if kind == "wait":  # the message is there: the receive's own time next
+            work[r] = ["cpu", receive, a, begun]
+            return
+        if kind == "cpu" and a.kind not in RECVS and a.kind not in SENDS and idle(a) > 0:
+            work[r] = ["sleep", now + idle(a), a, begun]
+            return
+        if a.kind in SENDS:
+            posted[message_key(a)] = now
+        elif a.kind not in RECVS:
+            spans[r].append((begun, now, a))
+        work[r] = None
+        pos[r] += 1
+
+    while True:
+        for r in range(p):
+            start(r)
+        running = [r for r in range(p) if work[r] is not None]
+        if not running:
+            break
+        sharing = [0] * cores
+        for r in running:
+            sharing[r % cores] += work[r][0] == "cpu"
+        speed = {r: 1 / sharing[r % cores] for r in running if work[r][0] == "cpu"}
+        step = min((work[r][1] / speed[r] if r in speed else work[r][1] - now)
+                   for r in running)
+        step = max(step, 0.0)
+        now += step
+        for r in running:
+            if r in speed:
+                work[r][1] -= step * speed[r]
+        for r in running:
+            done = work[r][1] <= 1e-15 if r in speed else work[r][1] <= now + 1e-15
+            if done:
+                finish(r)
+    stuck = [r for r in range(p) if pos[r] < len(programs[r])]
+    if stuck:
+        waits = "; ".join(f"rank {r} at action {pos[r]} {programs[r][pos[r]]}" for r in stuck)
+        raise MicroDDPError(f"schedule {schedule.name}: rule 'no deadlock' broken: every "
+                            f"unfinished rank waits for a message not yet sent: {waits}; "
+                            "reorder the programs so each receive's send comes first")
+    return Timeline(spans, now)
 
 
 def theory_bubble(schedule: Schedule) -> float:

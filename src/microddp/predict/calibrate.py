@@ -262,7 +262,11 @@ def calibrate_and_verify(args: argparse.Namespace, rounds: int = 3) -> int:
           f"+{1e6 * costs.last_forward:.0f} us F, +{1e6 * costs.last_backward:.0f} us B; "
           f"messages {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} B/s, a send "
           f"{1e6 * costs.send:.0f} us, a receive {1e6 * costs.receive:.0f} us, "
-          f"+{1e6 * costs.wake:.0f} us wake-up where a receive waits (trimmed means)")
+          f"+{1e6 * costs.wake:.0f} us wake-up where a receive waits (over every schedule and "
+          "width; each schedule's own at each width: " + "; ".join(
+              f"{name} width {w} {1e6 * s:.0f}, {1e6 * r:.0f}, +{1e6 * k:.0f} us"
+              for name, widths in costs.schedule_messages.items()
+              for w, (s, r, k) in widths.items()) + ")")
     if not worlds:
         return 0
     print(f"{'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}  {'limit':<10} "

@@ -70,24 +70,27 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
     message = mb * job.dim * 4
     cost = (_calibrated_cost(job, blocks, costs, mb, sleep) if costs is not None
             else _flops_cost(job, blocks, hw, mb, sleep))
+    cores = idle = None
     if costs is not None:
         # a send's and a receive's own time run on their rank's clock as compute does, but
         # are measured as means already (their tail included); the transfer and the wake-up
         # are waits
-        transfer, send = costs.message(message), costs.send
-        receive, wake = costs.receive, costs.wake
+        transfer = costs.message(message)
+        send, receive, wake = costs.messages(name, job.dim)
         # every rank runs zero_grad and the optimizer at once: p ranks share the cores
         fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
                     for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
-        if job.stages > costs.cores:
-            cost = _calibrated_cost(job, blocks, costs, mb, sleep,
-                                    _stretch(schedule, blocks, job, costs, mb,
-                                             (transfer, send, receive, wake)))
+        # with more ranks than cores, the ranks pinned to one core share it while they
+        # compute (a sleep holds no core)
+        cores = costs.cores
+
+        def idle(a: Action) -> float:
+            return SHARE[a.kind] * blocks[a.stage] * sleep
     else:
         transfer, send, fixed = hw.latency + message / hw.bandwidth, 0.0, 0.0
         receive = wake = 0.0
-    timeline = pipeline.simulate(schedule, cost, transfer, send, receive, wake)
-    ideal = pipeline.simulate(schedule, cost)
+    timeline = pipeline.simulate(schedule, cost, transfer, send, receive, wake, cores, idle)
+    ideal = pipeline.simulate(schedule, cost, cores=cores, idle=idle)
     sends = sum(a.kind in ("SEND_ACT", "SEND_GRAD") for prog in schedule.actions for a in prog)
     return {"schedule": name, "bubble": timeline.bubble, "step_s": timeline.makespan + fixed,
             "step_without_transfer_s": ideal.makespan + fixed,
@@ -113,28 +116,13 @@ def _flops_cost(job: PipelineJob, blocks: list[int], hw: Hardware, mb: float, sl
     return cost
 
 
-def _stretch(schedule, blocks: list[int], job: PipelineJob, costs: PipelineCosts, mb: float,
-             messages: tuple[float, float, float, float]) -> float:
-    """How much longer compute takes when the pipeline has more ranks than the host has
-    cores: the ranks computing at once, on average over the step played unstretched (their
-    compute, sleeps left out, over the step), over the cores, at least 1. A rank waiting in a
-    receive leaves its core to the others, so a pipeline's bubble is time the computing ranks
-    do not share (GPipe, p = 4, m = 8: 2.9 ranks compute at once on average, not 4)."""
-    compute = _calibrated_cost(job, blocks, costs, mb, 0.0)
-    timeline = pipeline.simulate(schedule, _calibrated_cost(job, blocks, costs, mb,
-                                                            (job.sleep_ms or 0.0) / 1e3),
-                                 *messages)
-    busy = sum(compute(a) for spans in timeline.spans for _, _, a in spans)
-    return max(1.0, busy / timeline.makespan / costs.cores) if timeline.makespan else 1.0
-
-
 def _calibrated_cost(job: PipelineJob, blocks: list[int], costs: PipelineCosts, mb: float,
-                     sleep: float, stretch: float = 1.0):
+                     sleep: float):
     """An action's cost as the calibration measured the interpreter's: F and B fitted; I
     computes the input's gradient only (one of a backward's two products per Linear: half a
     B), and none on stage 0, whose input needs none; W walks the whole backward again for the
-    weights (`runtime`'s simple split: a B). Compute (not sleep) takes `stretch` times as
-    long (ranks beyond the cores: `_stretch`)."""
+    weights (`runtime`'s simple split: a B); `sleep` per block forward on top (twice
+    backward)."""
     last = len(blocks) - 1
 
     def cost(a: Action) -> float:
@@ -144,7 +132,7 @@ def _calibrated_cost(job: PipelineJob, blocks: list[int], costs: PipelineCosts, 
                    "W": costs.backward(k, mb, job.dim)}[a.kind]
         if a.stage == last:  # the head, the loss and loss.item() run on the last stage only
             compute += costs.head(a.kind)
-        return compute * costs.tail * stretch + SHARE[a.kind] * k * sleep
+        return compute * costs.tail + SHARE[a.kind] * k * sleep
 
     return cost
 
@@ -177,6 +165,11 @@ def table(job: PipelineJob, rows: list[dict], measured: dict | None = None) -> s
             err = (1e3 * r["step_s"] - got["step_ms"]) / got["step_ms"]
             line += f"{got['bubble_measured']:>17.3f}{got['step_ms']:>10.2f}{100 * err:>7.0f}%"
         lines.append(line)
+    if measured is not None and not measured.get("config", {}).get("pinned", False):
+        lines.append("note: the benchmark's ranks were not pinned (--no-pin, or a benchmark "
+                     "older than pinning); the calibration's are and the model assumes so "
+                     "(microddp.pipeline.placement): a send that wakes a waiting rank cost "
+                     "0.5-2 ms more unpinned here")
     return "\n".join(lines)
 
 
@@ -189,6 +182,16 @@ def _stage_costs(job: PipelineJob, costs: PipelineCosts, mb: float) -> str:
     return ", ".join(f"F {1e3 * costs.forward(k, mb, job.dim):.3f} ms, B "
                      f"{1e3 * costs.backward(k, mb, job.dim):.3f} ms for {k} blocks"
                      for k in sizes)
+
+
+def _message_costs(job: PipelineJob, costs: PipelineCosts) -> str:
+    """Each schedule's (send, receive, wake-up) in us at the job's width, the pooled ones
+    where the calibration did not run that schedule at that width."""
+    own = [n for n in pipeline.BUILDERS if str(job.dim) in costs.schedule_messages.get(n, {})]
+    rows = [(n, costs.messages(n, job.dim)) for n in own] if own else \
+        [("every schedule", (costs.send, costs.receive, costs.wake))]
+    return "; ".join(f"{n} {1e6 * s:.0f}, {1e6 * r:.0f}, +{1e6 * w:.0f} us"
+                     for n, (s, r, w) in rows)
 
 
 def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None) -> str:
@@ -204,9 +207,9 @@ def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None)
                 f"+ {1e3 * costs.last_backward:.3f} ms B (head, loss); step + "
                 f"{1e3 * costs.step(max(pipeline.blocks_per_stage(job.depth, job.stages))):.3f}"
                 f" ms; messages: {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} "
-                f"B/s, a send {1e6 * costs.send:.0f} us, a receive "
-                f"{1e6 * costs.receive:.0f} us, + {1e6 * costs.wake:.0f} us wake-up where a "
-                f"receive waits (calibrated with {costs.ranks} ranks on {costs.cores} cores)")
+                f"B/s; a send, a receive, + a wake-up where a receive waits: "
+                f"{_message_costs(job, costs)} "
+                f"(calibrated with {costs.ranks} ranks on {costs.cores} cores)")
     compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "
                "FLOP/s per rank" if job.sleep_ms else
                f"FLOPs at {rank_rate(hw, job.stages):.3g} FLOP/s per rank")

@@ -33,7 +33,7 @@ Nothing here reads a benchmark's timeline: the figures come from these runs alon
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import torch
 
@@ -80,6 +80,16 @@ class PipelineCosts:
     # width's points alone, used for a stage of that width instead of the fit over widths
     forward_widths: dict[str, list[float]] = field(default_factory=dict)
     backward_widths: dict[str, list[float]] = field(default_factory=dict)
+    # {schedule: {calibrated width: [send, receive, wake]}}: what a message costs its ranks
+    # in that schedule's own runs at that width (`pipeline_messages`), used instead of the
+    # pooled send, receive and wake above for a job of that schedule and width
+    schedule_messages: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def messages(self, schedule: str, dim: int) -> tuple[float, float, float]:
+        """(send, receive, wake) of a message of `schedule` between stages of width `dim`:
+        that schedule's own at that width if calibrated, else the pooled figures."""
+        own = self.schedule_messages.get(schedule, {}).get(str(dim))
+        return tuple(own) if own is not None else (self.send, self.receive, self.wake)
 
     def forward(self, blocks: int, rows: float, dim: int) -> float:
         """One F action of a stage of `blocks` blocks of width `dim` on `rows` rows."""
@@ -197,45 +207,57 @@ def _head_times(dim: int, rows: int, microbatches: int, repeats: int) -> tuple[f
     return median(f), median(b)
 
 
+MESSAGE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")  # each one's messages
+
+
 def _pipeline_job(world: World, microbatches: int, repeats: int) -> list[tuple]:
-    """On every rank at once (the world is the pipeline: one stage of k blocks per rank), run
-    the interpreter's GPipe and 1F1B, step by step in turn, for every (blocks k, rows r,
-    width) and time them: [(k, r, dim, this rank's F spans, B spans, step minus its actions,
-    message records per step, head F, head B)]; the last rank's F and B include the head and
-    loss, timed apart on every rank. Both schedules, because their messages differ: GPipe's
-    ranks stream sends and seldom wait long, 1F1B's hand every micro-batch back and forth
-    and wait in nearly every receive."""
+    """On every rank at once (the world is the pipeline: one stage of k blocks per rank, two
+    of k / 2 for interleaved), run the interpreter's schedules, step by step in turn, for
+    every (blocks k, rows r, width) and time them: [(k, r, dim, this rank's F spans, B spans,
+    step minus its actions, {schedule: message records per step}, head F, head B)]; F and B
+    spans and the step's rest from GPipe and 1F1B (one stage of k blocks: what the fit
+    reads), messages from every schedule; the last rank's F and B include the head and loss,
+    timed apart on every rank. Every schedule, because their messages differ: GPipe's ranks
+    stream sends and seldom wait long, 1F1B's hand every micro-batch back and forth and wait
+    in nearly every receive, interleaved's cross each other both ways at once."""
     torch.set_num_threads(1)  # as `bench pipeline` runs each rank
+    pipeline.placement.pin(world.rank)  # as `bench pipeline` places them
     p, rank = world.world_size, world.rank
-    schedules = [pipeline.build(name, p, microbatches) for name in ("gpipe", "1f1b")]
+    schedules = {name: pipeline.build(name, p, microbatches) for name in MESSAGE_SCHEDULES}
     out = []
     for dim, k in ((d, k) for d in DIMS for k in BLOCKS):
         torch.manual_seed(0)
-        stage = pipeline.split_model(FullMLP(dim, k * p), p)[rank]
-        opt = torch.optim.SGD(stage.parameters(), lr=1e-3)
+        held = {}  # schedule -> (its stages on this rank, their optimizer)
+        for name, schedule in schedules.items():
+            stages = pipeline.split_model(FullMLP(dim, k * p), schedule.stages)
+            mine = {s: stages[s] for s in schedule.stages_of(rank)}
+            held[name] = (mine, torch.optim.SGD([q for m in mine.values()
+                                                 for q in m.parameters()], lr=1e-3))
         for r in ROWS:
             x = torch.randn(r * microbatches, dim)
             y = torch.randint(0, 2, (r * microbatches,))
-            f, b, rest, steps = [], [], [], []
-            for i, schedule in ((i, s) for i in range(repeats + 2) for s in schedules):
-                record, messages = [], []
+            f, b, rest, steps = [], [], [], {name: [] for name in schedules}
+            for i, name in ((i, n) for i in range(repeats + 2) for n in schedules):
+                (mine, opt), record, messages = held[name], [], []
                 comms.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
-                pipeline.run_schedule(schedule, {rank: stage}, x, y,
+                pipeline.run_schedule(schedules[name], mine, x, y,
                                       torch.nn.functional.cross_entropy, record=record,
                                       messages=messages)
                 opt.step()
                 t1 = time.perf_counter()
                 if i < 2:
                     continue  # warm-up
+                steps[name].append(messages)
+                if name not in ("gpipe", "1f1b"):
+                    continue  # its stages differ: the fit reads one stage of k blocks
                 f += [e - s for a, s, e in record if a.kind == "F"]
                 b += [e - s for a, s, e in record if a.kind == "B"]
                 spans = [(s, e) for _, s, e in record] + [(s, e) for _, s, e, *_ in messages]
                 # before the first action and after the last: zero_grad, the optimizer, the
                 # runtime's start and its end-of-step waits for sends
                 rest.append((min(s for s, _ in spans) - t0) + (t1 - max(e for _, e in spans)))
-                steps.append(messages)
             out.append((k, r, dim, f, b, median(rest), steps,
                         *_head_times(dim, r, microbatches, repeats)))
     return out
@@ -252,7 +274,7 @@ def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCost
     head_f = max(median(median(rank[i][7] for i in range(len(rank))) for rank in per_rank), 0.0)
     head_b = max(median(median(rank[i][8] for i in range(len(rank))) for rank in per_rank), 0.0)
     fwd_points, bwd_points, rest, tails = [], [], [], []
-    sends, receives, wakes = [], [], []
+    read: dict[tuple[str, str], tuple[list, list, list]] = {}  # (schedule, width) -> records
     for i, (k, r, dim, *_) in enumerate(per_rank[0]):
         # the slowest rank's median: every rank ran the same work at once, but a pipeline
         # runs at its slowest stage's pace, and on a shared host one rank's core is slower
@@ -269,32 +291,41 @@ def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCost
         both = [t for rank in per_rank for t in rank[i][3] + rank[i][4]]
         tails.append(trimmed_mean(both) / median(both))
         rest.append((k, median(rank[i][5] for rank in per_rank)))
-        steps = [[rank[i][6][j] for rank in per_rank] for j in range(len(per_rank[0][i][6]))]
-        s, rc, w = messages.read_messages(steps, latency, bandwidth, r * dim * 4)
-        sends += s
-        receives += rc
-        wakes += w
+        for name in MESSAGE_SCHEDULES:
+            runs = per_rank[0][i][6][name]
+            steps = [[rank[i][6][name][j] for rank in per_rank] for j in range(len(runs))]
+            got = messages.read_messages(steps, latency, bandwidth, r * dim * 4)
+            lists = read.setdefault((name, str(dim)), ([], [], []))
+            for into, values in zip(lists, got, strict=True):
+                into += values
     fwd, bwd = fit_actions(fwd_points), fit_actions(bwd_points, 2.0)
     fwd_widths = {str(d): fit_width([pt for pt in fwd_points if pt[2] == d]) for d in DIMS}
     bwd_widths = {str(d): fit_width([pt for pt in bwd_points if pt[2] == d], 2.0)
                   for d in DIMS}
     step_fixed, step_block = fit_line([k for k, _ in rest], [t for _, t in rest],
                                       nonnegative=True)
-    msg = messages.mean_costs(sends, receives, wakes)
+    pooled = messages.mean_costs(*([v for lists in read.values() for v in lists[n]]
+                                   for n in range(3)))
+    per_schedule: dict[str, dict[str, list[float]]] = {}
+    for (name, width), lists in read.items():
+        per_schedule.setdefault(name, {})[width] = list(astuple(messages.mean_costs(*lists)))
     return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, median(tails),
-                         latency, bandwidth, msg.send, msg.receive, msg.wake, ranks, cores,
-                         fwd_widths, bwd_widths)
+                         latency, bandwidth, pooled.send, pooled.receive, pooled.wake, ranks,
+                         cores, fwd_widths, bwd_widths, per_schedule)
 
 
 def median_costs(rounds: list[PipelineCosts]) -> PipelineCosts:
-    """Each figure's median over calibration rounds (a width's fit: each of its terms')."""
-    def med(name: str):
-        values = [getattr(c, name) for c in rounds]
-        if name in ("ranks", "cores"):
-            return values[0]
+    """Each figure's median over calibration rounds (a width's fit, a schedule's message
+    costs: each of its terms')."""
+    def med(values: list):
         if isinstance(values[0], dict):
-            return {w: [median(v[w][i] for v in values) for i in range(len(fit))]
-                    for w, fit in values[0].items() if all(w in v for v in values)}
+            return {w: med([v[w] for v in values])
+                    for w in values[0] if all(w in v for v in values)}
+        if isinstance(values[0], list):
+            return [median(v[i] for v in values) for i in range(len(values[0]))]
         return median(values)
 
-    return PipelineCosts(**{name: med(name) for name in PipelineCosts.__dataclass_fields__})
+    fields = PipelineCosts.__dataclass_fields__
+    return PipelineCosts(**{name: (getattr(rounds[0], name) if name in ("ranks", "cores")
+                                   else med([getattr(c, name) for c in rounds]))
+                            for name in fields})

@@ -14,15 +14,16 @@ Two sources, neither of which reads a benchmark's timeline:
   send pays a round trip through both ranks' gloo threads inside its `irecv`: the relay,
   whose ranks block in every call, shows neither, so they are read where they happen.
 
-A step pays every send, receive and wake-up, the ones a busy host delays included. A send and
-a receive's own time are charged their trimmed mean (`timing.trimmed_mean`): most take tens
-of microseconds, and a few stall for a scheduler's time slice (the thread loses its core
-inside gloo's call), one in several steps, which the benchmark's median step seldom reaches;
-one 3 ms send among a calibration's hundreds moved the plain mean by 0.9 ms. A wake-up is
-charged its plain mean: on a busy host the slow ones (a time slice before the woken rank
-runs) are a large share of the receives that wait, not rare stalls, and every receive that
-waits pays one (1F1B waits in nearly every receive, GPipe in few); trimmed, a calibration at
-load average 7 kept 6 us of them and the prediction of 1F1B came out 56% low.
+A step pays every send, receive and wake-up, the ones a busy host delays included, so each is
+charged its plain mean, per schedule and per width (`pipeline_costs` keeps them apart): on a
+busy host the slow ones are not rare stalls but part of what a schedule's messages cost.
+Interleaved's messages cross each other both ways at once, and about 1 in 30 of its sends
+stalled for 2-5 ms (2 ranks pinned, 8 micro-batches: 1.7 such sends a step, none in 1F1B's),
+so its median step holds one or two; a trimmed mean (10% cut at each end) dropped them and
+the prediction of interleaved came out 20-43% low. A wake-up is likewise counted every time
+(every receive that waits pays one: 1F1B waits in nearly every receive, GPipe in few).
+Each schedule at each width gives hundreds of messages, so one stalled call among them moves
+its mean by a few microseconds.
 
 `time.perf_counter` is one clock for every process of a host (CLOCK_MONOTONIC), so a send's
 end on one rank and its receipt on the other are compared directly, as the benchmark's
@@ -42,8 +43,9 @@ from ..collectives.cost import fit_line
 from ..comms.world import World
 from ..launch.spawn import spawn
 from ..model import FullMLP
+from ..pipeline import placement
 from ..pipeline.schedules import RECVS, SENDS, message_key
-from ..timing import median, trimmed_mean
+from ..timing import median
 
 MESSAGE_BYTES = (2**12, 2**14, 2**16, 2**18)  # message sizes the relay sends
 
@@ -73,6 +75,7 @@ def _stage_work():
 def _relay_job(world: World, repeats: int) -> list[tuple[int, float]]:
     """[(bytes, one way s beyond the compute)] per message size."""
     torch.set_num_threads(1)
+    placement.pin(world.rank)  # as `bench pipeline` places its ranks
     other, work = 1 - world.rank, _stage_work()
     out = []
     for nbytes in MESSAGE_BYTES:
@@ -134,8 +137,6 @@ def read_messages(steps: list[list[list[tuple]]], latency: float, bandwidth: flo
 
 
 def mean_costs(sends: list[float], receives: list[float], wakes: list[float]) -> MessageCosts:
-    """The sends' and the receives' trimmed means and the wake-ups' plain mean (see the
-    module's text), 0 when there is none."""
-    return MessageCosts(trimmed_mean(sends) if sends else 0.0,
-                        trimmed_mean(receives) if receives else 0.0,
-                        statistics.fmean(wakes) if wakes else 0.0)
+    """The sends', the receives' and the wake-ups' plain means (see the module's text), 0
+    when there is none."""
+    return MessageCosts(*(statistics.fmean(v) if v else 0.0 for v in (sends, receives, wakes)))
