@@ -142,7 +142,7 @@ def inline_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: Hea
     header.payloads() for this plan's first step (what this rank sends, what it adds in).
     Raises the agreement's MicroDDPError, on both ranks, if the headers differ."""
     other = 1 - peers.me
-    (send0, _, into0, _), (send1, recv1, into1, tag1) = plan.steps
+    (send0, _, into0, _), (_, recv1, _, tag1) = plan.steps
     out, came = inline
     base = _next_base()
     # The gather's receive first: it lands in the chunk this rank sends in the first step,
@@ -161,11 +161,19 @@ def inline_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, header: Hea
         COMBINE[name](into0, came)
     if name == "avg":
         plan.mine.div_(2)
-    sent1 = peers.isend(send1, other, header.theirs[TAG_SLOT] + tag1) if send1.numel() else None
-    if got1 is not None:
-        got1.wait()
-        if into1 is not None:
-            into1.copy_(recv1)
-    for work in (sent1, told):
+    gather_step_(peers, other, plan.steps[1], header.theirs[TAG_SLOT] + tag1, got1, [told])
+
+
+def gather_step_(peers: Peers, other: int, step: tuple, to: int, got, pending: list) -> None:
+    """The 2-rank ring's last step, the gather: send this rank's completed chunk (`step`'s
+    send) to tag `to`, take the other rank's (`got`, its receive posted earlier) into place,
+    then wait for that send and every earlier one in `pending` (None entries skipped)."""
+    send, recv, into, _ = step
+    sent = peers.isend(send, other, to) if send.numel() else None
+    if got is not None:
+        got.wait()
+        if into is not None:
+            into.copy_(recv)
+    for work in (*pending, sent):
         if work is not None:
             work.wait()

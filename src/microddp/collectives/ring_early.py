@@ -32,6 +32,7 @@ import array
 from ..errors import MicroDDPError
 from ..transport.peers import COMBINE, Peers
 from .agree import described, encode, judge, shared_agreement
+from .ring_carried import gather_step_
 from .ring_plan import RingPlan
 from .sized_tags import settle, sized_tag
 
@@ -80,7 +81,7 @@ def early_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, call: EarlyC
     check is read (module docstring). Raises the agreement's MicroDDPError, on both ranks, if
     the ranks' calls differ."""
     other = 1 - peers.me
-    (send0, recv0, into0, _), (send1, recv1, into1, tag1) = plan.steps
+    (send0, recv0, into0, _), (_, recv1, _, tag1) = plan.steps
     box = shared_agreement(peers)
     seq = box.post(call.mine, call.tags)
     base = TAG_BASE + 4 * (seq % _WRAP)
@@ -97,11 +98,4 @@ def early_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, call: EarlyC
     COMBINE[name](into0, recv0)
     if name == "avg":
         plan.mine.div_(2)
-    sent1 = peers.isend(send1, other, base + tag1) if send1.numel() else None
-    if got1 is not None:
-        got1.wait()
-        if into1 is not None:
-            into1.copy_(recv1)
-    for work in (sent0, sent1):
-        if work is not None:
-            work.wait()
+    gather_step_(peers, other, plan.steps[1], base + tag1, got1, [sent0])
