@@ -188,3 +188,23 @@ def test_a_post_wakes_a_peer_only_when_it_said_it_sleeps(monkeypatch):
         theirs.wait(2, 1.0, "test")  # already posted: returns at once, flag untouched
     finally:
         seg.close()
+
+
+def _kept_without_duplex(world) -> list:
+    from microddp.collectives.ring_plan import recall
+
+    t = torch.ones(N)
+    out = []
+    for _ in range(3):  # the first call settles the connections; the second is kept
+        C.ring_all_reduce(t)
+        out.append(recall(t, "sum", None, True) is not None)
+    out.append(bool((t == 8).all()))
+    return out
+
+
+def test_repeat_checked_calls_are_kept_on_one_connection_too(monkeypatch):
+    """MICRODDP_DUPLEX=0: no early step (it needs a connection per direction), the check in
+    shared memory first, and a repeat call still runs its kept loop (ring_plan.py)."""
+    monkeypatch.setenv("MICRODDP_DUPLEX", "0")
+    for out in microddp.launch.spawn(_kept_without_duplex, 2, timeout=60):
+        assert out == [False, True, True, True], out

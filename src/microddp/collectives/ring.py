@@ -236,8 +236,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     box = shared_agreement(peers) if check and peers.size > 1 else None
     # Both ask for 2 gloo ranks whose connections are settled; early, for a tensor of two
     # elements or more (ring_early.py), where the group shares memory, carried otherwise.
-    paired = (check and problem is None and segment_bytes is None and peers.size == 2
-              and not peers.nccl and duplex_decided(peers) and duplex(peers).back is not None)
+    settled = peers.size == 2 and not peers.nccl and duplex_decided(peers)  # before this call
+    paired = (check and problem is None and segment_bytes is None and settled
+              and duplex(peers).back is not None)
     early = paired and box is not None and goes_early(tensor.numel(), tensor.element_size())
     carried = paired and box is None
     if not carried and not early:
@@ -281,9 +282,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     else:
         loop = partial(planned_ring_all_reduce_, plan=plan, name=name, how=how)
     loop(peers)
-    # Not a first call on 2 ranks whose connections were not settled yet: the next one goes
+    # Not a first call on 2 ranks whose connections were not settled yet: the next one may go
     # early or carried, and must not find this one's loop kept.
-    kept = box is not None and (paired or peers.size != 2)
+    kept = box is not None and (settled or peers.size != 2)
     if flat.in_place and segment_bytes is None and (carried or not check or kept):
         if box is not None and not early:  # a repeat call agrees in shared memory, then runs
             loop = agreed(where, {**describe_tensor(tensor), "op": name}, settings, loop)

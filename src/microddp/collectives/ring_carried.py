@@ -47,15 +47,16 @@ from .ring_plan import RingPlan
 # Where a header carries its sender's tag base. It is past every field an agreement compares
 # (at most 9), so a rank running `agree` reads the rest of the header and ignores it.
 TAG_SLOT = SLOTS - 1
-# Data tags: from here on, 4 per call (the ring's two steps use 1 and 2), below 2**31 (gloo's
-# limit). Far above the tags of every other loop, so a stale receive never meets them.
+# Data tags: from here on, 4 per call (the ring's two steps use 1 and 2), below 2**30 (the
+# sized tags, sized_tags.py, begin there). Far above the tags of every other loop, so a stale
+# receive never meets them.
 TAG_BASE = 1 << 24
-_WRAP = 1 << 28
+_WRAP = 1 << 27  # so that the tags stay below 2**30, where the sized tags begin
 _calls = itertools.count()
 
 
 def _next_base() -> int:
-    """This process's data tags for its next carried call. Unique for 2**28 calls: a receive
+    """This process's data tags for its next carried call. Unique for 2**27 calls: a receive
     left posted by a refused call (step 3 above) could only match a message that long after."""
     return TAG_BASE + 4 * (next(_calls) % _WRAP)
 

@@ -22,7 +22,9 @@ every rank has posted s + 1, and a rank posts s + 1 only after it has read every
 So no rank's numbers for s are overwritten before every rank has read them, and no rank can
 be more than one agreement ahead of another. A rank that never comes (it crashed, or called
 a collective that does not agree) makes the others' wait end at the group's timeout with the
-hang report, like any shared-memory wait (transport/shm.py).
+hang report, like any shared-memory wait (transport/shm.py); a 2-rank ring that sent its
+first step early may be waiting in gloo for the data instead, and then ends at gloo's timeout,
+in gloo's words.
 
 The memory ordering is transport/shm.py's: numbers first, then the counter, then the bell.
 """
@@ -86,11 +88,10 @@ class SharedAgreement:
 
     def posted(self, rank: int, seq: int) -> bool:
         """Whether `rank` has posted agreement `seq` yet, without waiting. Asked after this
-        rank's own post, it cannot be False on both of two ranks: each post ends in a futex
-        wake, a system call whose kernel side is a full memory barrier (futex_wake's
-        smp_mb(), there so that a waker's store is seen before it looks for sleepers), so a
-        rank's post is visible to all before its own read of the other's (ring_early.py
-        relies on it: one of the two reads the check at once)."""
+        rank's own post, it cannot be False on both of two ranks: each post stores its counter,
+        then fences (transport/shm.py's `fence`, a full memory barrier), so a rank's post is
+        visible to all before its own read of the other's (ring_early.py relies on it: one
+        of the two reads the check at once)."""
         return self.told.get(rank) >= seq
 
     def extra(self, seq: int, rank: int) -> tuple[int, int]:

@@ -31,8 +31,9 @@ import torch
 from ..transport.duplex import duplex, duplex_decided
 from ..transport.peers import Peers, wait_all
 
-# Above every other tag microddp uses (the rings' per-call tags end below 2**30) and, with the
-# size added, below 2**31, the largest tag gloo accepts.
+# Above the rings' per-call tags (ring_carried.py's and ring_early.py's end below 2**30) and,
+# with the size added, below 2**31, the largest tag gloo accepts. (A pipeline's tags grow with
+# its micro-batches, but never reach 2**30 in any pipeline this host can hold.)
 SIZED_BASE = 1 << 30
 SIZED_MAX_BYTES = (1 << 31) - 1 - SIZED_BASE
 
