@@ -163,13 +163,22 @@ def shared_agreement(peers: Peers) -> SharedAgreement | None:
 def _agree_in_memory(peers: Peers, box: SharedAgreement, mine: array.array, where: str,
                      fields: dict, settings: dict, problem: Exception | None) -> None:
     """agree() through shared memory: `mine` is encode(fields)."""
-    seq = box.post(mine)
+    read_in_memory(peers, box, box.post(mine), mine, where, fields, settings, problem)
+
+
+def read_in_memory(peers: Peers, box: SharedAgreement, seq: int, mine: array.array, where: str,
+                   fields: dict, settings: dict, problem: Exception | None,
+                   early: tuple[int, int] | None = None, works: tuple = ()) -> None:
+    """Read agreement `seq` (this rank posted `mine`, encode(fields)); on a mismatch, or this
+    rank's own `problem`, settle what either of 2 ranks sent or posted early on sized tags
+    (sized_tags.py; `early`: this rank's own (send, receive) tags, `works` its own early
+    messages not yet waited for) and raise, on every rank, what the agreement found."""
     combined = box.result(seq, mine, where)  # None: every rank posted these very numbers
     if problem is None and combined is None:
         return
-    early = box.extra(seq, 1 - peers.me) if peers.size == 2 else (0, 0)
-    if early[0]:  # met a ring that sent its first step early: take it and fill its
-        settle(peers, 1 - peers.me, early, None, [])  # receive (sized_tags.py), then judge
+    theirs = box.extra(seq, 1 - peers.me) if peers.size == 2 else (0, 0)
+    if theirs[0] or early is not None:  # an early ring on either side: take and fill
+        settle(peers, 1 - peers.me, theirs if theirs[0] else None, early, list(works))
     judge(where, peers.me, fields, settings, combined or mine.tolist(), problem)
     raise MicroDDPError(f"{where}: the ranks' checks differ in a number no field holds; every "
                         "rank of the group must call the same collectives, in the same "

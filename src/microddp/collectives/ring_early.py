@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import array
 
-from ..errors import MicroDDPError
 from ..transport.peers import COMBINE, Peers
-from .agree import described, encode, judge, shared_agreement
+from .agree import described, encode, read_in_memory, shared_agreement
 from .ring_carried import gather_step_
 from .ring_plan import RingPlan
-from .sized_tags import settle, sized_tag
+from .sized_tags import sized_tag
 
 # The second step's tags: 4 per agreement from here, below 2**30 where the sized tags begin.
 TAG_BASE = 1 << 24
@@ -63,17 +62,9 @@ def goes_early(numel: int, element_size: int) -> bool:
 def _check(peers: Peers, box, seq: int, call: EarlyCall, works: list) -> None:
     """Read the check of agreement `seq` (the other rank's post is there, or comes at once);
     on a mismatch settle the early messages (`works`: this rank's own ones not yet waited
-    for) and raise the agreement's error."""
-    combined = box.result(seq, call.mine, call.where)
-    if combined is None:
-        return
-    other = 1 - peers.me
-    theirs = box.extra(seq, other)
-    settle(peers, other, theirs if theirs[0] else None, call.tags, works)
-    judge(call.where, peers.me, call.fields, call.settings, combined, None)
-    raise MicroDDPError(f"{call.where}: the ranks' checks differ in a number no field holds; "
-                        "every rank of the group must call the same collectives, in the "
-                        "same order")  # judge raises first: a defence, never seen
+    for) and raise the agreement's error (agree.read_in_memory)."""
+    read_in_memory(peers, box, seq, call.mine, call.where, call.fields, call.settings, None,
+                   call.tags, works)
 
 
 def early_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, call: EarlyCall) -> None:
