@@ -190,6 +190,39 @@ def test_a_post_wakes_a_peer_only_when_it_said_it_sleeps(monkeypatch):
         seg.close()
 
 
+def test_agrees_says_yes_only_when_every_rank_posted_the_same_numbers():
+    """shm_agree.SharedAgreement.agrees, the early ring's answer without a wait: True only
+    once the other rank posted this very agreement with equal numbers (the extra words aside);
+    the numbers of the previous agreement, or other numbers, are not a yes."""
+    import array
+    import os
+
+    from microddp.transport import shm
+
+    seg = shm.Segment(shm.segment_name(), 8 * shm_agree.area_words(2) + 64, create=True)
+    seg.unlink()
+    try:
+        pids = [os.getpid()] * 2
+        a, b = (shm_agree.SharedAgreement(seg, 0, r, 2, pids, None, 1.0) for r in (0, 1))
+        same = array.array("q", range(shm_agree.WORDS))
+        other = array.array("q", [7] * shm_agree.WORDS)
+        seq = a.post(same, (5, 6))
+        assert not a.agrees(seq, same)  # rank 1 has not posted agreement 1
+        assert b.post(same, (6, 5)) == seq and a.agrees(seq, same) and b.agrees(seq, same)
+        seq = a.post(same)
+        assert not a.agrees(seq, same)  # rank 1's post of agreement 1 does not count for 2
+        b.post(other)
+        assert not a.agrees(seq, same) and not b.agrees(seq, other)
+        assert a.result(seq, same, "test") == [max(x, 7) for x in same]  # a butterfly's max
+        assert b.extra(1, 0) == (5, 6) and a.extra(seq, 1) == (0, 0)
+        seq = a.post(same)  # agreement 3 uses agreement 1's lines, where rank 1 wrote `same`
+        assert not a.agrees(seq, same)  # but rank 1's counter says 2: not posted yet
+        b.post(same)
+        assert a.agrees(seq, same)
+    finally:
+        seg.close()
+
+
 def _kept_without_duplex(world) -> list:
     from microddp.collectives.ring_plan import recall
 

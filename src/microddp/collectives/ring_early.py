@@ -81,11 +81,13 @@ def early_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, call: EarlyC
     got1 = peers.irecv(recv1, other, base + tag1) if recv1.numel() else None
     sent0 = peers.isend(send0, other, out)
     if box.posted(other, seq):  # the other rank is here: read its check now, without a wait
-        _check(peers, box, seq, call, [sent0, got0])
+        if not box.agrees(seq, call.mine):
+            _check(peers, box, seq, call, [sent0, got0])
         got0.wait()
     else:  # it will read this rank's check, then send or fill got0: no wake-up for the check
         got0.wait()
-        _check(peers, box, seq, call, [sent0])
+        if not box.agrees(seq, call.mine):
+            _check(peers, box, seq, call, [sent0])
     COMBINE[name](into0, recv0)
     if name == "avg":
         plan.mine.div_(2)

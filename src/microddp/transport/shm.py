@@ -37,6 +37,7 @@ issue, so `supported()` is False there and microddp keeps gloo unless told other
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import platform
@@ -94,12 +95,16 @@ except AttributeError:  # pragma: no cover (every libc we know exports it)
     _fence_call = None
 
 
-def fence() -> None:
-    """Make this thread's earlier stores visible to every CPU before its later loads."""
-    if _fence_call is not None:
-        _fence_call(_fence_ref)
-    else:  # pragma: no cover
-        _futex_wake(ctypes.addressof(_fence_word))
+def _fence_by_wake() -> None:  # pragma: no cover (where libc lacks pthread_spin_trylock)
+    _futex_wake(ctypes.addressof(_fence_word))
+
+
+# fence(): make this thread's earlier stores visible to every CPU before its later loads. The
+# ctypes function bound to its argument, called with no Python frame in between (a post is on
+# every collective's critical path).
+fence: Callable[[], object] = (functools.partial(_fence_call, _fence_ref)
+                               if _fence_call is not None else _fence_by_wake)
+
 
 # Set by the hang monitor while it runs (it sits above this layer): turns the reason a wait
 # failed into the report of where every rank is.
@@ -248,6 +253,12 @@ class Flags:
         self.rank, self.size, self.pids = rank, size, list(pids)
         self.index = [first_word + r * LINE_WORDS for r in range(size)]
         self.others = [i for r, i in enumerate(self.index) if r != rank]
+        # What post() touches, worked out once: posts sit on the critical path of every
+        # collective, where each Python step costs several microseconds (caches cold after
+        # the data moved; measured, ring_early.py).
+        self._mine = self.index[rank]
+        self._bell = 2 * self._mine + 2  # the 32-bit word after the counter
+        self._asleep = [i + _ASLEEP for i in self.others]
         self.gone = gone
         # Spinning only pays when every rank has a core: with more ranks than cores, the
         # rank being waited for may need this very core to get there.
@@ -256,14 +267,12 @@ class Flags:
     def post(self, value: int) -> None:
         """Post this rank's step `value` and wake any rank sleeping on it. After it, the post
         is visible to every rank before this one's next read (`fence`)."""
-        i = self.index[self.rank]
-        words = self.words
-        words[i] = value
-        bell = 2 * i + 2  # the 32-bit word after the counter
-        self.bells[bell] = (self.bells[bell] + 1) & 0x7FFFFFFF
+        words, bells, bell = self.words, self.bells, self._bell
+        words[self._mine] = value
+        bells[bell] = (bells[bell] + 1) & 0x7FFFFFFF
         fence()
-        for j in self.others:
-            if words[j + _ASLEEP]:
+        for j in self._asleep:
+            if words[j]:
                 _futex_wake(self.address + 4 * bell)
                 return
 
