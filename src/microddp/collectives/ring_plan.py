@@ -53,7 +53,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..transport.duplex import duplex_enabled
 from ..transport.peers import Peers, bounds, scratch
 
 MAX_ENTRIES = 64  # per kind, oldest dropped first: a bound for code that makes endless tensors
@@ -118,9 +117,11 @@ def _signature(tensor: torch.Tensor, op, group, check: bool = False) -> tuple | 
         return None  # no world, or this process is off the group (new_group gave an int)
     key = (tensor.data_ptr(), tensor.numel(), tensor.dtype, tensor.device,
            tensor.is_contiguous(), op, weakref.ref(pg))
-    # A checked call's header holds the shape and the setting too: a repeat must send them
-    # as they are now.
-    return key + (tuple(tensor.shape), duplex_enabled()) if check else key
+    # A checked call's check holds the shape too: a repeat must send it as it is now. Not
+    # MICRODDP_DUPLEX, whose value the check also holds: reading the environment took 2 us
+    # (warm) of a 4 KiB call's 200, and it matters only until the group's first ring call
+    # settles its connections (transport/duplex.py); a kept call sends what it agreed on.
+    return key + (tuple(tensor.shape),) if check else key
 
 
 def recall(tensor: torch.Tensor, op, group, check: bool = False
