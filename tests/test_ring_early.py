@@ -207,18 +207,18 @@ def test_agrees_says_yes_only_when_every_rank_posted_the_same_numbers():
         same = array.array("q", range(shm_agree.WORDS))
         other = array.array("q", [7] * shm_agree.WORDS)
         seq = a.post(same, (5, 6))
-        assert not a.agrees(seq, same)  # rank 1 has not posted agreement 1
+        assert a.agrees(seq, same) is None  # rank 1 has not posted agreement 1
         assert b.post(same, (6, 5)) == seq and a.agrees(seq, same) and b.agrees(seq, same)
         seq = a.post(same)
-        assert not a.agrees(seq, same)  # rank 1's post of agreement 1 does not count for 2
+        assert a.agrees(seq, same) is None  # rank 1's post of agreement 1 does not count for 2
         b.post(other)
-        assert not a.agrees(seq, same) and not b.agrees(seq, other)
+        assert a.agrees(seq, same) is False and b.agrees(seq, other) is False
         assert a.result(seq, same, "test") == [max(x, 7) for x in same]  # a butterfly's max
         assert b.extra(1, 0) == (5, 6) and a.extra(seq, 1) == (0, 0)
         seq = a.post(same)  # agreement 3 uses agreement 1's lines, where rank 1 wrote `same`
-        assert not a.agrees(seq, same)  # but rank 1's counter says 2: not posted yet
+        assert a.agrees(seq, same) is None  # but rank 1's counter says 2: not posted yet
         b.post(same)
-        assert a.agrees(seq, same)
+        assert a.agrees(seq, same) is True
     finally:
         seg.close()
 

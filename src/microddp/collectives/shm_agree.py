@@ -80,13 +80,20 @@ class SharedAgreement:
         self.told.post(seq)
         return seq
 
-    def agrees(self, seq: int, mine: array.array) -> bool:
-        """Whether every other rank has posted agreement `seq` already, with numbers equal to
-        `mine`: the common case, answered without a wait. False says neither yes nor no:
-        `result` then waits and tells."""
-        words, told, lines = self.words, self.told, self.lines[seq & 1]
+    def agrees(self, seq: int, mine: array.array) -> bool | None:
+        """The common case, answered without a wait: True if every other rank has posted
+        agreement `seq` with numbers equal to `mine`; None if one has not posted it yet;
+        False if one posted other numbers (`result` then says what differs).
+
+        Asked after this rank's own post, it cannot be None on both of two ranks: each post
+        stores its counter, then fences (transport/shm.py's `fence`, a full memory barrier),
+        so a rank's post is visible to all before its own read of the other's (ring_early.py
+        relies on it: one of the two reads the check at once)."""
+        words, counters, lines = self.words, self.told.index, self.lines[seq & 1]
         for r in self.others:
-            if told.get(r) < seq or words[lines[r]:lines[r] + WORDS] != mine:
+            if words[counters[r]] < seq:
+                return None
+            if words[lines[r]:lines[r] + WORDS] != mine:
                 return False
         return True
 
@@ -100,14 +107,6 @@ class SharedAgreement:
             return None
         rows = [self.words[a:a + WORDS].tolist() for a in at]
         return [max(column) for column in zip(*rows, strict=True)]
-
-    def posted(self, rank: int, seq: int) -> bool:
-        """Whether `rank` has posted agreement `seq` yet, without waiting. Asked after this
-        rank's own post, it cannot be False on both of two ranks: each post stores its counter,
-        then fences (transport/shm.py's `fence`, a full memory barrier), so a rank's post is
-        visible to all before its own read of the other's (ring_early.py relies on it: one
-        of the two reads the check at once)."""
-        return self.told.get(rank) >= seq
 
     def extra(self, seq: int, rank: int) -> tuple[int, int]:
         """The EXTRA words `rank` posted with agreement `seq` (read after `result`)."""
