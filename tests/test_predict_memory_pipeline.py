@@ -355,3 +355,64 @@ def test_each_schedule_pays_its_own_message_costs_and_rounds_take_their_median()
     # rounds: each figure's median, a schedule's message costs term by term
     rounds = [_costs(schedule_messages={"1f1b": {"16": [a, 2 * a, 3 * a]}}) for a in (1, 5, 2)]
     assert pc.median_costs(rounds).schedule_messages == {"1f1b": {"16": [2, 4, 6]}}
+
+
+def test_stalls_are_a_means_excess_over_its_trimmed_mean():
+    from microddp.predict import pipeline_messages as pm
+
+    # nine calls of 1 and one stalled call of 100: mean 10.9, trimmed mean (one cut at each
+    # end) 1, so 9.9 of the mean is stall; calls all alike have none; no calls, none
+    assert pm.stall_costs([1.0] * 9 + [100.0], [2.0] * 4) == pytest.approx((9.9, 0.0))
+    assert pm.stall_costs([], []) == (0.0, 0.0)
+
+
+def test_every_ranks_stalls_add_to_the_step_and_the_typical_calls_play_in_it():
+    # GPipe on 2 ranks, 1 micro-batch: rank 0 F, SEND_ACT, RECV_GRAD, B; rank 1 RECV_ACT, F,
+    # B, SEND_GRAD: two messages, each one send and one receive. Means 3 ms (send) and 2 ms
+    # (receive), of which 1 ms and 0.5 ms are stalls: the play charges 2 ms a send and 1.5 a
+    # receive, on the critical path all four; the step then adds both messages' stalls,
+    # 2 x (1 + 0.5), the sender's and the receiver's alike, one after the other
+    job = pp.PipelineJob(stages=2, microbatches=1, dim=16, depth=2, batch=2)
+    means = {"gpipe": {"16": [3e-3, 2e-3, 0.0]}}
+    plain = pp.predict(job, "gpipe", INSTANT, _costs(schedule_messages=means))["step_s"]
+    split = pp.predict(job, "gpipe", INSTANT, _costs(
+        schedule_messages=means, schedule_stalls={"gpipe": {"16": [1e-3, 5e-4]}}))["step_s"]
+    compute = pp.predict(job, "gpipe", INSTANT, _costs())["step_s"]
+    assert plain == pytest.approx(compute + 2 * (3e-3 + 2e-3), rel=1e-9)
+    assert split == pytest.approx(compute + 2 * (2e-3 + 1.5e-3) + 2 * (1e-3 + 5e-4), rel=1e-9)
+    # here every call is on the critical path, so the total is the same; where a rank has
+    # slack (interleaving's both ranks busy at once), spreading a stall over the calls lets
+    # the other rank absorb it, and adding it up does not: the 4-micro-batch interleaved
+    # step is longer with the stall added up than with the same mean spread
+    job = pp.PipelineJob(stages=2, microbatches=4, dim=16, depth=4, batch=8)
+    means = {"interleaved": {"16": [3e-3, 2e-3, 0.0]}}
+    spread = pp.predict(job, "interleaved", INSTANT, _costs(schedule_messages=means))
+    added = pp.predict(job, "interleaved", INSTANT, _costs(
+        schedule_messages=means, schedule_stalls={"interleaved": {"16": [1e-3, 5e-4]}}))
+    assert added["step_s"] > spread["step_s"]
+    # an older calibration has no stalls: the means play as before
+    assert _costs().stalls("gpipe", 16) == (0.0, 0.0)
+
+
+def test_interleaved_on_more_ranks_than_calibrated_pays_1f1bs_messages():
+    from microddp.predict import pipeline_messages as pm
+
+    # on 2 ranks interleaving sends activations both ways (stage 0 -> 1 from rank 0 to 1,
+    # stage 1 -> 2 from rank 1 to 0); on 3 or 4 every rank sends its activations to the next
+    # rank only, as GPipe, 1F1B and zero-bubble do on any number
+    assert pm.both_ways(pipeline.build("interleaved", 2, 4))
+    assert not any(pm.both_ways(pipeline.build("interleaved", p, 4)) for p in (3, 4))
+    assert not any(pm.both_ways(pipeline.build(n, 2, 4)) for n in ("gpipe", "1f1b", "zero-bubble"))
+    # so interleaved calibrated on 2 ranks and run on 4 pays 1F1B's message costs; on 2 its
+    # own; calibrated on 4 (a 4-core host), its own
+    four = pipeline.build("interleaved", 4, 8)
+    assert pm.costs_from("interleaved", four, 2) == "1f1b"
+    assert pm.costs_from("interleaved", four, 4) == "interleaved"
+    assert pm.costs_from("interleaved", pipeline.build("interleaved", 2, 8), 2) == "interleaved"
+    assert pm.costs_from("gpipe", pipeline.build("gpipe", 4, 8), 2) == "gpipe"
+    own = {"interleaved": {"16": [5e-4, 1e-4, 2e-4]}, "1f1b": {"16": [1e-4, 2e-5, 3e-5]}}
+    job = pp.PipelineJob(stages=4, microbatches=8, dim=16, depth=8, batch=16)
+    got = pp.predict(job, "interleaved", INSTANT, _costs(schedule_messages=own))
+    as_1f1b = pp.predict(job, "interleaved", INSTANT, _costs(
+        schedule_messages={"interleaved": own["1f1b"], "1f1b": own["1f1b"]}))
+    assert got["step_s"] == as_1f1b["step_s"]

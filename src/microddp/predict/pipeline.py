@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from .. import pipeline
 from ..errors import MicroDDPError
 from ..pipeline import Action
+from ..pipeline.schedules import RECVS, SENDS
 from .pipeline_costs import PipelineCosts, block_flops
+from .pipeline_messages import costs_from
 from .step import Hardware
 
 
@@ -76,7 +78,18 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
         # are measured as means already (their tail included); the transfer and the wake-up
         # are waits
         transfer = costs.message(message)
-        send, receive, wake = costs.messages(name, job.dim)
+        # interleaved on 4 ranks pays 1F1B's: the calibration's 2 ranks cross messages both
+        # ways, the job's do not (`pipeline_messages.costs_from`)
+        paid = costs_from(name, schedule, costs.ranks)
+        send, receive, wake = costs.messages(paid, job.dim)
+        # the stalls among them (gloo's thread spinning on its rank's core) hold one rank for
+        # milliseconds and the others soon wait on it: the step pays all ranks' stalls in
+        # turn, after the play of the typical calls (`pipeline_messages`)
+        send_stall, receive_stall = costs.stalls(paid, job.dim)
+        send, receive = send - send_stall, receive - receive_stall
+        stalled = sum(send_stall if a.kind in SENDS else receive_stall
+                      for program in schedule.actions for a in program
+                      if a.kind in SENDS or a.kind in RECVS)
         # every rank runs zero_grad and the optimizer at once: p ranks share the cores
         fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
                     for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
@@ -88,11 +101,12 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
             return SHARE[a.kind] * blocks[a.stage] * sleep
     else:
         transfer, send, fixed = hw.latency + message / hw.bandwidth, 0.0, 0.0
-        receive = wake = 0.0
+        receive = wake = stalled = 0.0
     timeline = pipeline.simulate(schedule, cost, transfer, send, receive, wake, cores, idle)
     ideal = pipeline.simulate(schedule, cost, cores=cores, idle=idle)
     sends = sum(a.kind in ("SEND_ACT", "SEND_GRAD") for prog in schedule.actions for a in prog)
-    return {"schedule": name, "bubble": timeline.bubble, "step_s": timeline.makespan + fixed,
+    return {"schedule": name, "bubble": timeline.bubble,
+            "step_s": timeline.makespan + fixed + stalled,
             "step_without_transfer_s": ideal.makespan + fixed,
             "transfer_per_message_s": transfer,
             "messages": sends, "bytes_sent": sends * message,

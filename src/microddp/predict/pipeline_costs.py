@@ -84,6 +84,15 @@ class PipelineCosts:
     # in that schedule's own runs at that width (`pipeline_messages`), used instead of the
     # pooled send, receive and wake above for a job of that schedule and width
     schedule_messages: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # {schedule: {calibrated width: [send, receive]}}: of those means, the part that is stalls
+    # (mean less trimmed mean, `pipeline_messages.stall_costs`), which the step adds up
+    schedule_stalls: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def stalls(self, schedule: str, dim: int) -> tuple[float, float]:
+        """(send, receive) stall per message of `schedule` at width `dim`, part of
+        `messages`'s figures; (0, 0) where the calibration has none (an older one)."""
+        own = self.schedule_stalls.get(schedule, {}).get(str(dim))
+        return tuple(own) if own is not None else (0.0, 0.0)
 
     def messages(self, schedule: str, dim: int) -> tuple[float, float, float]:
         """(send, receive, wake) of a message of `schedule` between stages of width `dim`:
@@ -307,11 +316,13 @@ def measure(cores: int, microbatches: int = 4, repeats: int = 8) -> PipelineCost
     pooled = messages.mean_costs(*([v for lists in read.values() for v in lists[n]]
                                    for n in range(3)))
     per_schedule: dict[str, dict[str, list[float]]] = {}
+    stalls: dict[str, dict[str, list[float]]] = {}
     for (name, width), lists in read.items():
         per_schedule.setdefault(name, {})[width] = list(astuple(messages.mean_costs(*lists)))
+        stalls.setdefault(name, {})[width] = list(messages.stall_costs(*lists[:2]))
     return PipelineCosts(*fwd, *bwd, step_fixed, step_block, head_f, head_b, median(tails),
                          latency, bandwidth, pooled.send, pooled.receive, pooled.wake, ranks,
-                         cores, fwd_widths, bwd_widths, per_schedule)
+                         cores, fwd_widths, bwd_widths, per_schedule, stalls)
 
 
 def median_costs(rounds: list[PipelineCosts]) -> PipelineCosts:

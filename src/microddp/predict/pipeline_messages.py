@@ -15,15 +15,24 @@ Two sources, neither of which reads a benchmark's timeline:
   whose ranks block in every call, shows neither, so they are read where they happen.
 
 A step pays every send, receive and wake-up, the ones a busy host delays included, so each is
-charged its plain mean, per schedule and per width (`pipeline_costs` keeps them apart): on a
-busy host the slow ones are not rare stalls but part of what a schedule's messages cost.
-Interleaved's messages cross each other both ways at once, and about 1 in 30 of its sends
-stalled for 2-5 ms (2 ranks pinned, 8 micro-batches: 1.7 such sends a step, none in 1F1B's),
-so its median step holds one or two; a trimmed mean (10% cut at each end) dropped them and
-the prediction of interleaved came out 20-43% low. A wake-up is likewise counted every time
-(every receive that waits pays one: 1F1B waits in nearly every receive, GPipe in few).
-Each schedule at each width gives hundreds of messages, so one stalled call among them moves
-its mean by a few microseconds.
+charged its plain mean, per schedule and per width (`pipeline_costs` keeps them apart). But a
+slow call is not a slow copy of a typical one: about 1 in 30 of interleaved's sends and
+receives on 2 ranks stalled for 2-5 ms (none of 1F1B's 16 a step), and in every stalled call
+the rank's own gloo thread burned the core for as long as the call waited (schedstat of all
+the rank's threads around each call: 4.14 ms of `gloo_tcp_loop` CPU in a 4.18 ms `irecv`,
+3.78 in a 3.83 ms `isend`). gloo's reading thread only tries its connection's lock; while
+the computing thread holds it (inside `isend` or `irecv`) the reading thread returns to an
+`epoll_wait` that fires again at once, so it spins on the one core it is pinned to, beside
+the lock's holder, until the scheduler's tick (4 ms here, HZ = 250) hands the core back.
+Interleaving on 2 ranks sends activations and gradients both ways over one connection, so a
+message from the peer often lands while the rank is inside a call on that connection.
+Such a stall holds its rank for milliseconds, far longer than any slack between actions, so
+the other ranks soon wait on it: the step pays the stalls of all ranks one after another, not
+each rank's share beside the others'. So each mean is split (`stall_costs`): its trimmed mean
+(10% cut at each end), the typical call, which the schedule plays on its rank's clock; and the
+rest, mean less trimmed mean, the stalls, which the step adds up over all its messages. A
+wake-up is counted every time (every receive that waits pays one: 1F1B waits in nearly every
+receive, GPipe in few). Each schedule at each width gives hundreds of messages.
 
 `time.perf_counter` is one clock for every process of a host (CLOCK_MONOTONIC), so a send's
 end on one rank and its receipt on the other are compared directly, as the benchmark's
@@ -44,8 +53,8 @@ from ..comms.world import World
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..pipeline import placement
-from ..pipeline.schedules import RECVS, SENDS, message_key
-from ..timing import median
+from ..pipeline.schedules import RECVS, SENDS, Schedule, build, message_key
+from ..timing import median, trimmed_mean
 
 MESSAGE_BYTES = (2**12, 2**14, 2**16, 2**18)  # message sizes the relay sends
 
@@ -134,6 +143,34 @@ def read_messages(steps: list[list[list[tuple]]], latency: float, bandwidth: flo
                         own += wait_end - wait_start
                     receives.append(own)
     return sends, receives, wakes
+
+
+def both_ways(schedule: Schedule) -> bool:
+    """Whether two ranks of `schedule` send each other activations, so that messages cross on
+    one connection both ways: interleaving on 2 ranks (stage 0 -> 1 goes from rank 0 to 1,
+    stage 1 -> 2 from rank 1 to 0). On p >= 3 ranks every connection carries activations one
+    way and gradients the other, as GPipe's and 1F1B's do."""
+    ways = {(a.rank, schedule.peer(a)) for program in schedule.actions for a in program
+            if a.kind == "SEND_ACT"}
+    return any((b, a) in ways for a, b in ways)
+
+
+def costs_from(name: str, schedule: Schedule, calibrated_ranks: int) -> str:
+    """The calibrated schedule whose message costs `schedule` (called `name`) pays: its own,
+    unless its calibration run crossed messages both ways and the job's does not (interleaved
+    calibrated on 2 ranks, run on more): then 1F1B's, the schedule whose steady state it runs
+    per virtual stage over connections like its own. Stalls come from messages crossing both
+    ways (see the module's text), so the 2-rank figures would charge them where they do not
+    happen."""
+    calibrated = build(name, calibrated_ranks, schedule.microbatches, schedule.virtual)
+    return "1f1b" if both_ways(calibrated) and not both_ways(schedule) else name
+
+
+def stall_costs(sends: list[float], receives: list[float]) -> tuple[float, float]:
+    """(send, receive) stall per message: each plain mean less its trimmed mean (see the
+    module's text), 0 when there is none; never negative."""
+    return tuple(max(statistics.fmean(v) - trimmed_mean(v), 0.0) if v else 0.0
+                 for v in (sends, receives))
 
 
 def mean_costs(sends: list[float], receives: list[float], wakes: list[float]) -> MessageCosts:
