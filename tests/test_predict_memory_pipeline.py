@@ -416,3 +416,7 @@ def test_interleaved_on_more_ranks_than_calibrated_pays_1f1bs_messages():
     as_1f1b = pp.predict(job, "interleaved", INSTANT, _costs(
         schedule_messages={"interleaved": own["1f1b"], "1f1b": own["1f1b"]}))
     assert got["step_s"] == as_1f1b["step_s"]
+    # and the prediction says so; on 2 ranks nothing is said
+    assert "interleaved pays 1f1b's here" in pp.describe(job, INSTANT, _costs())
+    two = pp.PipelineJob(stages=2, microbatches=8, dim=16, depth=8, batch=16)
+    assert "pays" not in pp.describe(two, INSTANT, _costs())

@@ -204,8 +204,21 @@ def _message_costs(job: PipelineJob, costs: PipelineCosts) -> str:
     own = [n for n in pipeline.BUILDERS if str(job.dim) in costs.schedule_messages.get(n, {})]
     rows = [(n, costs.messages(n, job.dim)) for n in own] if own else \
         [("every schedule", (costs.send, costs.receive, costs.wake))]
-    return "; ".join(f"{n} {1e6 * s:.0f}, {1e6 * r:.0f}, +{1e6 * w:.0f} us"
-                     for n, (s, r, w) in rows)
+    def stalls(n: str) -> tuple[str, str]:
+        ss, rs = costs.stalls(n, job.dim) if own else (0.0, 0.0)
+        return tuple(f" ({1e6 * x:.0f} stalls)" if x else "" for x in (ss, rs))
+
+    return "; ".join(f"{n} {1e6 * s:.0f}{stalls(n)[0]}, {1e6 * r:.0f}{stalls(n)[1]}, "
+                     f"+{1e6 * w:.0f} us" for n, (s, r, w) in rows)
+
+
+def _paid(job: PipelineJob, costs: PipelineCosts) -> str:
+    """Which schedules pay another's message costs in this job (`costs_from`), said."""
+    other = [(n, costs_from(n, pipeline.build(n, job.stages, job.microbatches, job.virtual),
+                            costs.ranks)) for n in pipeline.BUILDERS
+             if n != "interleaved" or job.virtual >= 2]  # v = 1: no interleaved schedule
+    return "".join(f"; {n} pays {paid}'s here (its connections carry messages one way, as "
+                   f"{paid}'s do)" for n, paid in other if paid != n)
 
 
 def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None) -> str:
@@ -221,9 +234,10 @@ def describe(job: PipelineJob, hw: Hardware, costs: PipelineCosts | None = None)
                 f"+ {1e3 * costs.last_backward:.3f} ms B (head, loss); step + "
                 f"{1e3 * costs.step(max(pipeline.blocks_per_stage(job.depth, job.stages))):.3f}"
                 f" ms; messages: {1e6 * costs.latency:.0f} us + bytes / {costs.bandwidth:.3g} "
-                f"B/s; a send, a receive, + a wake-up where a receive waits: "
+                f"B/s; a send, a receive (of them, stalls: added up over the step), + a "
+                f"wake-up where a receive waits: "
                 f"{_message_costs(job, costs)} "
-                f"(calibrated with {costs.ranks} ranks on {costs.cores} cores)")
+                f"(calibrated with {costs.ranks} ranks on {costs.cores} cores){_paid(job, costs)}")
     compute = (f"{job.sleep_ms:g} ms sleep per block forward + FLOPs at {rank_rate(hw, job.stages):.3g} "
                "FLOP/s per rank" if job.sleep_ms else
                f"FLOPs at {rank_rate(hw, job.stages):.3g} FLOP/s per rank")
