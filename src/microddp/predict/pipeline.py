@@ -12,7 +12,9 @@ sender pays the interpreter's measured send and its receiver its receive's own t
 the next receives, waiting for the sends its message proves done); a receive that gets
 there before its message (it waits) pays, on top, the measured wake-up: from the message's
 due arrival to the woken rank running again, which on a host whose cores the ranks share is
-much of what a message costs. The step adds its measured fixed cost (optimizer, zero_grad).
+much of what a message costs. Sends and receives play at their typical (trimmed mean) time;
+the rest of their mean, stalls of milliseconds that hold the whole pipeline, the step adds
+up over every message (`pipeline_messages`). The step adds its measured fixed cost (optimizer, zero_grad).
 With more ranks than cores, compute stretches by the ranks computing at once over the cores:
 they time-share them (a rank waiting in a receive leaves its core; sleep does not hold one).
 
@@ -74,9 +76,8 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
             else _flops_cost(job, blocks, hw, mb, sleep))
     cores = idle = None
     if costs is not None:
-        # a send's and a receive's own time run on their rank's clock as compute does, but
-        # are measured as means already (their tail included); the transfer and the wake-up
-        # are waits
+        # a send's and a receive's typical time run on their rank's clock as compute does;
+        # the transfer and the wake-up are waits
         transfer = costs.message(message)
         # interleaved on 4 ranks pays 1F1B's: the calibration's 2 ranks cross messages both
         # ways, the job's do not (`pipeline_messages.costs_from`)
