@@ -10,6 +10,7 @@ import pytest
 
 from microddp import commands as cli
 from microddp import pipeline
+from microddp.pipeline.schedules import RECVS, SENDS
 from microddp.predict import memory
 from microddp.predict import pipeline as pp
 from microddp.predict import pipeline_costs as pc
@@ -390,8 +391,20 @@ def test_every_ranks_stalls_add_to_the_step_and_the_typical_calls_play_in_it():
     added = pp.predict(job, "interleaved", INSTANT, _costs(
         schedule_messages=means, schedule_stalls={"interleaved": {"16": [1e-3, 5e-4]}}))
     assert added["step_s"] > spread["step_s"]
-    # an older calibration has no stalls: the means play as before
-    assert _costs().stalls("gpipe", 16) == (0.0, 0.0)
+    # exactly: the typical calls (2 ms, 1.5 ms) played, then every message's stalls, each
+    # send's 1 ms and each receive's 0.5 ms, once
+    typical = pp.predict(job, "interleaved", INSTANT, _costs(
+        schedule_messages={"interleaved": {"16": [2e-3, 1.5e-3, 0.0]}}))["step_s"]
+    kinds = [a.kind for program in pipeline.build("interleaved", 2, 4).actions for a in program]
+    sends, receives = sum(k in SENDS for k in kinds), sum(k in RECVS for k in kinds)
+    assert sends == receives > 0
+    assert added["step_s"] == pytest.approx(typical + sends * 1e-3 + receives * 5e-4, rel=1e-9)
+    # an older calibration file has no stalls: it loads, and its means play as before
+    saved = asdict(_costs(schedule_messages=means))
+    del saved["schedule_stalls"]
+    old = pc.PipelineCosts(**saved)
+    assert old.stalls("interleaved", 16) == (0.0, 0.0)
+    assert pp.predict(job, "interleaved", INSTANT, old)["step_s"] == spread["step_s"]
 
 
 def test_interleaved_on_more_ranks_than_calibrated_pays_1f1bs_messages():

@@ -219,6 +219,8 @@ def test_agrees_says_yes_only_when_every_rank_posted_the_same_numbers():
         assert a.agrees(seq, same) is None  # but rank 1's counter says 2: not posted yet
         b.post(same)
         assert a.agrees(seq, same) is True
+        b.post(other)  # rank 1 is one agreement ahead (4, the other set of lines): 3 still
+        assert a.agrees(seq, same) is True  # agreed, its lines untouched
     finally:
         seg.close()
 

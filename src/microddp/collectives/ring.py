@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from ..errors import MicroDDPError
-from ..transport.duplex import duplex, duplex_decided, duplex_enabled
+from ..transport.duplex import duplex, duplex_decided, duplex_setting
 from ..transport.peers import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
 from .agree import (
     INLINE_MAX_CHUNK,
@@ -228,8 +228,9 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     peers, name, problem = local
     # MICRODDP_DUPLEX and segment_bytes are agreed on too: ranks that disagree would wait for
     # each other on different connections until the timeout, or send messages of different
-    # sizes (which gloo answers by aborting the process).
-    settings = {"MICRODDP_DUPLEX": int(duplex_enabled()), "segment_bytes": segment_bytes or 0}
+    # sizes (which gloo answers by aborting the process). MICRODDP_DUPLEX as the group settled
+    # it, once it has (transport/duplex.py's duplex_setting).
+    settings = {"MICRODDP_DUPLEX": duplex_setting(peers), "segment_bytes": segment_bytes or 0}
     # Where the group shares memory, the check goes through it (no message: shm_agree.py).
     # Otherwise, on 2 gloo ranks whose connections are settled (the group's first ring call
     # settles them, after agreeing on MICRODDP_DUPLEX), the check travels beside the data.

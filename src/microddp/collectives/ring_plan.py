@@ -119,8 +119,9 @@ def _signature(tensor: torch.Tensor, op, group, check: bool = False) -> tuple | 
            tensor.is_contiguous(), op, weakref.ref(pg))
     # A checked call's check holds the shape too: a repeat must send it as it is now. Not
     # MICRODDP_DUPLEX, whose value the check also holds: reading the environment took 2 us
-    # (warm) of a 4 KiB call's 200, and it matters only until the group's first ring call
-    # settles its connections (transport/duplex.py); a kept call sends what it agreed on.
+    # (warm) of a 4 KiB call's 200, and a call is kept only once the group's connections are
+    # settled, after which the check holds the settled value (transport/duplex.py's
+    # duplex_setting), not the variable.
     return key + (tuple(tensor.shape),) if check else key
 
 

@@ -22,7 +22,8 @@ store), so only code that both ranks run at the same point may call `duplex`: th
 on its first call on a group. It lives as long as the group's Python object (kept weakly):
 torch.distributed does not know it, so `destroy_process_group` frees it only once nothing
 else holds the group. MICRODDP_DUPLEX=0 (the same on every rank: with check=True the ring
-agrees on it) keeps one connection, and the ring then runs the orders it uses on one
+agrees on it, as the variable before the group's first ring call, as what that call settled
+after: `duplex_setting`) keeps one connection, and the ring then runs the orders it uses on one
 (ring_loops.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
 may hold GPU tensors that a gloo connection cannot send.
 """
@@ -45,6 +46,17 @@ _UNSEEN = object()
 def duplex_enabled() -> bool:
     """Whether the ring opens a second connection on 2-rank gloo groups (MICRODDP_DUPLEX)."""
     return os.environ.get("MICRODDP_DUPLEX", "1").strip() not in ("0", "false", "no", "off")
+
+
+def duplex_setting(peers: Peers) -> int:
+    """The MICRODDP_DUPLEX a ring call's check holds. Before the group's connections are
+    settled, the variable: the first ring call opens the second connection (or not), and ranks
+    that disagree would wait for each other on different connections. After, whether the group
+    has a second connection, the same on every rank: a later change of the variable changes
+    nothing, so a kept call (ring_plan.py's memo, which does not read the environment) and a
+    new one send the same value."""
+    back = _backs.get(peers.pg, _UNSEEN) if peers.pg is not None else _UNSEEN
+    return int(duplex_enabled()) if back is _UNSEEN else int(back is not None)
 
 
 def duplex_decided(peers: Peers) -> bool:
