@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from .. import pipeline
 from ..errors import MicroDDPError
 from ..pipeline import Action
-from ..pipeline.schedules import RECVS, SENDS
+from ..pipeline.schedules import SENDS
 from .pipeline_costs import PipelineCosts, block_flops
 from .pipeline_messages import costs_from
 from .step import Hardware
@@ -72,6 +72,8 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
     mb = job.batch / job.microbatches  # the mean micro-batch: sizes differ by one at most
     sleep = (job.sleep_ms or 0.0) / 1e3
     message = mb * job.dim * 4
+    # every message is one send and one receive (the validator matches them)
+    sends = sum(a.kind in SENDS for prog in schedule.actions for a in prog)
     cost = (_calibrated_cost(job, blocks, costs, mb, sleep) if costs is not None
             else _flops_cost(job, blocks, hw, mb, sleep))
     cores = idle = None
@@ -88,9 +90,7 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
         # turn, after the play of the typical calls (`pipeline_messages`)
         send_stall, receive_stall = costs.stalls(paid, job.dim)
         send, receive = send - send_stall, receive - receive_stall
-        stalled = sum(send_stall if a.kind in SENDS else receive_stall
-                      for program in schedule.actions for a in program
-                      if a.kind in SENDS or a.kind in RECVS)
+        stalled = sends * (send_stall + receive_stall)
         # every rank runs zero_grad and the optimizer at once: p ranks share the cores
         fixed = max(costs.step(sum(blocks[s] for s in schedule.stages_of(r)))
                     for r in range(job.stages)) * max(1.0, job.stages / costs.cores)
@@ -105,7 +105,6 @@ def predict(job: PipelineJob, name: str, hw: Hardware,
         receive = wake = stalled = 0.0
     timeline = pipeline.simulate(schedule, cost, transfer, send, receive, wake, cores, idle)
     ideal = pipeline.simulate(schedule, cost, cores=cores, idle=idle)
-    sends = sum(a.kind in ("SEND_ACT", "SEND_GRAD") for prog in schedule.actions for a in prog)
     return {"schedule": name, "bubble": timeline.bubble,
             "step_s": timeline.makespan + fixed + stalled,
             "step_without_transfer_s": ideal.makespan + fixed,
@@ -205,12 +204,15 @@ def _message_costs(job: PipelineJob, costs: PipelineCosts) -> str:
     own = [n for n in pipeline.BUILDERS if str(job.dim) in costs.schedule_messages.get(n, {})]
     rows = [(n, costs.messages(n, job.dim)) for n in own] if own else \
         [("every schedule", (costs.send, costs.receive, costs.wake))]
-    def stalls(n: str) -> tuple[str, str]:
-        ss, rs = costs.stalls(n, job.dim) if own else (0.0, 0.0)
-        return tuple(f" ({1e6 * x:.0f} stalls)" if x else "" for x in (ss, rs))
 
-    return "; ".join(f"{n} {1e6 * s:.0f}{stalls(n)[0]}, {1e6 * r:.0f}{stalls(n)[1]}, "
-                     f"+{1e6 * w:.0f} us" for n, (s, r, w) in rows)
+    def stall(x: float) -> str:
+        return f" ({1e6 * x:.0f} stalls)" if x else ""
+
+    def row(n: str, s: float, r: float, w: float) -> str:
+        ss, rs = costs.stalls(n, job.dim)  # (0, 0) for the pooled row: it names no schedule
+        return f"{n} {1e6 * s:.0f}{stall(ss)}, {1e6 * r:.0f}{stall(rs)}, +{1e6 * w:.0f} us"
+
+    return "; ".join(row(n, *figures) for n, figures in rows)
 
 
 def _paid(job: PipelineJob, costs: PipelineCosts) -> str:
