@@ -20,7 +20,7 @@ os.environ.setdefault("MICRODDP_TIMEOUT", "60")
 @pytest.fixture(autouse=True)
 def _fresh_world():
     """Each test starts with no world joined in the pytest process itself."""
-    from microddp.comms import world
+    from microddp import comms
 
     yield
-    world.shutdown()
+    comms.shutdown()

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
-from microddp.comms import world
+from microddp.world import world
 from microddp.transport.peers import Peers
 
 

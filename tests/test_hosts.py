@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from microddp.comms import hosts, preflight, slurm
+from microddp.world import hosts, preflight, slurm
 from microddp.errors import MicroDDPError
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comms.world import World, distributed
+from .world.world import World, distributed
 from .errors import MicroDDPError
 
 FORMAT = 1

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comms.world import World
+from .world.world import World
 from .errors import MicroDDPError
 
 DATASETS = ("digits", "synthetic")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import flags, outputs, pipeline
-from ..comms.world import World
+from ..world.world import World
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..pipeline.activations import ActivationMeter

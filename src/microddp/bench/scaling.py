@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import flags, outputs
 from .. import spans as trace
-from ..comms.world import World, distributed
+from ..world.world import World, distributed
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP

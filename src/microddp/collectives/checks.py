@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..comms import args as comms_args
+from ..world import args as comms_args
 from ..errors import MicroDDPError
 
 if TYPE_CHECKING:

@@ -36,8 +36,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from ..comms.hosts import host_id
-from ..comms.world import distributed, group_timeout, uses_nccl
+from ..world.hosts import host_id
+from ..world.world import distributed, group_timeout, uses_nccl
 from ..errors import MicroDDPError
 from ..transport.peers import Flat, Peers, bounds, scratch
 from .agree import agree, describe_tensor, home
@@ -236,7 +236,7 @@ _found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -
 
 
 def discover() -> Hierarchy:
-    """The real hosts of the world's ranks (comms.hosts.host_id), gathered from every rank;
+    """The real hosts of the world's ranks (world.hosts.host_id), gathered from every rank;
     kept per process group. Collective the first time."""
     world = dist.group.WORLD
     if world not in _found:

@@ -24,8 +24,8 @@ the DDP is built: collectives/hierarchical.py, dp/comm_hooks.py's start_reductio
 is a choice of DDP's, not of this route: its sums run in another order than gloo's, so a
 plain comms.all_reduce never takes it by itself.
 
-comms sits below this layer, so it does not import this module: `ROUTE` is handed to it
-(comms/route.py) by microddp/__init__.py, as the hang monitor is.
+microddp.comms sits above this layer and imports this module: comms.all_reduce asks
+`all_reduce_path`, comms.init and new_group call `prepare`, comms.shutdown `close`.
 """
 
 from __future__ import annotations
@@ -100,20 +100,12 @@ def intra_host_path(tensor: torch.Tensor, op: str, group) -> SharedGroup | None:
     return state.group if state is not None else None
 
 
-class Route:
-    """What microddp.comms asks (comms/route.py's protocol)."""
-
-    def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
-        """See the module's all_reduce_path."""
-        return all_reduce_path(tensor, op, group)
-
-    def prepare(self, group) -> None:
-        """Decide now, collectively, whether `group` uses shared memory (and attach it)."""
-        shm.shared(group)
-
-    def close(self) -> None:
-        """Let go of every group's shared memory (at shutdown)."""
-        shm.close_all()
+def prepare(group) -> None:
+    """Decide now, collectively, whether `group` uses shared memory (and attach it): every
+    rank of the group calls it at the same point (comms.init, comms.new_group)."""
+    shm.shared(group)
 
 
-ROUTE = Route()
+def close() -> None:
+    """Let go of every group's shared memory (comms.shutdown)."""
+    shm.close_all()

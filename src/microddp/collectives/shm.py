@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comms import args as comms_args
-from ..comms.world import group_rank, group_size
+from ..world import args as comms_args
+from ..world.world import group_rank, group_size
 from ..errors import MicroDDPError
 from ..transport.peers import written
 from ..transport.shm_attach import attach, wanted

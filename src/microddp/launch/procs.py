@@ -47,8 +47,8 @@ class AgentStore:
         # --help and argument errors never wait for torch to load.
         import torch.distributed as dist
 
-        from ..comms.rendezvous import bind
-        from ..comms.world import _as_timedelta
+        from ..world.rendezvous import bind
+        from ..world.world import _as_timedelta
 
         sock = bind(addr, port)
         port = sock.getsockname()[1]

@@ -94,7 +94,7 @@ def roll_call(master_addr: str, port: int, nnodes: int, node_rank: int,
     # Here, not above: `microddp run --help` and its argument errors need no torch.
     import torch.distributed as dist
 
-    from ..comms.rendezvous import bind
+    from ..world.rendezvous import bind
 
     addr = _resolve(master_addr)
     deadline = time.monotonic() + timeout_s

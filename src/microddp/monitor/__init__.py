@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..comms.world import distributed, get_world
+from ..world.world import distributed, get_world
 from ..errors import MicroDDPError
 from . import patch
 from .default import interrupt_pays, stall_seconds, wanted

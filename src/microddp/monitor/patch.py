@@ -297,7 +297,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
 
 
 # group -> is it gloo's: asked once per group. Held weakly: a strong key kept every group the
-# monitor saw alive after destroy_process_group, with its threads (comms/teardown.py).
+# monitor saw alive after destroy_process_group, with its threads (world/teardown.py).
 _gloo_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import comms
 from ..collectives.cost import fit_line
-from ..comms.world import World, distributed
+from ..world.world import World, distributed
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..timing import interleaved

@@ -39,7 +39,7 @@ import torch
 
 from .. import comms, pipeline
 from ..collectives.cost import fit_line
-from ..comms.world import World
+from ..world.world import World
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP

@@ -49,7 +49,7 @@ import torch
 
 from .. import comms
 from ..collectives.cost import fit_line
-from ..comms.world import World
+from ..world.world import World
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..pipeline import placement

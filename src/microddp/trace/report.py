@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import outputs
 from .. import spans as trace
-from ..comms.world import World, distributed, get_world
+from ..world.world import World, distributed, get_world
 from ..errors import MicroDDPError
 from ..spans import Span
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import spans as trace
-from ..comms.world import World, distributed
+from ..world.world import World, distributed
 from ..launch.spawn import spawn
 from . import report as trace_report
 

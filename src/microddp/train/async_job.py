@@ -24,7 +24,7 @@ import torch
 
 from .. import checkpoint, monitor, outputs, ps
 from .. import spans as trace
-from ..comms.world import World
+from ..world.world import World
 from ..data import ShardedBatchSampler, load_dataset
 from ..errors import MicroDDPError
 from ..trace import report as trace_report

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..comms.world import World, distributed
+from ..world.world import World, distributed
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from .config import TrainConfig

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import checkpoint, monitor, outputs
 from .. import spans as trace
-from ..comms.world import World, distributed
+from ..world.world import World, distributed
 from ..data import ShardedBatchSampler, load_dataset
 from ..trace import report as trace_report
 from . import resume, sharded, strategies

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .. import checkpoint
-from ..comms.world import World
+from ..world.world import World
 from ..errors import MicroDDPError
 from . import sharded
 from .config import TrainConfig

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint, outputs
-from ..comms.world import World, distributed
+from ..world.world import World, distributed
 from ..errors import MicroDDPError
 
 FORMAT = 1

@@ -35,7 +35,7 @@ import weakref
 
 import torch.distributed as dist
 
-from ..comms.world import group_timeout
+from ..world.world import group_timeout
 from ..errors import MicroDDPError
 from .peers import Peers
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from ..comms.world import distributed, uses_nccl
+from ..world.world import distributed, uses_nccl
 from ..errors import MicroDDPError
 
 # In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...comms.world import World
+from ...world.world import World
 from ...errors import MicroDDPError
 from ..build import Precision
 from ..config import TrainConfig

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import spans as trace
-from ...comms.world import World
+from ...world.world import World
 from ...data import Split
 from ...ps import parse_straggler
 from ...timing import straggle_after_forward

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ... import spans as trace
-from ...comms.world import World, distributed
+from ...world.world import World, distributed
 from ...data import Split, evaluate
 from ...zero.memory import measure
 from ..build import Precision, build_optimizer, wrap

@@ -26,7 +26,7 @@ from torch import nn
 from ... import comms, pipeline
 from ... import spans as trace
 from ...comms.mesh import Mesh
-from ...comms.world import World
+from ...world.world import World
 from ...data import Split, evaluate
 from ...timing import straggle_after_forward
 from ...zero.memory import measure

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ... import spans as trace
-from ...comms.world import World
+from ...world.world import World
 from ...data import Split, evaluate
 from ...zero import Zero
 from .. import sharded
