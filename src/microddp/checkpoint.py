@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .world.world import World, distributed
 from .errors import MicroDDPError
+from .world.world import World, distributed
 
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "step", "epoch", "position", "sampler", "rng",

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from ..collectives.route import OPS, carries, gives_gloos_bits
 from ..collectives.shm import flat_data, open_shared
 from ..collectives.shm_group import SharedGroup
-from ..world.args import op_name
 from ..errors import MicroDDPError
+from ..world.args import op_name
 from .work import LaneWork
 
 BackendType = dist.ProcessGroup.BackendType

@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from .. import flags, outputs
 from .. import spans as trace
-from ..world.world import World, distributed
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..timing import interleaved
 from ..trace import report as trace_report
+from ..world.world import World, distributed
 
 EPILOG = """\
 examples:

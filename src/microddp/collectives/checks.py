@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..world import args as comms_args
 from ..errors import MicroDDPError
+from ..world import args as comms_args
 
 if TYPE_CHECKING:
     from ..transport.peers import Peers

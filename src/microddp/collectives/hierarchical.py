@@ -36,10 +36,10 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from ..world.hosts import host_id
-from ..world.world import distributed, group_timeout, uses_nccl
 from ..errors import MicroDDPError
 from ..transport.peers import Flat, Peers, bounds, scratch
+from ..world.hosts import host_id
+from ..world.world import distributed, group_timeout, uses_nccl
 from .agree import agree, describe_tensor, home
 from .checks import try_op, try_tensor
 from .ring import all_gather_flat_, reduce_scatter_flat_

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..world import args as comms_args
-from ..world.world import group_rank, group_size
 from ..errors import MicroDDPError
 from ..transport.peers import written
 from ..transport.shm_attach import attach, wanted
+from ..world import args as comms_args
+from ..world.world import group_rank, group_size
 from .shm_group import DTYPES, SharedGroup, segment_bytes, sizes
 from .shm_lane import Lane, ShmWork
 

@@ -9,6 +9,7 @@ sits above collectives/ and monitor/ and imports what it uses from them directly
 every layer (the process group, rendezvous, hosts) is world/.
 """
 
+from ..world.world import distributed
 from .ops import (
     REDUCE_OPS,
     Handle,
@@ -34,7 +35,6 @@ from .ops import (
     send,
     shutdown,
 )
-from ..world.world import distributed
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "distributed", "Handle",

@@ -16,8 +16,8 @@ import torch
 from .. import collectives
 from ..collectives.hierarchical import chosen
 from ..comms import all_reduce, distributed, group_size
-from ..monitor.patch import failed_wait
 from ..errors import MicroDDPError
+from ..monitor.patch import failed_wait
 from .buckets import Bucket, bucket_view
 
 Future = torch.futures.Future

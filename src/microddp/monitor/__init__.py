@@ -26,8 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..world.world import distributed, get_world
 from ..errors import MicroDDPError
+from ..world.world import distributed, get_world
 from . import patch
 from .default import interrupt_pays, stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum

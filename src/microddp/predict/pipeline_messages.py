@@ -49,12 +49,12 @@ import torch
 
 from .. import comms
 from ..collectives.cost import fit_line
-from ..world.world import World
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..pipeline import placement
 from ..pipeline.schedules import RECVS, SENDS, Schedule, build, message_key
 from ..timing import median, trimmed_mean
+from ..world.world import World
 
 MESSAGE_BYTES = (2**12, 2**14, 2**16, 2**18)  # message sizes the relay sends
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from .. import outputs
 from .. import spans as trace
-from ..world.world import World, distributed, get_world
 from ..errors import MicroDDPError
 from ..spans import Span
+from ..world.world import World, distributed, get_world
 
 TID_MAIN, TID_COMM = 0, 1
 FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "wait_s",

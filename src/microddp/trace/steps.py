@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import spans as trace
-from ..world.world import World, distributed
 from ..launch.spawn import spawn
+from ..world.world import World, distributed
 from . import report as trace_report
 
 

@@ -24,10 +24,10 @@ import torch
 
 from .. import checkpoint, monitor, outputs, ps
 from .. import spans as trace
-from ..world.world import World
 from ..data import ShardedBatchSampler, load_dataset
 from ..errors import MicroDDPError
 from ..trace import report as trace_report
+from ..world.world import World
 from .build import build_model, build_optimizer
 from .config import TrainConfig, ps_config, validate
 from .report import Reporter, bar, plot_curves

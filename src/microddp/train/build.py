@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..world.world import World, distributed
 from ..errors import MicroDDPError
 from ..model import FullMLP
+from ..world.world import World, distributed
 from .config import TrainConfig
 
 

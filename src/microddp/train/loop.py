@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from .. import checkpoint, monitor, outputs
 from .. import spans as trace
-from ..world.world import World, distributed
 from ..data import ShardedBatchSampler, load_dataset
 from ..trace import report as trace_report
+from ..world.world import World, distributed
 from . import resume, sharded, strategies
 from .build import Hook, Precision, build_model
 from .config import TrainConfig, validate

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint, outputs
-from ..world.world import World, distributed
 from ..errors import MicroDDPError
+from ..world.world import World, distributed
 
 FORMAT = 1
 MANIFEST, COMMON = "manifest.json", "common.pt"

@@ -35,8 +35,8 @@ import weakref
 
 import torch.distributed as dist
 
-from ..world.world import group_timeout
 from ..errors import MicroDDPError
+from ..world.world import group_timeout
 from .peers import Peers
 
 _backs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> second group or None

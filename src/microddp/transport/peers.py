@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from ..world.world import distributed, uses_nccl
 from ..errors import MicroDDPError
+from ..world.world import distributed, uses_nccl
 
 # In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.
 COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {

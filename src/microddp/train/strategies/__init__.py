@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...world.world import World
 from ...errors import MicroDDPError
+from ...world.world import World
 from ..build import Precision
 from ..config import TrainConfig
 from .base import Strategy

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import spans as trace
-from ...world.world import World
 from ...data import Split
 from ...ps import parse_straggler
 from ...timing import straggle_after_forward
+from ...world.world import World
 from ..build import Precision
 from ..config import TrainConfig
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ... import spans as trace
-from ...world.world import World, distributed
 from ...data import Split, evaluate
+from ...world.world import World, distributed
 from ...zero.memory import measure
 from ..build import Precision, build_optimizer, wrap
 from ..config import TrainConfig

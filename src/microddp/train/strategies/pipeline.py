@@ -26,9 +26,9 @@ from torch import nn
 from ... import comms, pipeline
 from ... import spans as trace
 from ...comms.mesh import Mesh
-from ...world.world import World
 from ...data import Split, evaluate
 from ...timing import straggle_after_forward
+from ...world.world import World
 from ...zero.memory import measure
 from .. import sharded
 from ..build import Precision, build_optimizer

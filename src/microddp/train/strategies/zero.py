@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ... import spans as trace
-from ...world.world import World
 from ...data import Split, evaluate
+from ...world.world import World
 from ...zero import Zero
 from .. import sharded
 from ..build import Precision
