@@ -20,6 +20,7 @@ LAYERS = [
     ("errors", "outputs", "model", "spans", "timing"),   # shared by everything
     ("world",),                # bootstrap: the process group, rendezvous, hosts, arg checks
     ("transport",),            # how two ranks move bytes
+    ("shm",),                  # same-host shared memory: segment, attach, group, lane, agreement
     ("collectives",),          # algorithms over transport
     ("backend",),              # torch.distributed's "microddp" backend over the collectives
     ("monitor",),              # hang and desync reports over the world and collectives

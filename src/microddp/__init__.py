@@ -37,6 +37,7 @@ _LAZY = {
     "ps": ("microddp.ps", None),
     "trace": ("microddp.trace", None),
     "transport": ("microddp.transport", None),
+    "shm": ("microddp.shm", None),
     "world": ("microddp.world", None),
     "launch": ("microddp.launch", None),
     "commands": ("microddp.commands", None),

@@ -28,10 +28,10 @@ from ..collectives.ring import (
     posting,
     preposted_ring_all_reduce_,
 )
-from ..collectives.ring_plan import RingPlan
-from ..collectives.shm_group import sizes as shm_sizes
+from ..collectives.ring.plan import RingPlan
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
+from ..shm.group import sizes as shm_sizes
 from ..timing import interleaved, median, trimmed_mean
 from ..transport.duplex import duplex
 from ..transport.peers import Peers
@@ -271,7 +271,7 @@ def memory_contenders(nbytes: int, p: int) -> dict:
 
 def bound_pieces(nbytes: int, p: int) -> tuple[int, int]:
     """(bytes of a piece, pieces) in which shared memory moves `nbytes` on p ranks: a slot's
-    worth at a time (collectives/shm_group.py)."""
+    worth at a time (shm/group.py)."""
     slot, _ = shm_sizes(p)
     piece = min(nbytes, slot // 4 * 4)
     return piece, -(-nbytes // piece)

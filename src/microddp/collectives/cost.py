@@ -98,7 +98,7 @@ class CostModel:
 
     def shm_all_reduce(self, n: float, p: int, slot: float = 4 << 20,
                        small: float | None = None) -> float:
-        """Through shared memory (shm_group.py), where alpha is one synchronisation (a wait
+        """Through shared memory (shm/group.py), where alpha is one synchronisation (a wait
         on the peers' counters), beta the cost of copying a byte, gamma of reducing one. In
         pieces of at most `slot` bytes; a piece up to `small` bytes (default: the slot on 2
         ranks, 64 KiB on more, as shm_group.sizes) takes one synchronisation, one copy in

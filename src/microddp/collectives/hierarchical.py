@@ -37,14 +37,14 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
+from ..shm.group import SharedGroup
 from ..transport.peers import Flat, Peers, bounds, scratch
 from ..world.hosts import host_id
 from ..world.world import distributed, group_timeout, uses_nccl
-from .agree import agree, describe_tensor, home
-from .checks import try_op, try_tensor
+from .agreement.agree import agree, describe_tensor, home
+from .agreement.checks import try_op, try_tensor
 from .ring import all_gather_flat_, reduce_scatter_flat_
 from .route import intra_host_path
-from .shm_group import SharedGroup
 
 OPS = ("sum", "avg", "product", "min", "max")
 SETTING = "MICRODDP_HIERARCHICAL"  # "auto" (default), "1" (whenever possible), "0" (never)

@@ -2,7 +2,7 @@
 
 `all_reduce_path(tensor, op, group)` answers for microddp.comms.all_reduce (and so for
 microddp's DDP, whose buckets go through it): shared memory when every rank of the group is on
-this host (decided once per group, collectively, transport/shm_attach.py), the call is one
+this host (decided once per group, collectively, shm/attach.py), the call is one
 shared memory handles (a dense contiguous CPU tensor of a supported dtype, sum, avg, product,
 min or max), and its result is gloo's, bit for bit; otherwise None, and the call goes to the
 group's backend (gloo, NCCL) as before.
@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import shm
-from .shm_group import DTYPES, SharedGroup
+from ..shm import collectives as shm
+from ..shm.group import DTYPES, SharedGroup
 
 OPS = frozenset({"sum", "avg", "product", "min", "max"})
 ORDERED = frozenset({"sum", "avg", "product"})  # float results that depend on the order
@@ -54,7 +54,7 @@ def carries(tensor: torch.Tensor) -> bool:
 def gives_gloos_bits(any_order: bool, op: str, tensor: torch.Tensor) -> bool:
     """Whether shared memory's result is gloo's to the bit: always, but for float sums and
     products where gloo adds in an order of its own (3+ ranks) and `any_order` was not asked
-    for (shm.py's state says which)."""
+    for (shm/collectives.py's state says which)."""
     return any_order or op not in ORDERED or not tensor.is_floating_point()
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
-from ..transport import shm
+from ..shm import segment as shm
 from . import desync
 from .hang import Monitor
 from .log import Entry, describe_tensor

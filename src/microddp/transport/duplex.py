@@ -24,7 +24,7 @@ torch.distributed does not know it, so `destroy_process_group` frees it only onc
 else holds the group. MICRODDP_DUPLEX=0 (the same on every rank: with check=True the ring
 agrees on it, as the variable before the group's first ring call, as what that call settled
 after: `duplex_setting`) keeps one connection, and the ring then runs the orders it uses on one
-(ring_loops.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
+(ring/loops.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
 may hold GPU tensors that a gloo connection cannot send.
 """
 
@@ -53,7 +53,7 @@ def duplex_setting(peers: Peers) -> int:
     settled, the variable: the first ring call opens the second connection (or not), and ranks
     that disagree would wait for each other on different connections. After, whether the group
     has a second connection, the same on every rank: a later change of the variable changes
-    nothing, so a kept call (ring_plan.py's memo, which does not read the environment) and a
+    nothing, so a kept call (ring/plan.py's memo, which does not read the environment) and a
     new one send the same value."""
     back = _backs.get(peers.pg, _UNSEEN) if peers.pg is not None else _UNSEEN
     return int(duplex_enabled()) if back is _UNSEEN else int(back is not None)

@@ -138,7 +138,7 @@ class Peers:
 
     def isend_main(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         """isend on the group's own connection, even to a lower rank when there is a second
-        one: where every collective's agreement travels (ring_carried.py)."""
+        one: where every collective's agreement travels (agreement/carried.py)."""
         if _counters:
             _count(tensor)
         return self.pg.send([tensor], peer, tag)

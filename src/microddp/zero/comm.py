@@ -1,7 +1,7 @@
 """The collectives ZeRO needs, on one bucket at a time, counting the bytes each rank sends.
 
 A bucket travels as its parameters end to end, each rank owning a contiguous part of it.
-When every rank is on this host (microddp's shared memory, collectives/shm.py, chosen by
+When every rank is on this host (microddp's shared memory, shm/collectives.py, chosen by
 collectives/route.py's `intra_host_path`: gloo backend, a dtype and device it carries, not
 MICRODDP_TRANSPORT=gloo), gradients are reduce-scattered in one shared-memory reduce-scatter
 and the updated parameters come back in one shared-memory all-gather: one synchronisation of
@@ -47,8 +47,8 @@ import torch
 
 from .. import comms
 from .. import spans as trace
-from ..collectives import shm
 from ..collectives.route import intra_host_path
+from ..shm import collectives as shm
 from .flat import part
 from .plan import Bucket
 

@@ -3,9 +3,9 @@
 A checked call must not let a byte of data leave before it knows the other rank's tensor is
 alike (gloo aborts on a size mismatch), and waiting for the other rank's check before sending
 puts the other rank's arrival, a wake-up and the first step's whole transfer in front of every
-call: measured, the check then cost about what the header message of ring_carried.py did.
+call: measured, the check then cost about what the header message of carried.py did.
 Here the check is in front of nothing. On 2 gloo ranks of a group that shares memory
-(shm_agree.py), with a connection per direction (transport/duplex.py), a call:
+(shm/agreement.py), with a connection per direction (transport/duplex.py), a call:
 
 1. posts its check in shared memory (the agreement's numbers, plus where it sends and posts its
    first step early: EXTRA words beside them), without waiting for anyone;
@@ -21,7 +21,7 @@ Here the check is in front of nothing. On 2 gloo ranks of a group that shares me
 4. otherwise adds what arrived, sends the second step and finishes.
 
 The check's cost is then writing twenty-two numbers and comparing twenty, not a message or a
-wait; kept to a few Python steps (shm_agree.py's `agrees`), because right after the data moved
+wait; kept to a few Python steps (shm/agreement.py's `agrees`), because right after the data moved
 each step finds its objects out of cache: measured, the first version's post and read took
 17 and 16 us of this thread's CPU time per 1 MiB call (chapter 4). Only chunks
 that are not empty take this path (a 1-element tensor has an empty chunk; it agrees first).
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import array
 
-from ..transport.peers import COMBINE, Peers
+from ...transport.peers import COMBINE, Peers
+from ..ring.plan import RingPlan
 from .agree import described, encode, read_in_memory, shared_agreement
-from .ring_carried import gather_step_
-from .ring_plan import RingPlan
+from .carried import gather_step_
 from .sized_tags import sized_tag
 
 # The second step's tags: 4 per agreement from here, below 2**30 where the sized tags begin.
@@ -44,7 +44,7 @@ _WRAP = 1 << 27
 
 class EarlyCall:
     """What a repeat call of one kind sends with its check: the agreement's numbers and the
-    sized tags of its first step (kept with the call, ring_plan.py's memo)."""
+    sized tags of its first step (kept with the call, ring/plan.py's memo)."""
 
     def __init__(self, where: str, fields: dict, settings: dict, plan: RingPlan):
         self.where, self.settings = where, settings

@@ -5,7 +5,7 @@ A group has one lane: a thread that runs the calls made with async_op=True one a
 so DDP's bucket all-reduces overlap with backward as gloo's do. A blocking call runs on the
 caller's thread when nothing is queued (the fast case: no hand-over between threads), else it
 queues behind the others and waits, so calls always run in the order they were made. The
-tensor work releases the GIL, and so does the lane's waiting for its peers (transport/shm.py).
+tensor work releases the GIL, and so does the lane's waiting for its peers (shm/segment.py).
 """
 
 from __future__ import annotations

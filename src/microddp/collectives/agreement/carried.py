@@ -17,7 +17,7 @@ and both raise the same errors. What changes is the order around it:
 4. otherwise send the data, to the other's tag base, and run the ring's two steps.
 
 So the only thing in front of the data is one small message that travels while the data
-receives are being announced; with the repeat-call memo (ring_plan.py) nothing else is either.
+receives are being announced; with the repeat-call memo (ring/plan.py) nothing else is either.
 This takes only 2 ranks: on more, a rank hears from one neighbour only, and a rank whose
 neighbour agrees with it would send on to one that gave up (the butterfly is kept there).
 
@@ -40,9 +40,9 @@ import itertools
 
 import torch
 
-from ..transport.peers import COMBINE, Peers
+from ...transport.peers import COMBINE, Peers
+from ..ring.plan import RingPlan
 from .agree import FIRST_TAG, PAIR_WORDS, SLOTS, described, encode, judge
-from .ring_plan import RingPlan
 
 # Where a header carries its sender's tag base. It is past every field an agreement compares
 # (at most 9), so a rank running `agree` reads the rest of the header and ignores it.
@@ -63,7 +63,7 @@ def _next_base() -> int:
 
 class Header:
     """One rank's header for one kind of call, and a buffer for the other rank's; kept with the
-    call (ring_plan.py), so a repeat call only stamps its tag base in and sends it."""
+    call (ring/plan.py), so a repeat call only stamps its tag base in and sends it."""
 
     def __init__(self, where: str, fields: dict, settings: dict):
         self.where, self.settings = where, settings

@@ -1,6 +1,6 @@
 """The metadata agreement through shared memory, for a group whose ranks are all on this host.
 
-agree.py makes every rank agree on shapes, dtypes and ops before data moves, with a butterfly
+collectives/agreement/agree.py makes every rank agree on shapes, dtypes and ops before data moves, with a butterfly
 of small messages through the group's backend. On one host those are loopback TCP messages,
 each handled by gloo's threads: on 2 ranks of this 2-core host the ring's default check cost
 1.1-1.2x the unchecked ring's time at 1 MiB, however the header travelled (beside the data,
@@ -13,7 +13,7 @@ error on every rank, from the same numbers, as before.
 
 Every agreement of such a group goes through here, never some through gloo: a rank that
 called a ring and one that called a tree or a broadcast still meet in this mailbox and both
-raise. (Only the ring's header carried beside its data, ring_carried.py, is skipped for such a
+raise. (Only the ring's header carried beside its data, agreement/carried.py, is skipped for such a
 group: it would be an agreement through gloo.)
 
 Why two sets of lines ("parities") are enough, agreement s using set s % 2: a rank writes set
@@ -22,23 +22,23 @@ every rank has posted s + 1, and a rank posts s + 1 only after it has read every
 So no rank's numbers for s are overwritten before every rank has read them, and no rank can
 be more than one agreement ahead of another. A rank that never comes (it crashed, or called
 a collective that does not agree) makes the others' wait end at the group's timeout with the
-hang report, like any shared-memory wait (transport/shm.py); a 2-rank ring that sent its
+hang report, like any shared-memory wait (shm/segment.py); a 2-rank ring that sent its
 first step early may be waiting in gloo for the data instead, and then ends at gloo's timeout,
 in gloo's words.
 
-The memory ordering is transport/shm.py's: numbers first, then the counter, then the bell.
+The memory ordering is shm/segment.py's: numbers first, then the counter, then the bell.
 """
 
 from __future__ import annotations
 
 import array
 
-from ..transport.shm import LINE_WORDS, Flags, Segment
+from .segment import LINE_WORDS, Flags, Segment
 
-# agree.py's message without its padding: SLOTS codes, then the same negated (agree.encode).
-# A literal here, since agree.py imports this module; tests/test_shm_agree.py checks it.
+# collectives/agreement/agree.py's message without its padding: SLOTS codes, then the same negated (agree.encode).
+# A literal here, since agree.py imports this module; tests/test_ring_early.py checks it.
 WORDS = 20
-# Beside them, not compared: where a ring sent and posted its first step early (ring_early.py),
+# Beside them, not compared: where a ring sent and posted its first step early (agreement/early.py),
 # so that a rank refusing the call knows what to settle; zeros for every other agreement.
 EXTRA = 2
 STRIDE = -(-(WORDS + EXTRA) // LINE_WORDS) * LINE_WORDS  # whole cache lines per rank
@@ -61,7 +61,7 @@ class SharedAgreement:
         numbers = first_word + size * LINE_WORDS
         # Where each rank's numbers start, per parity: worked out once, since an agreement
         # sits in front of every checked collective, where each Python step costs several
-        # microseconds (ring_early.py's measurement).
+        # microseconds (agreement/early.py's measurement).
         self.lines = [[numbers + (parity * size + r) * STRIDE for r in range(size)]
                       for parity in (0, 1)]
         self.others = [r for r in range(size) if r != rank]
@@ -86,8 +86,8 @@ class SharedAgreement:
         False if one posted other numbers (`result` then says what differs).
 
         Asked after this rank's own post, it cannot be None on both of two ranks: each post
-        stores its counter, then fences (transport/shm.py's `fence`, a full memory barrier),
-        so a rank's post is visible to all before its own read of the other's (ring_early.py
+        stores its counter, then fences (shm/segment.py's `fence`, a full memory barrier),
+        so a rank's post is visible to all before its own read of the other's (agreement/early.py
         relies on it: one of the two reads the check at once)."""
         words, counters, lines = self.words, self.told.index, self.lines[seq & 1]
         for r in self.others:
