@@ -16,7 +16,7 @@ from microddp.collectives.ring import (
     planned_ring_all_reduce_,
     posting,
 )
-from microddp.collectives.ring.loops import pair_all_reduce_
+from microddp.collectives.ring.loops import _batched_ring_all_reduce_, pair_all_reduce_
 from microddp.collectives.ring.plan import make_plan
 from microddp.transport.duplex import duplex_enabled
 from microddp.transport.peers import Peers
