@@ -45,8 +45,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import comms
-from .. import spans as trace
+from .. import comms, spans
 from ..collectives.route import intra_host_path
 from ..shm import collectives as shm
 from .flat import part
@@ -169,5 +168,5 @@ def free_when_sent(handles: Sequence, buffer: torch.Tensor) -> torch.futures.Fut
 def trace_when_done(handles: Sequence, name: str, launched: float, **args) -> None:
     """While spans are recorded: `name` on the communication track from `launched` until the
     last of `handles` completes (spans.add_when_done), in the step it was launched in."""
-    if trace.enabled() and handles:
-        trace.add_when_done([h.get_future() for h in handles], name, launched, **args)
+    if spans.enabled() and handles:
+        spans.add_when_done([h.get_future() for h in handles], name, launched, **args)
