@@ -129,6 +129,16 @@ class CostModel:
         return getattr(self, algorithm)(float(nbytes), p, **options)
 
 
+def ring_all_reduce_bytes(numel: int, p: int, element_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `numel` elements on `p` ranks: 2(p - 1)
+    chunks of ceil(numel / p) elements (a reduce-scatter, then an all-gather). The one rule
+    every counter of a ring's traffic uses (the strategies' `sent_per_step`, ZeRO's
+    CountingAllReduce); `bytes_sent` below is its bandwidth term, n / p for ceil."""
+    if p < 2 or numel == 0:
+        return 0
+    return 2 * (p - 1) * -(-numel // p) * element_size
+
+
 def bytes_sent(algorithm: str, n: float, p: int) -> float:
     """Bytes the busiest rank sends for an n-byte tensor on p ranks: the bandwidth term."""
     if algorithm not in ALGORITHMS:

@@ -7,8 +7,9 @@ each trains to the same parameters as plain data parallelism.
     model = zero.Zero(module, torch.optim.AdamW, stage=3, lr=1e-3)
 """
 
+from ..monitor.memory import measure
+from .comm import CountingAllReduce
 from .engine import STAGES, Zero
-from .memory import CountingAllReduce, measure
 from .plan import Bucket, Piece, ShardPlan, build, by_size, split
 
 __all__ = ["STAGES", "Bucket", "CountingAllReduce", "Piece", "ShardPlan", "Zero", "build",

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import comms, spans
+from ..collectives.cost import ring_all_reduce_bytes
 from ..collectives.route import intra_host_path
 from ..shm import collectives as shm
 from .flat import part
@@ -67,6 +68,21 @@ class Sent:
     def end_step(self) -> None:
         """Close the step's window: what went out since the previous step ended."""
         self.last_step, self._at_step = self.total - self._at_step, self.total
+
+
+class CountingAllReduce(Sent):
+    """A DDP comm hook (torch's contract, for microddp's DDP and torch's) that averages a
+    bucket with all_reduce and counts what a ring sends for it (cost.ring_all_reduce_bytes).
+    `last_step` holds the count since the previous `end_step()`."""
+
+    def __call__(self, _state, bucket):
+        import torch.distributed as dist
+
+        flat = bucket.buffer()
+        n = dist.get_world_size()
+        self.add_bytes(ring_all_reduce_bytes(flat.numel(), n, flat.element_size()))
+        flat.div_(n)
+        return dist.all_reduce(flat, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def shared_memory(tensor: torch.Tensor) -> bool:

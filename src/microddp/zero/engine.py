@@ -28,10 +28,10 @@ from torch import nn
 from .. import comms, spans
 from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from ..errors import MicroDDPError
+from ..monitor.memory import measure
 from .comm import Sent, broadcast_shards, trace_when_done
 from .flat import flat_views
 from .grads import GradReducer
-from .memory import measure
 from .params import FREE, ParamSharder
 from .plan import build, by_size
 from .shards import Shards, trainable_groups

@@ -8,8 +8,8 @@ from torch import nn
 
 from ... import spans
 from ...data import Split, evaluate
+from ...monitor.memory import measure
 from ...world.world import World, distributed
-from ...zero.memory import measure
 from ..build import Precision, build_optimizer, wrap
 from ..config import TrainConfig
 from .base import Strategy

@@ -27,9 +27,9 @@ from ... import comms, pipeline, spans
 from ...comms.mesh import Mesh
 from ...data import Split, evaluate
 from ...errors import MicroDDPError
+from ...monitor.memory import measure
 from ...timing import straggle_after_forward
 from ...world.world import World
-from ...zero.memory import measure
 from .. import sharded
 from ..build import Precision, build_optimizer
 from ..config import TrainConfig, microbatches, stages
