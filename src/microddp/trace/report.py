@@ -16,9 +16,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import outputs, spans
+from .. import outputs
 from ..errors import MicroDDPError
-from ..spans import Span
+from ..spans import Recorder, Span, kind, step_stats
+from ..spans import stop as stop_recording
 from ..world.world import World, distributed, get_world
 
 TID_MAIN, TID_COMM = 0, 1
@@ -26,7 +27,7 @@ FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "w
           "data_s", "other_s", "overlap_pct")
 
 
-def to_wall(rec: spans.Recorder) -> list[Span]:
+def to_wall(rec: Recorder) -> list[Span]:
     """This rank's spans on the wall clock, the one axis that all ranks (and hosts) share."""
     shift = rec.wall_origin - rec.origin
     with rec._lock:
@@ -35,7 +36,7 @@ def to_wall(rec: spans.Recorder) -> list[Span]:
             for s in spans]
 
 
-def gather(rec: spans.Recorder | None, world: World | None = None) -> dict[int, list[Span]] | None:
+def gather(rec: Recorder | None, world: World | None = None) -> dict[int, list[Span]] | None:
     """Every rank's spans, on rank 0 (None elsewhere). Every rank must call it."""
     world = world or get_world()
     mine = to_wall(rec) if rec is not None else []
@@ -118,7 +119,7 @@ def per_step(by_rank: dict[int, list[Span]]) -> list[dict]:
     steps = sorted({s.step for spans in by_rank.values() for s in spans})
     rows = []
     for step in steps:
-        stats = [spans.step_stats([s for s in spans if s.step == step])
+        stats = [step_stats([s for s in spans if s.step == step])
                  for spans in by_rank.values() if any(s.step == step for s in spans)]
         row: dict[str, float] = {"step": step}
         for f in FIELDS:
@@ -182,9 +183,9 @@ def plot_timeline(by_rank: dict[int, list[Span]], path: str | os.PathLike,
             y = 2 * row + lane
             labels.append(f"rank {rank} {'comm' if is_comm else 'compute'}")
             for s in sorted(ss, key=lambda s: s.start - s.end):  # longest first: nested on top
-                if (spans.kind(s) == "comm") != is_comm:
+                if (kind(s) == "comm") != is_comm:
                     continue
-                key = spans.kind(s) if spans.kind(s) in ("comm", "wait", "data") else s.name
+                key = kind(s) if kind(s) in ("comm", "wait", "data") else s.name
                 color = colors.get(key, "tab:olive")
                 ax.broken_barh([((s.start - t0) * 1e3, (s.end - s.start) * 1e3)], (y - 0.4, 0.8),
                                facecolors=color, edgecolor="black", linewidth=0.3,
@@ -260,7 +261,7 @@ def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
     Every rank must call it (it gathers the spans).
     """
     world = world or get_world()
-    rec = spans.stop()
+    rec = stop_recording()
     if rec is None:
         raise MicroDDPError("tracing was never started on this rank; call microddp.spans.start() "
                             "before the first step")

@@ -108,7 +108,7 @@ def train(world: World, cfg: TrainConfig, on_step=None) -> dict | None:
 def _find(cfg: TrainConfig, world: World) -> tuple[dict | None, str | None]:
     """(the server checkpoint to go on from, or None; an error, or None), as the dp job
     decides: --resume, or a restart by the launcher."""
-    from .resume import decide, restart_count
+    from ..resume import decide, restart_count
 
     path, error = decide(cfg, restart_count() > 0,
                          lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
