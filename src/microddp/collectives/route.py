@@ -11,7 +11,7 @@ Bit for bit: shared memory adds the ranks' values in one order, rank 0 first. On
 is x0 + x1, which is gloo's result whatever its order (addition commutes); integers, min and
 max do not depend on the order at all. A float sum or product on 3 or more ranks does: gloo's
 ring starts each chunk's sum at another rank, so its last bits differ from ours (and, after
-Adam's normalisation, a DDP run's parameters by 1e-4 relative in 4 steps, measured). So by
+Adam's normalisation, so do a DDP run's parameters; chapter 4c). So by
 default that one case stays on gloo, and microddp's DDP stays equal to PyTorch's where it was;
 MICRODDP_TRANSPORT=shm sends it through shared memory too (every rank still gets the same
 bits: the same order everywhere).

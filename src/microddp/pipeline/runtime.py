@@ -10,9 +10,8 @@ waited for where the program says, so a rank blocks exactly where `validate`'s m
 send posted first only announces itself, and the data leaves when the receiver's post reaches
 the sender, so a receive posted after its send costs a round trip through both ranks' gloo
 threads (each a wake-up of a busy process), paid inside the receiver's irecv call; posted
-ahead, the announcement is already there and the send writes the data at once. Measured on
-2 ranks and 2 cores (GPipe, 8 micro-batches, interleaved steps): posting every activation's
-receive at the step's start, not two at a time, took 0.63-0.68 of the step time.
+ahead, the announcement is already there and the send writes the data at once (chapter 8
+has what that saves).
 Receives are posted in the program's order, at most `window(schedule, rank)` posted and not
 yet waited for: the most micro-batches the rank's program holds at once (from a forward to
 its backward, at least 2), which it pays in memory anyway (GPipe: all m, so every

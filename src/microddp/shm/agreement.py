@@ -1,32 +1,19 @@
 """The metadata agreement through shared memory, for a group whose ranks are all on this host.
 
-collectives/agreement/agree.py makes every rank agree on shapes, dtypes and ops before data moves, with a butterfly
-of small messages through the group's backend. On one host those are loopback TCP messages,
-each handled by gloo's threads: on 2 ranks of this 2-core host the ring's default check cost
-1.1-1.2x the unchecked ring's time at 1 MiB, however the header travelled (beside the data,
-ahead of it, on its own connection; chapter 4 has the table), because the cost was the
-messages themselves. Here no message is sent: every rank writes the very numbers the
-butterfly would send (agree.encode's) into its own line of the group's segment, then posts a
-counter; once every rank's counter shows this call, each rank reads every rank's numbers and
-takes their maximum, which is exactly what the butterfly computes. judge() then raises the same
-error on every rank, from the same numbers, as before.
+collectives/agreement/agree.py makes every rank agree on shapes, dtypes and ops before data
+moves, with a butterfly of small messages through the group's backend; on one host those are
+loopback messages handled by gloo's threads, and their cost was the check's (chapter 4).
+Here no message is sent: every rank writes the very numbers the butterfly would send
+(agree.encode's) into its own line of the group's segment and posts a counter; once every
+rank's counter shows this call, each reads every rank's numbers and takes their maximum,
+exactly the butterfly's result, so judge() raises the same error on every rank. Every
+agreement of such a group goes through here (a ring on one rank meets a tree on another).
 
-Every agreement of such a group goes through here, never some through gloo: a rank that
-called a ring and one that called a tree or a broadcast still meet in this mailbox and both
-raise. (Only the ring's header carried beside its data, agreement/carried.py, is skipped for such a
-group: it would be an agreement through gloo.)
-
-Why two sets of lines ("parities") are enough, agreement s using set s % 2: a rank writes set
-p again at agreement s + 2 only after the wait of agreement s + 1, which returns only once
-every rank has posted s + 1, and a rank posts s + 1 only after it has read every line of s.
-So no rank's numbers for s are overwritten before every rank has read them, and no rank can
-be more than one agreement ahead of another. A rank that never comes (it crashed, or called
-a collective that does not agree) makes the others' wait end at the group's timeout with the
-hang report, like any shared-memory wait (shm/segment.py); a 2-rank ring that sent its
-first step early may be waiting in gloo for the data instead, and then ends at gloo's timeout,
-in gloo's words.
-
-The memory ordering is shm/segment.py's: numbers first, then the counter, then the bell.
+Two sets of lines ("parities") are enough, agreement s using set s % 2: a rank writes set p
+again at s + 2 only after the wait of s + 1, which returns once every rank has posted s + 1,
+which a rank does only after reading every line of s. A rank that never comes ends the
+others' wait at the group's timeout with the hang report (shm/segment.py). The memory
+ordering is shm/segment.py's: numbers first, then the counter, then the bell.
 """
 
 from __future__ import annotations
