@@ -1,31 +1,19 @@
 """Which way a group's all-reduce goes: the one place that chooses.
 
-`all_reduce_path(tensor, op, group)` answers for microddp.comms.all_reduce (and so for
-microddp's DDP, whose buckets go through it): shared memory when every rank of the group is on
-this host (decided once per group, collectively, shm/attach.py), the call is one
-shared memory handles (a dense contiguous CPU tensor of a supported dtype, sum, avg, product,
-min or max), and its result is gloo's, bit for bit; otherwise None, and the call goes to the
-group's backend (gloo, NCCL) as before.
+`all_reduce_path(tensor, op, group)` answers for microddp.comms.all_reduce, and so for
+microddp's DDP, whose buckets go through it: shared memory (shm/collectives.py) when every
+rank of the group is on this host (decided once per group, collectively: shm/attach.py),
+shared memory handles the call (a dense contiguous CPU tensor of a supported dtype; sum, avg,
+product, min or max) and its result is gloo's bit for bit; otherwise None, and the call goes
+to the group's backend (gloo, NCCL). Shared memory adds the ranks' values in rank order: on 2
+ranks that is gloo's result whatever its order, and integers, min and max never depend on
+it, but a float sum or product on 3+ ranks does, so by default that case stays on gloo
+(MICRODDP_TRANSPORT=shm sends it through shared memory too; chapter 4c).
 
-Bit for bit: shared memory adds the ranks' values in one order, rank 0 first. On 2 ranks that
-is x0 + x1, which is gloo's result whatever its order (addition commutes); integers, min and
-max do not depend on the order at all. A float sum or product on 3 or more ranks does: gloo's
-ring starts each chunk's sum at another rank, so its last bits differ from ours (and, after
-Adam's normalisation, so do a DDP run's parameters; chapter 4c). So by
-default that one case stays on gloo, and microddp's DDP stays equal to PyTorch's where it was;
-MICRODDP_TRANSPORT=shm sends it through shared memory too (every rank still gets the same
-bits: the same order everywhere).
-
-Inside a host, the hierarchical all-reduce's reduce-scatter and all-gather go through the
-host's shared memory when `intra_host_path` says so (collectives/hierarchical.py).
-
-Across hosts, microddp's DDP may take the hierarchical all-reduce instead (chosen once, when
-the DDP is built: collectives/hierarchical.py, dp/comm_hooks.py's start_reduction). That one
-is a choice of DDP's, not of this route: its sums run in another order than gloo's, so a
-plain comms.all_reduce never takes it by itself.
-
-microddp.comms sits above this layer and imports this module: comms.all_reduce asks
-`all_reduce_path`, comms.init and new_group call `prepare`, comms.shutdown `close`.
+`intra_host_path` is the same choice for the hierarchical all-reduce's steps inside a host
+(collectives/hierarchical.py), which DDP may take across hosts (chosen once, when it is
+built). microddp.comms imports this module: `all_reduce` asks `all_reduce_path`, `init` and
+`new_group` call `prepare`, `shutdown` calls `close`.
 """
 
 from __future__ import annotations
