@@ -195,6 +195,24 @@ def _play(p: int, v: int, m: int, backward: str,
     return orders
 
 
+def megatron_orders(p: int, m: int, v: int, backward: str
+                    ) -> tuple[list[list[Op]], list[list[Op]], list[int]]:
+    """Each rank's forwards and its backwards (of kind `backward`, B or I) in Megatron-LM's
+    interleaved order, and how many micro-batches it may have in flight (warm-up + 1)."""
+
+    def key(op: Op, reverse: bool) -> tuple[int, int, int]:
+        k = op[1] // p
+        return (op[2] // p, v - 1 - k if reverse else k, op[2])
+
+    forwards, backwards, limit = [], [], []
+    for r in range(p):
+        ops = [(s, i) for s in range(r, p * v, p) for i in range(m)]
+        forwards.append(sorted((("F", s, i) for s, i in ops), key=lambda o: key(o, False)))
+        backwards.append(sorted(((backward, s, i) for s, i in ops), key=lambda o: key(o, True)))
+        limit.append(min((p - 1 - r) * 2 + (v - 1) * p, m * v) + 1)
+    return forwards, backwards, limit
+
+
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     """Interleaved 1F1B: each rank holds v non-adjacent stages (rank r: r, r+p, ...), so a
     micro-batch crosses the ranks v times and the fill and drain take 1/v as long.
@@ -211,16 +229,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         raise MicroDDPError(f"interleaved 1F1B needs v >= 2 virtual stages per rank, got {v}; "
                             "with one stage per rank use the 1f1b schedule")
 
-    def key(op: Op, reverse: bool) -> tuple[int, int, int]:
-        k = op[1] // p
-        return (op[2] // p, v - 1 - k if reverse else k, op[2])
-
-    forwards, backwards, limit, nf, nb = [], [], [], [0] * p, [0] * p
-    for r in range(p):
-        ops = [(s, i) for s in range(r, p * v, p) for i in range(m)]
-        forwards.append(sorted((("F", s, i) for s, i in ops), key=lambda o: key(o, False)))
-        backwards.append(sorted((("B", s, i) for s, i in ops), key=lambda o: key(o, True)))
-        limit.append(min((p - 1 - r) * 2 + (v - 1) * p, m * v) + 1)
+    forwards, backwards, limit = megatron_orders(p, m, v, "B")
+    nf, nb = [0] * p, [0] * p
 
     def pick(r: int, ready: Callable[[Op], bool]) -> Op | None:
         if nf[r] < m * v and nf[r] - nb[r] < limit[r] and ready(forwards[r][nf[r]]):
@@ -276,3 +286,13 @@ def build(name: str, p: int, m: int, v: int = 2) -> Schedule:
         raise MicroDDPError(f"unknown pipeline schedule {name!r}; choose one of "
                             f"{', '.join(BUILDERS)}")
     return interleaved_1f1b(p, m, v) if name == "interleaved" else BUILDERS[name](p, m)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """`schedule` without its backwards: each rank's forwards in the same order, for
+    evaluation. Dropping the backwards removes no message a forward waits for, so the
+    programs stay free of deadlock."""
+    orders = [[(a.kind, a.stage, a.mb) for a in program if a.kind == "F"]
+              for program in schedule.actions]
+    return _with_comms(f"{schedule.name}-forward", schedule.ranks, schedule.microbatches,
+                       schedule.virtual, orders)
