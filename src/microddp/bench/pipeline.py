@@ -2,8 +2,10 @@
 
 Every schedule trains its own copy of the same FullMLP, cut into the same stages, on the same
 ranks; their steps are interleaved (a fresh random order each round, a barrier before each
-step) with those of torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, so load on
-the machine hits all alike. For microddp's schedules each rank records when each of its
+step) with those of torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble and with microddp's classes of the
+same names (microddp.pipeline.PipelineStage and its schedules, called by the same code as
+torch's: the import swapped), so load on the machine hits all alike. For microddp's schedules each rank records when each of its
 forwards and backwards ran (the bubble is the idle share of the ranks' time between the
 step's first compute and its last) and how many bytes each rank held at most: the
 activations autograd saved (saved-tensor hooks) and the interpreter's message buffers (posted
@@ -41,7 +43,11 @@ writes pipeline.json, timeline-SCHEDULE.png per schedule and trace.json (open it
 https://ui.perfetto.dev) into a new runs/bench-pipeline-DATE-TIME (or --out).
 """
 
-TORCH = ("gpipe", "1f1b")  # the schedules torch.distributed.pipelining has as well
+# the schedules torch.distributed.pipelining has as well, by their class names there (and in
+# microddp.pipeline, whose classes of the same names run as "shaped-NAME")
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+         "interleaved": "ScheduleInterleaved1F1B",
+         "zero-bubble": "ScheduleInterleavedZeroBubble"}
 loss_fn = nn.functional.cross_entropy
 
 
@@ -67,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed steps per contender "
                    "(default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--no-torch", action="store_true", help="leave out torch's ScheduleGPipe "
-                   "and Schedule1F1B")
+    p.add_argument("--no-torch", action="store_true", help="leave out torch's schedules and "
+                   "microddp's torch-shaped classes timed against them")
     p.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned (by "
                    "default rank r runs on core r mod cores, its threads too: see "
                    "microddp.pipeline.placement)")
@@ -126,18 +132,22 @@ def _ours(world: World, name: str, cfg: dict, log: dict):
     return step, measure
 
 
-def _torchs(world: World, name: str, cfg: dict):
-    """The same step with torch.distributed.pipelining: one PipelineStage per rank."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _torchs(world: World, name: str, cfg: dict, lib=None):
+    """The same step with torch.distributed.pipelining's classes (or `lib`'s of the same
+    names: microddp.pipeline): PipelineStage per stage, interleaved with --virtual per rank."""
+    import torch.distributed.pipelining as torchs
 
+    lib = lib or torchs
     p, rank = world.world_size, world.rank
+    v = cfg["virtual"] if name == "interleaved" else 1
     torch.manual_seed(0)
-    module = wrap(pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), p)[rank],
-                  cfg["compute"], cfg["sleep_ms"])
-    stage = PipelineStage(module, rank, p, torch.device("cpu"))
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](
-        stage, cfg["microbatches"], loss_fn=loss_fn)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    parts = pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), p * v)
+    modules = [wrap(parts[s], cfg["compute"], cfg["sleep_ms"]) for s in range(rank, p * v, p)]
+    stages = [lib.PipelineStage(module, s, p * v, torch.device("cpu"))
+              for s, module in zip(range(rank, p * v, p), modules, strict=True)]
+    schedule = getattr(lib, TORCH[name])(stages if name in ("interleaved", "zero-bubble")
+                                         else stages[0], cfg["microbatches"], loss_fn=loss_fn)
+    opt = torch.optim.SGD([q for module in modules for q in module.parameters()], lr=1e-3)
     x, y = _batch(cfg["dim"], cfg["batch"])
 
     def step() -> None:
@@ -168,6 +178,7 @@ def _job(world: World, cfg: dict) -> dict:
     contenders = {name: step for name, (step, _) in ours.items()}
     for name in cfg["torch"]:
         contenders[f"torch-{name}"] = _torchs(world, name, cfg)
+        contenders[f"shaped-{name}"] = _torchs(world, name, cfg, pipeline)
     times = interleaved(contenders, cfg["repeats"], cfg["warmup"], sync=dist.barrier)
     # A step is as slow as its slowest rank: the maximum over ranks, step by step.
     names = list(contenders)
@@ -204,6 +215,12 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         theirs.remove("1f1b")
         print(f"note: torch's Schedule1F1B refuses fewer micro-batches than stages "
               f"({args.microbatches} < {args.stages}); left out")
+    for name in [t for t in theirs if t in ("interleaved", "zero-bubble")]:
+        rounds = max(1, args.microbatches // args.stages)
+        if args.microbatches % rounds:
+            theirs.remove(name)
+            print(f"note: torch's {TORCH[name]} needs the micro-batches to be a multiple of "
+                  f"max(1, m // p) = {rounds}; left out")
     if theirs and args.batch % args.microbatches:
         print(f"note: torch's schedules need equal micro-batches ({args.batch} samples do not "
               f"split into {args.microbatches}); torch left out")
