@@ -123,3 +123,31 @@ def test_interleaved_zero_bubble_is_valid_and_forward_only_programs_finish(p):
             pipeline.simulate(forward)
     with pytest.raises(MicroDDPError, match="v >= 2"):
         pipeline.interleaved_zero_bubble(p, 2, 1)
+
+
+def test_metadata_messages_live_where_the_backend_moves_them(monkeypatch):
+    import torch.distributed as dist
+
+    from microddp.pipeline import stage as stage_module
+
+    stage = pipeline.PipelineStage(fresh_model(), 0, 1, "cuda:1")  # no CUDA call is made
+    assert stage_module._meta_device(stage) == torch.device("cpu")  # no group: gloo's side
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert stage_module._meta_device(stage) == torch.device("cuda", 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU; this machine has none")
+def test_a_stage_on_a_gpu_gives_the_cpus_numbers():
+    x, y = (t[0] for t in data(12))
+    got = {}
+    for device in ("cpu", "cuda"):
+        model = fresh_model().to(device)
+        parts = pipeline.split_model(model, 2)
+        stages = [pipeline.PipelineStage(parts[s], s, 2, device) for s in range(2)]
+        schedule = pipeline.ScheduleInterleaved1F1B(stages, 3, loss_fn=loss_fn)
+        out = schedule.step(x.to(device), target=y.to(device))
+        got[device] = (out.cpu(), [q.grad.cpu() for q in model.parameters()])
+    torch.testing.assert_close(got["cuda"][0], got["cpu"][0], atol=1e-5, rtol=1e-4)
+    for a, b in zip(got["cuda"][1], got["cpu"][1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -28,9 +28,11 @@ Messages carry a tag made from (ACT or GRAD, boundary, micro-batch), so two mess
 the same two ranks (interleaving sends both ways, or receives posted early) can never be
 mistaken for each other.
 
-The loss is the whole batch's: micro-batch i's loss is `loss_fn(out_i, y_i) * n_i / n`, the
-mean over its n_i samples turned into their sum over the whole batch's n samples, so the
-gradients accumulated over the micro-batches are the gradients of one process on the batch.
+`run_schedule`'s loss is the whole batch's: micro-batch i's loss is `loss_fn(out_i, y_i) * n_i
+/ n`, the mean over its n_i samples turned into their sum over the whole batch's n samples, so
+the gradients accumulated over the micro-batches are the gradients of one process on the batch.
+The torch-shaped classes (schedule_classes.py) run the same `execute` with their own inputs,
+loss and receive shapes (a `_Step`'s hooks), and forward-only programs.
 """
 
 from __future__ import annotations

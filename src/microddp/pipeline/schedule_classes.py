@@ -168,20 +168,25 @@ def _merge(outputs: list):
     return outputs
 
 
-class ScheduleGPipe(_PipelineSchedule):
-    """GPipe: all forwards, then all backwards (microddp.pipeline.gpipe)."""
-
+class _Single(_PipelineSchedule):
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None,
                  args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
                  scale_grads: bool = True) -> None:
+        if not isinstance(stage, PipelineStage):
+            raise MicroDDPError(f"{type(self).__name__} takes this rank's one PipelineStage; "
+                                "for several per rank use ScheduleInterleaved1F1B")
         super().__init__([stage], n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
                          output_merge_spec, scale_grads)
+
+
+class ScheduleGPipe(_Single):
+    """GPipe: all forwards, then all backwards (microddp.pipeline.gpipe)."""
 
     def _build(self, p: int, m: int, v: int) -> Schedule:
         return gpipe(p, m)
 
 
-class Schedule1F1B(ScheduleGPipe):
+class Schedule1F1B(_Single):
     """1F1B: warm-up forwards, then one forward and one backward in turn; any m >= 1."""
 
     def _build(self, p: int, m: int, v: int) -> Schedule:

@@ -113,13 +113,14 @@ def infer(stages: list[PipelineStage], first_args: tuple, kwargs: dict, batch: i
     sends that do not block make it deadlock-free, as a forward pass is."""
     sends, out, n = [], None, batch
     group = stages[0].group
+    where = _meta_device(stages[0])
     for stage in stages:
         s = stage.stage_index
         if s == 0:
             inputs = first_args
         else:
             if rank_of(s - 1) != stage.group_rank:
-                msg = torch.empty(3 + MAX_DIMS, dtype=torch.int64)
+                msg = torch.empty(3 + MAX_DIMS, dtype=torch.int64, device=where)
                 comms.recv(msg, group=group, tag=META_TAG + s, **_peer(group, rank_of(s - 1),
                                                                          "src"))
                 n, shape, dtype = _decode(msg)
@@ -135,7 +136,7 @@ def infer(stages: list[PipelineStage], first_args: tuple, kwargs: dict, batch: i
             out = stage.submod(*inputs, **kwargs)
         if not stage.is_last:
             _check_user(stage, "output_args", out)
-            msg = _encode(n, out)
+            msg = _encode(n, out).to(where)
             if rank_of(s + 1) != stage.group_rank:
                 sends.append(comms.isend(msg, group=group, tag=META_TAG + s + 1,
                                          **_peer(group, rank_of(s + 1), "dst")))
@@ -149,6 +150,14 @@ def _check_user(stage: PipelineStage, name: str, t: torch.Tensor) -> None:
     if want is not None and tuple(want[1:]) != tuple(t.shape[1:]):
         raise MicroDDPError(f"stage {stage.stage_index}: {name} has shape {tuple(want)} but "
                             f"the model gives {tuple(t.shape)} (dims after the batch differ)")
+
+
+def _meta_device(stage: PipelineStage) -> torch.device:
+    """Where metadata messages live: NCCL moves only GPU tensors, gloo CPU ones."""
+    import torch.distributed as dist
+
+    nccl = dist.is_initialized() and dist.get_backend(stage.group) == "nccl"
+    return stage.device if nccl else torch.device("cpu")
 
 
 def _peer(group, rank: int, side: str) -> dict:
