@@ -1,11 +1,12 @@
 """microddp.pipeline's torch-shaped classes (PipelineStage, ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) against torch.distributed.pipelining's
-own, in the same job on 2 and 3 ranks: the same split, seed and batches, 3 SGD steps, each
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) against
+torch.distributed.pipelining's own, in the same job on 2 and 3 ranks: the same split, seed and batches, 3 SGD steps, each
 rank calling `step` as torch's contract says (batch on the first stage, target on the last).
 Compared: every micro-batch's loss, the last step's gradients, the parameters after the
 steps, the merged output, and a forward-only `eval` (output and losses); with a mean loss
-(torch's default scale_grads) and a sum loss (scale_grads=False). Then, where torch refuses
-(fewer micro-batches than stages), against one process on the whole batch.
+(torch's default scale_grads) and a sum loss (scale_grads=False). Then with 1 and 2
+micro-batches, fewer than the stages (which torch's Schedule1F1B refuses), against one process
+on the whole batch.
 
 Batch 12, so that the micro-batches are equal and a mean of micro-batch means is the batch's
 mean: the one-process reference and torch's scale_grads agree only then.
@@ -17,13 +18,22 @@ from torch import nn
 
 import microddp as mdp
 from microddp import pipeline
+from microddp.pipeline.schedules import place
 from pipeline_helpers import LR, data, fresh_model, loss_fn
 
 BATCH = 12
 TOL = {"atol": 1e-6, "rtol": 1e-5}
 NAMES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-         "ScheduleInterleavedZeroBubble")
+         "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 VIRTUAL = {"ScheduleGPipe": 1, "Schedule1F1B": 1}
+
+
+def placement(name: str) -> str:
+    return "v" if name == "ScheduleZBVZeroBubble" else "loop"
+
+
+def last_rank(name: str, p: int) -> int:
+    return place(VIRTUAL.get(name, 2) * p - 1, p, placement(name))
 
 
 def sum_loss(out, y):
@@ -41,7 +51,7 @@ def train(world, lib, name: str, m: int, loss="mean"):
     v = VIRTUAL.get(name, 2)
     model, (xs, ys) = fresh_model(), data(BATCH)
     parts = pipeline.split_model(model, p * v)
-    mine = list(range(rank, p * v, p))
+    mine = [s for s in range(p * v) if place(s, p, placement(name)) == rank]
     names = [n for s in mine for n in pipeline.stage_parameter_names(model, p * v, s)]
     stages = [mod.PipelineStage(parts[s], s, p * v, torch.device("cpu")) for s in mine]
     fn = loss_fn if loss == "mean" else sum_loss
@@ -50,7 +60,7 @@ def train(world, lib, name: str, m: int, loss="mean"):
     schedule = cls(arg, m, loss_fn=fn, scale_grads=(loss == "mean"))
     opt = torch.optim.SGD([q for s in mine for q in parts[s].parameters()], lr=LR)
     named, losses, outs = dict(model.named_parameters()), [], []
-    first, last = rank == 0, rank == (p * v - 1) % p
+    first, last = rank == 0, rank == last_rank(name, p)
     for x, y in zip(xs, ys, strict=True):
         opt.zero_grad()
         got: list = []
@@ -60,6 +70,10 @@ def train(world, lib, name: str, m: int, loss="mean"):
         outs.append(None if out is None else out.detach().clone())
         grads = {n: named[n].grad.clone() for n in names}
         opt.step()
+    if lib == "torch" and name == "ScheduleZBVZeroBubble":
+        # torch 2.13's ZB-V fails in eval ("can't steal_bwd_input if this stage doesn't have
+        # backward"); microddp's is checked against one process in the test below
+        return (losses, grads, {n: named[n].detach().clone() for n in names}, outs, None)
     got = []
     out = schedule.eval(*([xs[0]] if first else []), target=ys[0] if last else None,
                         losses=got if last else None)
@@ -71,7 +85,8 @@ def cases(p: int) -> list[tuple[str, int, str]]:
     m_int = 4 if p == 2 else 3  # m = p works for every torch schedule (its interleaved needs
     # m a multiple of max(1, m // p) rounds)
     return ([(n, m, "mean") for n in NAMES for m in sorted({p, 2 * p})] +
-            [("Schedule1F1B", m_int, "sum"), ("ScheduleInterleavedZeroBubble", m_int, "sum")])
+            [("Schedule1F1B", m_int, "sum"), ("ScheduleInterleavedZeroBubble", m_int, "sum"),
+             ("ScheduleZBVZeroBubble", m_int, "sum")])
 
 
 def against_torch(world):
@@ -98,18 +113,20 @@ def test_torch_shaped_schedules_equal_torchs(p):
                 assert (a is None) == (b is None), what
                 if a is not None:
                     torch.testing.assert_close(a, b, **TOL, msg=f"{what} output")
+            if e2 is None:  # torch could not evaluate
+                continue
             assert (e1[0] is None) == (e2[0] is None), what
             if e1[0] is not None:
                 torch.testing.assert_close(e1[0], e2[0], **TOL, msg=f"{what} eval output")
                 assert e1[1] == pytest.approx(e2[1], rel=1e-5, abs=1e-6), what
-        last = (VIRTUAL.get(case[0], 2) * p - 1) % p
         for case in r:
             got = r[case][0][0]
-            assert all(len(s) == (case[1] if rank == last else 0) for s in got), (case, rank)
+            want = case[1] if rank == last_rank(case[0], p) else 0
+            assert all(len(s) == want for s in got), (case, rank)
 
 
 def fewer_than_stages(world):
-    """m < stages, which torch refuses: every class with m = 1 and 2 on this world."""
+    """m < stages: every class with m = 1 and 2 on this world."""
     return {(name, m): train(world, "microddp", name, m) for name in NAMES for m in (1, 2)}
 
 
@@ -131,8 +148,7 @@ def test_fewer_microbatches_than_stages_equal_one_process():
         ref_eval = model(xs[0])
     params = dict(model.named_parameters())
     for case in ranks[0]:
-        v = VIRTUAL.get(case[0], 2)
-        last = ranks[(v * p - 1) % p][case]
+        last = ranks[last_rank(case[0], p)][case]
         got_grads = {n: t for r in ranks for n, t in r[case][1].items()}
         got_params = {n: t for r in ranks for n, t in r[case][2].items()}
         assert sorted(got_params) == sorted(params), case

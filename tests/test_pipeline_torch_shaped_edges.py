@@ -25,7 +25,8 @@ def one_rank(name: str, v: int, m: int, **kw):
 
 @pytest.mark.parametrize("name,v", [("ScheduleGPipe", 1), ("Schedule1F1B", 1),
                                     ("ScheduleInterleaved1F1B", 2),
-                                    ("ScheduleInterleavedZeroBubble", 3)])
+                                    ("ScheduleInterleavedZeroBubble", 3),
+                                    ("ScheduleZBVZeroBubble", 2)])
 @pytest.mark.parametrize("m", [1, 5])
 def test_uneven_microbatches_scale_as_torch(name, v, m):
     """Batch 11 in m micro-batches: the gradient is the mean over micro-batches of each one's
@@ -88,7 +89,7 @@ def test_refusals_say_what_to_do():
         pipeline.ScheduleGPipe(stage, 0, loss_fn=loss_fn)
     with pytest.raises(MicroDDPError, match="chunk and merge specs"):
         pipeline.ScheduleGPipe(stage, 2, loss_fn=loss_fn, args_chunk_spec=(0,))
-    with pytest.raises(MicroDDPError, match="ScheduleInterleavedZeroBubble"):
+    with pytest.raises(MicroDDPError, match="exactly 2 stages per rank"):
         pipeline.ScheduleZBVZeroBubble([stage], 2, loss_fn=loss_fn)
     with pytest.raises(MicroDDPError, match="must hold stages"):
         pipeline.Schedule1F1B(pipeline.PipelineStage(part, 0, 2, "cpu"), 2, loss_fn=loss_fn)
@@ -110,6 +111,10 @@ def test_refusals_say_what_to_do():
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_interleaved_zero_bubble_is_valid_and_forward_only_programs_finish(p):
     for m in (1, 2, 3, 5, 8):
+        zbv = pipeline.zbv_zero_bubble(p, m)
+        pipeline.validate(zbv)
+        assert zbv.stages_of(0) == [0, 2 * p - 1] and zbv.rank_of(2 * p - 1) == 0
+        pipeline.simulate(pipeline.forward_only(zbv))
         for v in (2, 3):
             schedule = pipeline.interleaved_zero_bubble(p, m, v)
             pipeline.validate(schedule)

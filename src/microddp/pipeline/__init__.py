@@ -9,8 +9,8 @@
 
 Hybrid DP x PP: `Replicated` wraps a rank's stages in DDP over their data-parallel group.
 torch.distributed.pipelining's shape: `PipelineStage` and `ScheduleGPipe`, `Schedule1F1B`,
-`ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble` (schedule_classes.py), the same
-schedules and interpreter underneath.
+`ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`
+(schedule_classes.py), the same schedules and interpreter underneath.
 """
 
 from . import placement
@@ -39,6 +39,7 @@ from .simulate import Timeline, grid, simulate, theory_bubble
 from .split import blocks_per_stage, split_model, stage_bounds, stage_parameter_names
 from .stage import PipelineStage
 from .validate import validate
+from .zbv import zbv_zero_bubble
 
 __all__ = ["BUILDERS", "Action", "PipelineStage", "Replicated", "Schedule", "Schedule1F1B",
            "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
@@ -46,4 +47,4 @@ __all__ = ["BUILDERS", "Action", "PipelineStage", "Replicated", "Schedule", "Sch
            "gpipe", "grid", "interleaved_1f1b", "interleaved_zero_bubble", "microbatch_sizes",
            "placement", "one_f_one_b", "run_schedule", "simulate", "split_model",
            "stage_bounds", "stage_parameter_names", "theory_bubble", "validate",
-           "zero_bubble_h1"]
+           "zbv_zero_bubble", "zero_bubble_h1"]

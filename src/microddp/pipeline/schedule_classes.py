@@ -34,6 +34,7 @@ from .schedules import (
     zero_bubble_h1,
 )
 from .stage import PipelineStage, infer
+from .zbv import zbv_zero_bubble
 
 
 class _PipelineSchedule:
@@ -59,13 +60,13 @@ class _PipelineSchedule:
             raise MicroDDPError(f"{name}: the stages of one rank must share num_stages and group")
         p, v = first.group_size, len(stages)
         self._stages = sorted(stages, key=lambda s: s.stage_index)
-        want = [first.group_rank + k * p for k in range(v)]
-        if first.num_stages != p * v or [s.stage_index for s in self._stages] != want:
-            raise MicroDDPError(f"{name}: rank {first.group_rank} of {p} must hold stages {want} "
-                                f"of {p * v} (stage s on rank s % {p}), got "
-                                f"{[s.stage_index for s in self._stages]} of {first.num_stages}")
         self._n_microbatches, self._loss_fn, self.scale_grads = n_microbatches, loss_fn, scale_grads
         self.program: Schedule = self._build(p, n_microbatches, v)
+        want = self.program.stages_of(first.group_rank)
+        if first.num_stages != p * v or [s.stage_index for s in self._stages] != want:
+            raise MicroDDPError(f"{name}: rank {first.group_rank} of {p} must hold stages {want} "
+                                f"of {p * v} ({self.program.placement} placement), got "
+                                f"{[s.stage_index for s in self._stages]} of {first.num_stages}")
         self.forward_program: Schedule = forward_only(self.program)
         self._batch: int | None = None  # the batch size, learnt by the first step
 
@@ -224,11 +225,11 @@ class ScheduleInterleavedZeroBubble(_Multi):
 
 
 class ScheduleZBVZeroBubble(_Multi):
-    """Refused: its V-shaped placement (rank 0 holds the first and the last stage) is not
-    microddp's looped one."""
+    """ZB-V: two stages per rank in a V, rank r holding r and 2p-1-r (zbv.py); rank 0 holds
+    the first and the last stage, so it passes both the batch and the target."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise MicroDDPError("ScheduleZBVZeroBubble is not supported: its V placement (rank r "
-                            "holds stages r and 2p-1-r) differs from microddp's (stage s on "
-                            "rank s % p); use ScheduleInterleavedZeroBubble with stages "
-                            "r, r+p on rank r")
+    def _build(self, p: int, m: int, v: int) -> Schedule:
+        if v != 2:
+            raise MicroDDPError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank "
+                                f"(r and {2 * p - 1}-r on rank r), got {v}")
+        return zbv_zero_bubble(p, m)

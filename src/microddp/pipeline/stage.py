@@ -3,14 +3,15 @@
     stage = PipelineStage(submodule, stage_index, num_stages, device, group=None)
 
 A rank builds one (or, for interleaved schedules, several) and hands them to a schedule
-(`microddp.pipeline.ScheduleGPipe`, ...). Stage s runs on rank s % p of the group, as torch's
-looped placement. What a rank cannot know before the first step is the shape of the
-activations it receives: the first stage's rank has the batch, the others do not. So the
-first step begins, as torch's does, with a metadata pass along the pipeline: each stage runs
-its first micro-batch once without autograd and tells the next stage the shape and dtype of its
-output (the batch size included). From then on every receive is posted with a buffer of the
-right shape; a later step with another batch size is refused on the first stage (build a new
-schedule for it). One tensor crosses each stage boundary (torch allows tuples).
+(`microddp.pipeline.ScheduleGPipe`, ...), which checks that the rank holds the stages its
+placement gives it (stage s on rank s % p, or ZB-V's V). What a rank cannot know before the
+first step is the shape of the activations it receives: only the first stage's rank has the
+batch. So the first step begins, as torch's does, with a metadata pass along the pipeline:
+each stage runs its first micro-batch once without autograd and tells the next stage the shape
+and dtype of its output (the batch size included). From then on every receive is posted with
+a buffer of the right shape; a later step with another batch size is refused on the first
+stage (build a new schedule for it). One tensor crosses each stage boundary (torch allows
+tuples).
 """
 
 from __future__ import annotations
@@ -56,10 +57,6 @@ class PipelineStage:
         if self.group_size > num_stages:
             raise MicroDDPError(f"PipelineStage: the group has {self.group_size} ranks but the "
                                 f"pipeline only {num_stages} stages; every rank needs a stage")
-        if stage_index % self.group_size != self.group_rank:
-            raise MicroDDPError(f"PipelineStage: stage {stage_index} runs on rank "
-                                f"{stage_index % self.group_size} of the group (stage s on rank "
-                                f"s % {self.group_size}), not on rank {self.group_rank}")
         self.user_shapes = {k: _shape_of(v) for k, v in
                             (("input_args", input_args), ("output_args", output_args))
                             if v is not None}
