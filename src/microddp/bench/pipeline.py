@@ -3,9 +3,10 @@
 Every schedule trains its own copy of the same FullMLP, cut into the same stages, on the same
 ranks; their steps are interleaved (a fresh random order each round, a barrier before each
 step) with those of torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble and with microddp's classes of the
-same names (microddp.pipeline.PipelineStage and its schedules, called by the same code as
-torch's: the import swapped), so load on the machine hits all alike. For microddp's schedules each rank records when each of its
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (and ScheduleZBVZeroBubble, with
+zero-bubble) and of microddp's classes of the same names (microddp.pipeline.PipelineStage
+and its schedules, called by the same code as torch's: the import swapped), so load on the
+machine hits all alike. For microddp's schedules each rank records when each of its
 forwards and backwards ran (the bubble is the idle share of the ranks' time between the
 step's first compute and its last) and how many bytes each rank held at most: the
 activations autograd saved (saved-tensor hooks) and the interpreter's message buffers (posted
@@ -30,6 +31,7 @@ from ..comms.world import World
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..pipeline.activations import ActivationMeter
+from ..pipeline.schedules import place
 from ..pipeline.sleep import Sleeping
 from ..timing import interleaved
 from . import pipeline_report as report
@@ -47,7 +49,9 @@ https://ui.perfetto.dev) into a new runs/bench-pipeline-DATE-TIME (or --out).
 # microddp.pipeline, whose classes of the same names run as "shaped-NAME")
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
          "interleaved": "ScheduleInterleaved1F1B",
-         "zero-bubble": "ScheduleInterleavedZeroBubble"}
+         "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+# zbv (2 stages per rank in a V) has no run_schedule counterpart here: it runs, with
+# zero-bubble, as torch's class and microddp's only
 loss_fn = nn.functional.cross_entropy
 
 
@@ -139,20 +143,25 @@ def _torchs(world: World, name: str, cfg: dict, lib=None):
 
     lib = lib or torchs
     p, rank = world.world_size, world.rank
-    v = cfg["virtual"] if name == "interleaved" else 1
+    v = {"interleaved": cfg["virtual"], "zbv": 2}.get(name, 1)
     torch.manual_seed(0)
     parts = pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), p * v)
-    modules = [wrap(parts[s], cfg["compute"], cfg["sleep_ms"]) for s in range(rank, p * v, p)]
+    mine = [s for s in range(p * v)
+            if place(s, p, "v" if name == "zbv" else "loop") == rank]
+    modules = [wrap(parts[s], cfg["compute"], cfg["sleep_ms"]) for s in mine]
     stages = [lib.PipelineStage(module, s, p * v, torch.device("cpu"))
-              for s, module in zip(range(rank, p * v, p), modules, strict=True)]
-    schedule = getattr(lib, TORCH[name])(stages if name in ("interleaved", "zero-bubble")
+              for s, module in zip(mine, modules, strict=True)]
+    schedule = getattr(lib, TORCH[name])(stages if name in ("interleaved", "zero-bubble", "zbv")
                                          else stages[0], cfg["microbatches"], loss_fn=loss_fn)
     opt = torch.optim.SGD([q for module in modules for q in module.parameters()], lr=1e-3)
     x, y = _batch(cfg["dim"], cfg["batch"])
 
     def step() -> None:
         opt.zero_grad()
-        torch_schedule_step(schedule, rank, p, x, y)
+        if name == "zbv":  # the V puts the first and the last stage on rank 0
+            schedule.step(*([x] if rank == 0 else []), target=y if rank == 0 else None)
+        else:
+            torch_schedule_step(schedule, rank, p, x, y)
         opt.step()
 
     return step
@@ -210,7 +219,11 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     virtual = args.virtual if "interleaved" in args.schedules else 1
     pipeline.blocks_per_stage(args.depth, args.stages * virtual)  # raises, saying what to do
     pipeline.microbatch_sizes(args.batch, args.microbatches)
-    theirs = [] if args.no_torch else [s for s in TORCH if s in args.schedules]
+    theirs = [] if args.no_torch else [s for s in TORCH if s in args.schedules
+                                       or (s == "zbv" and "zero-bubble" in args.schedules)]
+    if "zbv" in theirs and args.depth < 2 * args.stages:
+        theirs.remove("zbv")
+        print(f"note: ZB-V needs --depth of at least 2 x stages ({2 * args.stages}); left out")
     if "1f1b" in theirs and args.microbatches < args.stages:
         theirs.remove("1f1b")
         print(f"note: torch's Schedule1F1B refuses fewer micro-batches than stages "
