@@ -8,6 +8,7 @@ losses, and every gradient, with torch's tests' tolerances (rtol 1e-5, atol 4e-5
 - a forward-only schedule chained over several iterations (output fed back as the next input);
 - GPipe and 1F1B with shapes inferred and with input_args/output_args given;
 - interleaved 1F1B and interleaved zero bubble with 2 stages per rank and 8 micro-batches;
+- ZB-V (stages in a V: rank 0 holds the first and the last) with 1 micro-batch;
 - several steps without zeroing the gradients (they accumulate as one process's do);
 - keyword arguments given to the first stage's step;
 - no tensor left in a reference cycle by a step (what their leak check looks for).
@@ -21,6 +22,7 @@ from torch import nn
 
 import microddp as mdp
 from microddp import comms, pipeline
+from microddp.pipeline.schedules import place
 
 D, BATCH = 16, 32
 TOL = {"rtol": 1e-5, "atol": 4e-5}
@@ -69,7 +71,9 @@ def run(world, cls: str, v: int, m: int, steps: int, static=False, zero=True, bi
     p, rank = world.world_size, world.rank
     full, ref, x, target = setup(p * v)
     loss_fn = nn.MSELoss(reduction="sum")
-    mine = list(range(rank, p * v, p))
+    shape = "v" if cls == "ScheduleZBVZeroBubble" else "loop"
+    mine = [s for s in range(p * v) if place(s, p, shape) == rank]
+    last = place(p * v - 1, p, shape)
     modules = [full.layers[s] for s in mine]
     if bias and rank == 0:
         modules[0] = WithBias(modules[0])
@@ -92,13 +96,11 @@ def run(world, cls: str, v: int, m: int, steps: int, static=False, zero=True, bi
         ref_loss = loss_fn(ref_out, target)
         ref_loss.backward()
         losses: list = []
-        if rank == 0:
-            out = schedule.step(x, **kw)
-        else:
-            out = schedule.step(target=target, losses=losses)
+        out = schedule.step(*([x] if rank == 0 else []), target=target if rank == last else None,
+                            losses=losses if rank == last else None, **(kw if rank == 0 else {}))
     ref_grads = grads_of([ref.layers[s] for s in mine])
     got = {"grads": (grads_of(modules), ref_grads)}
-    if rank == p - 1:
+    if rank == last:
         got["out"] = (out.detach(), ref_out.detach())
         got["loss"] = (sum(t.item() for t in losses), ref_loss.item())
     return got
@@ -153,6 +155,7 @@ CASES = {
     "zero bubble": ("ScheduleInterleavedZeroBubble", 2, 8, 2),
     "zero bubble accumulating": ("ScheduleInterleavedZeroBubble", 2, 8, 4, False, False),
     "1f1b kwargs": ("Schedule1F1B", 1, 4, 2, False, True, True),
+    "zbv one micro-batch": ("ScheduleZBVZeroBubble", 2, 1, 2),
 }
 
 
@@ -165,12 +168,13 @@ def test_torchs_schedule_behaviours_on_two_ranks():
     ranks = mdp.spawn(everything, 2, backend="gloo", timeout=300)
     for rank, (cases, chain, leaked) in enumerate(ranks):
         for name, got in cases.items():
-            assert set(got) == ({"grads", "out", "loss"} if rank == 1 else {"grads"}), name
+            last = rank == place(2 * CASES[name][1] - 1, 2, "v" if "zbv" in name else "loop")
+            assert set(got) == ({"grads", "out", "loss"} if last else {"grads"}), name
             ours, ref = got["grads"]
             assert len(ours) == len(ref) > 0
             for a, b in zip(ours, ref, strict=True):
                 torch.testing.assert_close(a, b, **TOL, msg=f"{name} rank {rank}")
-            if rank == 1:
+            if last:
                 torch.testing.assert_close(*got["out"], **TOL, msg=name)
                 assert abs(got["loss"][0] - got["loss"][1]) <= 1e-5 * abs(got["loss"][1]), name
         if rank == 1:
