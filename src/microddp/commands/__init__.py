@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except MicroDDPError as e:
         print(f"microddp {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"microddp {args.command}: interrupted", file=sys.stderr)
         return 130
