@@ -243,3 +243,13 @@ def _nan_worker(world, out):
 def test_a_nan_loss_stops_both_ranks_at_the_same_step(tmp_path):
     said = microddp.launch.spawn(_nan_worker, 2, args=(str(tmp_path),), timeout=120)
     assert said[0] == said[1] and "loss became nan in steps 1-2" in said[0]
+
+
+def test_a_batch_larger_than_the_data_is_refused(tmp_path):
+    """--batch-size 1e8 and --accumulate 1e5 printed batch sizes that were never used."""
+    for kw, said in (({"batch_size": 1440}, "--batch-size 1440 is more than the 1438"),
+                     ({"batch_size": 64, "accumulate": 23}, "--batch-size 64 x --accumulate 23")):
+        with pytest.raises(MicroDDPError, match=said):
+            _single(tmp_path, **kw)
+        microddp.shutdown()
+    assert _single(tmp_path / "fits", batch_size=1438, max_steps=1)["step"] == 1

@@ -63,6 +63,12 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     device = world.device
     data = load_dataset(cfg.dataset)
     train_set, test_set = data.train.to(device), data.test.to(device)
+    if cfg.batch_size * cfg.accumulate > len(train_set):  # a step would use samples twice
+        raise MicroDDPError(f"--batch-size {cfg.batch_size}"
+                            + (f" x --accumulate {cfg.accumulate}" if cfg.accumulate > 1 else "")
+                            + f" is more than the {len(train_set)} training samples of "
+                            f"{cfg.dataset}; one step can use each sample once: use at most "
+                            f"{len(train_set)} samples per step")
     module = build_model(cfg, data.in_features, data.n_classes, device)
     precision = Precision(cfg.amp, device)
     strategy = strategies.make(cfg, world, module, precision)
