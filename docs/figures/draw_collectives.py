@@ -1,11 +1,12 @@
-"""Two figures of the course's first collectives chapters, drawn by make.py.
+"""Figures drawn by make.py from microddp's own code and runs, for chapters 3, 4 and 9.
 
 - collectives (chapter 3): what every one of 4 ranks holds before and after each collective,
   from a real run: 4 ranks call microddp.comms on tensors whose every element says whose it
   is (rank r's element i is 10 r + i, drawn as A0..D3; a sum over the ranks as Σi);
 - ring (chapter 4): the ring all-reduce on 4 ranks step by step, from the algorithm: which
   chunk each rank sends at every step of the reduce-scatter and the all-gather, and whose
-  contributions each chunk holds after it.
+  contributions each chunk holds after it;
+- zero-bytes (chapter 9): the model state per rank of each ZeRO stage, from microddp.predict.
 """
 
 from __future__ import annotations
@@ -157,3 +158,36 @@ def draw_ring(target: Path, save) -> str:
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     save(fig, target)
     return "python docs/figures/make.py ring (the ring's chunks and sends, p = 4)"
+
+
+def draw_zero_bytes(target: Path, save) -> str:
+    """Chapter 9: bytes of model state per rank, per ZeRO stage, from microddp.predict's
+    memory model (the ZeRO paper's Figure 1: 7.5B parameters, 64 ranks, mixed-precision Adam)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from microddp.predict.memory import STAGES, per_rank
+
+    params, world = 7.5e9, 64
+    parts = (("params", "parameters (fp16: 2 B)", "tab:blue"),
+             ("grads", "gradients (fp16: 2 B)", "tab:orange"),
+             ("optimizer_state", "optimizer: fp32 copy + 2 moments (12 B)", "tab:green"))
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    names = list(STAGES.values())
+    bottoms = [0.0] * len(names)
+    for key, label, color in parts:
+        values = [per_rank(params, world, stage)[key] / 1e9 for stage in STAGES]
+        ax.bar(names, values, bottom=bottoms, color=color, label=label)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for i, total in enumerate(bottoms):
+        ax.text(i, total + 1.5, f"{total:.1f} GB", ha="center", fontsize=8)
+    ax.set(ylabel="GB of model state per rank",
+           title=f"{params / 1e9:g}B parameters on {world} ranks: what each ZeRO stage shards")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save(fig, target)
+    return ("python docs/figures/make.py zero-bytes (microddp.predict.memory.per_rank, "
+            "7.5B parameters, 64 ranks)")

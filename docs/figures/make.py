@@ -42,7 +42,7 @@ COMMANDS = {
     "async": (["bench", "async", "--steps", "100", "--rounds", "2"], "async.png"),
 }
 # drawn here from microddp's data (collectives: from a 4-rank run; draw_collectives.py)
-DRAWN = ("pipeline", "notebook", "collectives", "ring")
+DRAWN = ("pipeline", "notebook", "collectives", "ring", "zero-bytes")
 NOTEBOOK = HERE.parent / "04b-ring-vs-gloo-notebook.md"
 
 
@@ -214,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
                 command = run_command(name, Path(tmp) / "out")
             else:
                 sys.path.insert(0, str(HERE))
-                from draw_collectives import draw_collectives, draw_ring
+                from draw_collectives import draw_collectives, draw_ring, draw_zero_bytes
 
                 draw = {"pipeline": draw_pipeline, "notebook": draw_notebook,
                         "collectives": lambda t: draw_collectives(t, save_figure),
-                        "ring": lambda t: draw_ring(t, save_figure)}[name]
+                        "ring": lambda t: draw_ring(t, save_figure),
+                        "zero-bytes": lambda t: draw_zero_bytes(t, save_figure)}[name]
                 command = draw(HERE / f"{name}.png")
         manifest[name] = {"command": command, "machine": where,
                           # 1-minute load average when the run started and when it ended
