@@ -157,7 +157,10 @@ def shared_agreement(peers: Peers) -> SharedAgreement | None:
     if peers.nccl:
         return None
     state = shm.shared(peers.group)
-    return None if state is None else state.group.agreement
+    if state is None:
+        return None
+    state.lane.drain()  # its queued calls agree here too, before this one
+    return state.group.agreement
 
 
 def _agree_in_memory(peers: Peers, box: SharedAgreement, mine: array.array, where: str,
