@@ -307,6 +307,7 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Blocking send to global rank `dst` (or torch's `group_dst`); returns once the data
     may be reused."""
+    check_tensor(tensor, "send", written=False)
     if _outside(group):  # torch's isend skips it; its send would fail looking up `dst`
         peer(dst, None, None, "send")
         dist.isend(tensor, dst, group, tag, group_dst=group_dst)
@@ -318,6 +319,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Blocking receive into `tensor` from global rank `src` (or `group_src`; any rank if
     neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch."""
+    check_tensor(tensor, "recv")
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
     return dist.recv(tensor, peer(src, group_src, group, "recv"), group, tag)
@@ -326,6 +328,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
           group_dst: int | None = None) -> Handle | None:
     """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`)."""
+    check_tensor(tensor, "isend", written=False)
     if _outside(group):
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
     work = dist.isend(tensor, _sender_to(dst, group_dst, group, "isend"), group, tag)
@@ -335,6 +338,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
           group_src: int | None = None) -> Handle | None:
     """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`)."""
+    check_tensor(tensor, "irecv")
     if _outside(group):
         return dist.irecv(tensor, src, group, tag, group_src=group_src)
     work = dist.irecv(tensor, peer(src, group_src, group, "irecv"), group, tag)
