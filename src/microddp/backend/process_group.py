@@ -33,8 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..collectives.route import OPS, carries, gives_gloos_bits
 from ..collectives import shm_checked
+from ..collectives.route import OPS, carries, gives_gloos_bits
 from ..collectives.shm import flat_data, open_shared
 from ..collectives.shm_agree import Check
 from ..collectives.shm_group import SharedGroup

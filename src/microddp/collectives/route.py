@@ -107,14 +107,16 @@ def agree_call(where: str, group, problem: Exception | None, tensor=None, **more
     MicroDDPError on every rank unless all passed alike `tensor`'s shape, dtype and device and
     `more` (this rank's `problem`, found by its own checks, is shared first). Through the
     group's shared memory, in order with its calls there, where it has some; else the
-    butterfly of agree.py through gloo. Not on NCCL: an agreement there is a message
-    the host waits for on every call, which would stall every asynchronous collective."""
+    butterfly of agree.py through gloo. Not on NCCL, and not for all_reduce off shared
+    memory: there the agreement is a round of messages the caller waits for before the call
+    starts, in front of every DDP bucket (whose shapes DDP checked when it was built), and an
+    asynchronous call would no longer overlap anything."""
     fields = (shm_checked.all_reduce_fields(tensor, more["op"]) if where == "all_reduce"
               else shm_checked.tensor_fields(tensor, **more))
     if shm.agree_in_order(group, where, fields, problem):
         return
     peers = Peers(group)
-    if peers.nccl:
+    if peers.nccl or where == "all_reduce":
         if problem is not None:
             raise problem
         return

@@ -319,7 +319,7 @@ def _shares_memory(tensors: list[torch.Tensor]) -> bool:
     """Whether two of `tensors` (each contiguous) overlap in memory."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                    for t in tensors if t.numel())
-    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
 
 
 for _fn in (shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_broadcast):
