@@ -55,7 +55,7 @@ def area_words(size: int) -> int:
 class Check(NamedTuple):
     """A call's agreement, made in its first synchronisation (shm_group.py): this rank's
     numbers (agree.encode's), and what raises, on every rank, when the ranks' numbers differ
-    (`refuse(seq)`, seq being the agreement's sequence number; agree.read_in_memory)."""
+    (`refuse(seq)`, seq being the agreement's sequence number: agree.read_in_memory)."""
     mine: array.array
     refuse: Callable[[int], None]
 
@@ -118,6 +118,23 @@ class SharedAgreement:
             return None
         rows = [self.words[a:a + WORDS].tolist() for a in at]
         return [max(column) for column in zip(*rows, strict=True)]
+
+    def meet(self, mine: array.array, what: str, yielding: bool) -> int | None:
+        """post `mine` (with zeros as EXTRA), wait for every rank's post, and compare: None
+        if every rank posted these very numbers, else the agreement's sequence number (for
+        `result`). A shared-memory call's first synchronisation (shm_group.py): kept to a few
+        Python steps, as `agrees` is, since it sits in front of every default all-reduce."""
+        seq = self.seq = self.seq + 1
+        lines, words = self.lines[seq & 1], self.words
+        at = lines[self.rank]
+        words[at:at + WORDS] = mine
+        words[at + WORDS] = words[at + WORDS + 1] = 0
+        self.told.post(seq)
+        self.told.wait(seq, self.timeout_s, what, yielding)
+        for r in self.others:
+            if words[lines[r]:lines[r] + WORDS] != mine:
+                return seq
+        return None
 
     def extra(self, seq: int, rank: int) -> tuple[int, int]:
         """The EXTRA words `rank` posted with agreement `seq` (read after `result`)."""

@@ -19,6 +19,7 @@ calls queued there, so that each rank's agreements are in the order of its calls
 from __future__ import annotations
 
 import array
+import weakref
 from functools import partial
 from types import SimpleNamespace
 
@@ -97,9 +98,10 @@ def agree_in_order(lane, box: SharedAgreement, group, where: str, fields: dict,
                 async_op=False)
 
 
-# comms.all_reduce's shared-memory path, the hot one (every DDP bucket): keyed on the tensor's
-# own shape, dtype and op, without building the fields.
-_calls: dict[tuple, tuple[array.array, dict]] = {}
+# comms.all_reduce's shared-memory path, the hot one (every DDP bucket): a group's Checks kept
+# on its agreement, keyed on the tensor's own shape, dtype and op (no fields built, no closure
+# made per call), holding the group weakly (the group's shared memory lives as long as it).
+_KEPT = "_checks"
 
 
 def all_reduce_fields(tensor, op: str) -> dict:
@@ -112,15 +114,24 @@ def all_reduce_fields(tensor, op: str) -> dict:
 
 def all_reduce_check(box: SharedAgreement, group, tensor: torch.Tensor, op: str) -> Check:
     """check() for comms.all_reduce's shared-memory path (a contiguous CPU tensor)."""
+    kept = box.__dict__.setdefault(_KEPT, {})
     key = (tensor.shape, tensor.dtype, op)
-    got = _calls.get(key)
+    got = kept.get(key)
     if got is None:
-        if len(_calls) >= _MEMO_KEPT:
-            _calls.clear()
-        got = _calls[key] = numbers("all_reduce", all_reduce_fields(tensor, op))
-    mine, full = got
-    return Check(mine, partial(_refuse, box, group, mine, full))
+        if len(kept) >= _MEMO_KEPT:
+            kept.clear()
+        mine, full = numbers("all_reduce", all_reduce_fields(tensor, op))
+        got = kept[key] = Check(mine, partial(_refuse, weakref.ref(box), _weakly(group), mine,
+                                              full))
+    return got
 
 
-def _refuse(box: SharedAgreement, group, mine: array.array, full: dict, seq: int) -> None:
-    agree.read_in_memory(_peers(group, box), box, seq, mine, "all_reduce", full, {}, None)
+def _weakly(group):
+    """A way back to `group` that does not keep it alive (None: the default group)."""
+    return (lambda: None) if group is None else weakref.ref(group)
+
+
+def _refuse(box_ref, group_ref, mine: array.array, full: dict, seq: int) -> None:
+    box = box_ref()
+    agree.read_in_memory(_peers(group_ref(), box), box, seq, mine, "all_reduce", full, {},
+                         None)

@@ -173,23 +173,24 @@ class SharedGroup:
         raises the agreement's error."""
         if check is None:
             self._barrier(self.arrive, seq, what)
-        elif self._differs(what, check):
+            return
+        differs = self._differs(what, check)
+        if differs is not None:
             self.seq = seq - 1
-            check.refuse(self.agreement.seq)
+            check.refuse(differs)
 
-    def _differs(self, what: str, check: Check) -> bool:
-        box = self.agreement
-        at = box.post(check.mine)
+    def _differs(self, what: str, check: Check) -> int | None:
         try:
-            return box.result(at, check.mine, what, self.yielding) is not None
+            return self.agreement.meet(check.mine, what, self.yielding)
         except MicroDDPError as e:
             self.failed = str(e)
             raise
 
     def agree_only(self, what: str, check: Check | None) -> None:
         """A checked call with nothing to move (an empty tensor): the agreement alone."""
-        if check is not None and self._differs(what, check):
-            check.refuse(self.agreement.seq)
+        differs = self._differs(what, check) if check is not None else None
+        if differs is not None:
+            check.refuse(differs)
 
     def _step(self) -> int:
         """The next step's sequence number, unless an earlier step failed."""
