@@ -98,6 +98,11 @@ def agree_in_order(lane, box: SharedAgreement, group, where: str, fields: dict,
                 async_op=False)
 
 
+# bench allreduce's switch, and only its: the default call timed without its check beside the
+# default call (the row "shm check"). Read once per comms.all_reduce through shared memory.
+CHECKING = True
+
+
 # comms.all_reduce's shared-memory path, the hot one (every DDP bucket): a group's Checks kept
 # on its agreement, keyed on the tensor's own shape, dtype and op (no fields built, no closure
 # made per call), holding the group weakly (the group's shared memory lives as long as it).
