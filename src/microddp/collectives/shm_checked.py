@@ -22,12 +22,23 @@ import array
 import weakref
 from functools import partial
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from ..transport.peers import Peers
-from . import agree  # a module, not its names: agree imports shm, which imports this
 from .shm_agree import Check, SharedAgreement
+
+# agree.py, handed in when it loads (`use`): it imports shm.py, which imports this module, so
+# this one cannot import it. Every path here runs after microddp.collectives has loaded it.
+agree: Any = None
+
+
+def use(module) -> None:
+    """Take agree.py's encode, described and read_in_memory from `module` (agree.py calls it)."""
+    global agree
+    agree = module
+
 
 # (where, fields) -> this rank's numbers: encoding costs a few microseconds (a crc32 per
 # field), and training loops repeat the same few calls.

@@ -300,6 +300,7 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
         return _done(async_op)
     if _outside(group):
         return dist.barrier(group, async_op)
+    _agree("barrier", group, None, None)  # a rank at another collective: an error, not a hang
     return _result(dist.barrier(group, async_op=True), async_op)
 
 
