@@ -142,11 +142,12 @@ class Entry:
     """
 
     __slots__ = ("seq", "group", "op", "started", "done", "failed", "work", "escapable",
-                 "ends_itself", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
+                 "ends_itself", "record", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
 
     def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
                  frame: FrameType | None = None) -> None:
         self.seq, self.group, self.op = seq, group, op
+        self.record = 0  # this rank's count of logged calls over all groups (a dump's record_id)
         self.started = time.monotonic()
         self.done: float | None = None
         self.failed = False  # its async Work completed with an error (see in_flight)
@@ -199,6 +200,12 @@ class Entry:
         if frame is not None and self._location is None:
             self._location = locate(frame, user=True)
         self._frame = None
+
+    def location(self) -> Location:
+        """The caller's frames (see locate), if they were noted; () if not."""
+        if self._location is None and self._frame is not None:
+            self.locate_caller()
+        return self._location or ()
 
     def settle(self) -> None:
         """Work out shape, detail and caller now, and let go of the call's arguments."""
@@ -262,6 +269,7 @@ class CollectiveLog:
         self.open: dict[Entry, None] = {}  # in call order; a dict: ending one is O(1)
         self._size = size
         self._seq: dict[str, int] = {}
+        self._records = 0
         self._lock = threading.Lock()
 
     def begin(self, group: str, op: str, call: tuple | None = None,
@@ -271,6 +279,8 @@ class CollectiveLog:
             seq = self._seq.get(group, 0) + 1
             self._seq[group] = seq
             entry = Entry(seq, group, op, call, frame)
+            entry.record = self._records
+            self._records += 1
             self.recent.append(entry)
             self.open[entry] = None
             if len(self.open) > self._size:
@@ -280,8 +290,11 @@ class CollectiveLog:
             return entry
 
     def end(self, entry: Entry) -> None:
-        """Record that the collective of `entry` finished, and let go of its tensors."""
+        """Record that the collective of `entry` finished, and let go of its tensors (after
+        noting what it was and where it came from, for a Flight Recorder dump: flight.py)."""
         entry.done = time.monotonic()
+        entry.locate_caller()
+        entry._describe_call()
         entry.release()
         self.open.pop(entry, None)  # one step under the GIL (identity hash): no lock needed
 
@@ -289,6 +302,13 @@ class CollectiveLog:
         for e in list(self.open):  # in place: a concurrent end() must not be undone
             if not e.in_flight():
                 self.open.pop(e, None)
+
+    def entries(self) -> list[Entry]:
+        """The recent calls and every one still open, in call order (a dump's ring buffer)."""
+        with self._lock:
+            both = {e: None for e in self.recent}
+            both.update(self.open)
+        return sorted(both, key=lambda e: e.record)
 
     def oldest_open(self) -> Entry | None:
         """The longest-waiting collective still in flight (completed async ones are dropped)."""
