@@ -17,7 +17,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from . import flight
+from . import flight, live
 from .log import CollectiveLog, Entry, main_thread_where
 
 POLL_S = 0.1  # at a few ranks; more ranks poll the shared store less often (see Monitor)
@@ -44,6 +44,7 @@ class Monitor:
         self.report: str | None = None
         self.dumped: list = []  # the Flight Recorder dumps this rank wrote (flight.py)
         self._answered = False
+        self._beaten = -1e9
         self._stalled: Entry | None = None
         self._report_lock = threading.Lock()
         self._stop = threading.Event()
@@ -109,9 +110,22 @@ class Monitor:
                 self.store.set(key, flight.choose_folder())
 
     # -- the watchdog: notice stalls (async ops, NCCL) and answer other ranks' requests -------
+    def _beat(self) -> None:
+        """Rewrite this rank's status file (live.py) if the job has a run folder."""
+        folder = flight.run_dir()
+        now = time.monotonic()
+        if folder is None or now - self._beaten < live.EVERY_S:
+            return
+        self._beaten = now
+        try:
+            live.write(folder, live.snapshot(self.rank, self.world_size, self.log))
+        except OSError:  # a full disk or a read-only folder: the live view goes stale, no more
+            pass
+
     def _watch(self) -> None:
         failures = 0
         while not self._stop.wait(self.poll_s):
+            self._beat()
             try:
                 if not self._answered and self.store.check([self.key("request")]):
                     self._answer()

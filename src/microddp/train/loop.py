@@ -151,6 +151,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                     meter.add(loss_sum, len(y))
             strategy.step()
             step += 1
+            monitor.set_step(step)  # for `microddp status` (monitor/live.py)
             trained += total
             trace.next_step()
             if drift is not None:
