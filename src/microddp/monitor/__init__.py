@@ -35,8 +35,8 @@ from ..errors import MicroDDPError
 from . import patch
 from .default import interrupt_pays, stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum
-from .hang import Monitor, format_report
 from .flight import set_run_dir
+from .hang import Monitor, format_report
 from .live import set_step
 from .log import note
 
