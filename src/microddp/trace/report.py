@@ -21,6 +21,7 @@ from .. import spans as trace
 from ..comms.world import World, distributed, get_world
 from ..errors import MicroDDPError
 from ..spans import Span
+from . import kineto
 
 TID_MAIN, TID_COMM = 0, 1
 FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "wait_s",
@@ -245,6 +246,7 @@ def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     outputs.write_text(out / "trace.json", json.dumps(chrome_trace(by_rank)))
+    kineto.write(by_rank, out)  # per-rank profiler-format traces for HTA, beside it
     plot_timeline(by_rank, out / "timeline.png")
     rows = per_step(by_rank)
     if metrics:
