@@ -108,6 +108,7 @@ def _odd_rank(text: str) -> int:
     return first
 
 
+@pytest.mark.slow
 def test_broadcast_against_all_reduce_named_by_torchfrtrace(tmp_path, monkeypatch):
     res = _spawn("bcast", 3, tmp_path, monkeypatch)
     assert "rank 1 is in broadcast #2" in res[0][0]  # microddp's report

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from microddp import monitor
+from microddp.commands import status as view
 from microddp.monitor import live
 
 
@@ -15,7 +16,7 @@ def save_checkpoint(folder):
     """Rank 1 is late: it looks at the job from outside while rank 0 waits in all_reduce #2."""
     end = time.monotonic() + 30
     while time.monotonic() < end:
-        st = live.read(folder).get(0)
+        st = view.read(folder).get(0)
         if st and st["in"] and st["in"]["seq"] == 2 and time.time() - st["in"]["since"] > 1.5:
             break
         time.sleep(0.1)
@@ -64,15 +65,16 @@ def _st(rank, step, seq=None, since=None, written=100.0):
 
 
 def test_waited_for_rules():
+    assert view.FOLDER == live.FOLDER
     now = 100.0
     # everyone in the same collective, briefly or long: nobody is singled out
     same = {r: _st(r, 3, 2, 95.0) for r in range(3)}
-    assert live.waited_for(same, now) == {}
+    assert view.waited_for(same, now) == {}
     # rank 2 is one collective behind: it is the one waited for
     behind = {0: _st(0, 3, 2, 95.0), 1: _st(1, 3, 2, 96.0), 2: _st(2, 2, 1, 99.8)}
-    assert live.waited_for(behind, now) == {2: "not in all_reduce #2, where rank 0 waits"}
+    assert view.waited_for(behind, now) == {2: "not in all_reduce #2, where rank 0 waits"}
     # a file not rewritten for a while: that rank's watchdog is gone
     stale = {0: _st(0, 3), 1: _st(1, 3, written=80.0)}
-    assert live.waited_for(stale, now) == {1: "no news for 20 s (exited, frozen or killed)"}
-    text = live.render("RUN", {0: _st(0, 3, 2, 95.0), 1: _st(1, 3, 2, 99.5)}, now)
+    assert view.waited_for(stale, now) == {1: "no news for 20 s (exited, frozen or killed)"}
+    text = view.render("RUN", {0: _st(0, 3, 2, 95.0), 1: _st(1, 3, 2, 99.5)}, now)
     assert text.splitlines()[-1] == "waited for: rank 2: no status file (not started, or no monitor)"
