@@ -142,7 +142,7 @@ class Entry:
     """
 
     __slots__ = ("seq", "group", "op", "started", "done", "failed", "work", "escapable",
-                 "ends_itself", "record", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
+                 "ends_itself", "record", "_sketch", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
 
     def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
                  frame: FrameType | None = None) -> None:
@@ -157,11 +157,14 @@ class Entry:
         # The backend ends this wait on its own at the process group's timeout (a blocking
         # gloo call): after the report, the watchdog leaves the ending to it.
         self.ends_itself = False
+        self._sketch: tuple | None = None  # (count or None, dtype, shape) kept as a call ends
         self._shape: str | None = None
         self._detail: str | None = None
         self._caller: str | None = None
         self._location: Location | None = None
-        self._call = call  # (describe(args, kwargs) -> (shape, detail), args, kwargs)
+        # (describe(args, kwargs) -> (shape, detail), args, kwargs[, pick(args, kwargs) ->
+        # the tensor or list that describe names])
+        self._call = call
         self._frame = frame  # the caller's frame, while the call runs
 
     @property
@@ -192,7 +195,24 @@ class Entry:
         if self._shape is not None:
             return  # described already
         call = self._call  # one read: the calling thread may let go of it meanwhile
+        if call is None and self._sketch is not None:  # ended: its sketch says the shape
+            count, dtype, shape = self._sketch
+            inner = f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
+            self._shape, self._detail = (inner if count is None else f"{count}x{inner}"), ""
+            return
         self._shape, self._detail = call[0](call[1], call[2]) if call is not None else ("", "")
+
+    def sketch(self) -> None:
+        """Keep the dtype and shape of the call's tensor as raw values (a dump names them
+        later; formatting them now would cost the call's caller)."""
+        call = self._call
+        if call is None or len(call) < 4 or self._shape is not None:
+            return
+        x = call[3](call[1], call[2])
+        if isinstance(x, torch.Tensor):
+            self._sketch = (None, x.dtype, tuple(x.shape))
+        elif isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+            self._sketch = (len(x), x[0].dtype, tuple(x[0].shape))
 
     def locate_caller(self) -> None:
         """Note the caller's line now (in words later): an async call's caller moves on."""
@@ -294,7 +314,7 @@ class CollectiveLog:
         noting what it was and where it came from, for a Flight Recorder dump: flight.py)."""
         entry.done = time.monotonic()
         entry.locate_caller()
-        entry._describe_call()
+        entry.sketch()
         entry.release()
         self.open.pop(entry, None)  # one step under the GIL (identity hash): no lock needed
 
