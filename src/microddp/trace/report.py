@@ -238,8 +238,9 @@ def _replace_trace_rows(path: Path, rows: list[dict]) -> None:
 
 def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
           metrics: bool = True) -> dict:
-    """Write trace.json and timeline.png (and this run's per-step rows in metrics.jsonl, in
-    place of an earlier trace's); return the summary.
+    """Write trace.json, timeline.png, hta/ (one profiler-format trace per rank: kineto.py)
+    and this run's per-step rows in metrics.jsonl (in place of an earlier trace's); return the
+    summary.
 
     The summary is flat: medians in ms, overlap_pct, the number of steps and the paths.
     """
@@ -252,7 +253,7 @@ def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
     if metrics:
         _replace_trace_rows(out / "metrics.jsonl", rows)
     return {**in_ms(summarize(rows)), "trace_json": str(out / "trace.json"),
-            "timeline_png": str(out / "timeline.png")}
+            "timeline_png": str(out / "timeline.png"), "hta_dir": str(out / kineto.FOLDER)}
 
 
 def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
