@@ -151,3 +151,30 @@ def test_sizes_follow_torchs_conventions():
     assert flight._sizes(E("2xfloat32[3]"), "broadcast", 2)[0] == [[3], [3]]
     assert flight._sizes(E(""), "barrier", 2) == ([[]], [[]], [])
     assert flight.kind("ring_all_reduce") == "all_reduce" and flight.kind("barrier") == "barrier"
+
+
+def _on_a_subgroup(world, folder):
+    flight.set_run_dir(folder)
+    pair = dist.new_group([0, 1])
+    monitor.enable(timeout=STALL_S)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    error = None
+    try:
+        if world.rank == 0:
+            dist.all_reduce(t, group=pair)  # rank 1 never joins it
+    except mdp.MicroDDPError as e:
+        error = str(e)
+    return error, _wait_for_dump()
+
+
+@pytest.mark.slow
+def test_subgroup_members_and_missing_rank(tmp_path):
+    res = mdp.spawn(_on_a_subgroup, 3, args=(str(tmp_path),), timeout=90)
+    assert "rank 0 is in all_reduce #1 on group" in res[0][0]
+    folder = tmp_path / flight.FOLDER
+    dump = pickle.loads((folder / "fr_trace_rank_0").read_bytes())  # rank 2 lists only its own
+    assert sorted(c["ranks"] for c in dump["pg_config"].values()) == ["[0, 1, 2]", "[0, 1]"]
+    text = _frtrace(folder)
+    assert "Not all ranks joining collective, sequence number: 1" in text
+    assert "missing ranks: {1}" in text and "expected ranks: {0, 1}" in text
