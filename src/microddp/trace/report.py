@@ -21,6 +21,7 @@ from .. import spans as trace
 from ..comms.world import World, distributed, get_world
 from ..errors import MicroDDPError
 from ..spans import Span
+from . import kineto
 
 TID_MAIN, TID_COMM = 0, 1
 FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "wait_s",
@@ -237,20 +238,22 @@ def _replace_trace_rows(path: Path, rows: list[dict]) -> None:
 
 def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
           metrics: bool = True) -> dict:
-    """Write trace.json and timeline.png (and this run's per-step rows in metrics.jsonl, in
-    place of an earlier trace's); return the summary.
+    """Write trace.json, timeline.png, hta/ (one profiler-format trace per rank: kineto.py)
+    and this run's per-step rows in metrics.jsonl (in place of an earlier trace's); return the
+    summary.
 
     The summary is flat: medians in ms, overlap_pct, the number of steps and the paths.
     """
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     outputs.write_text(out / "trace.json", json.dumps(chrome_trace(by_rank)))
+    kineto.write(by_rank, out)  # per-rank profiler-format traces for HTA, beside it
     plot_timeline(by_rank, out / "timeline.png")
     rows = per_step(by_rank)
     if metrics:
         _replace_trace_rows(out / "metrics.jsonl", rows)
     return {**in_ms(summarize(rows)), "trace_json": str(out / "trace.json"),
-            "timeline_png": str(out / "timeline.png")}
+            "timeline_png": str(out / "timeline.png"), "hta_dir": str(out / kineto.FOLDER)}
 
 
 def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:

@@ -159,6 +159,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                     meter.add(loss_sum, len(y))
             strategy.step()
             step += 1
+            monitor.set_step(step)  # for `microddp status` (monitor/live.py)
             trained += total
             trace.next_step()
             if drift is not None:
@@ -237,7 +238,8 @@ def _finish(world: World, cfg: TrainConfig, strategy: Strategy, out: Path, rep: 
             rep.say("no curves.png: matplotlib is not installed (pip install 'microddp[train]')")
         ckpts = cfg.ckpt_dir if cfg.ckpt_dir.is_dir() and any(cfg.ckpt_dir.iterdir()) else None
         files = [out / "model.pt", rep.metrics_path, png,
-                 *((stats["trace_json"], stats["timeline_png"]) if stats else ()),
+                 *((stats["trace_json"], stats["timeline_png"], f"{stats['hta_dir']}/")
+                   if stats else ()),
                  f"{ckpts}/" if ckpts else None]
         rep.say(f"done: test accuracy {100 * evaluated['accuracy']:.2f}% after {step} steps; "
                 + outputs.wrote(files))
