@@ -1,5 +1,8 @@
 """ZeRO: data parallelism with sharded model state (course chapter 9).
 
+torch's shapes: `ZeroRedundancyOptimizer` (ZeRO-1, an optimizer to pair with any DDP) and
+`fully_shard` (FSDP2's per-module sharding, ZeRO-3). The teaching API below:
+
 Stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too;
 each trains to the same parameters as plain data parallelism.
 
@@ -9,7 +12,8 @@ each trains to the same parameters as plain data parallelism.
 
 from .engine import STAGES, Zero
 from .memory import CountingAllReduce, measure
+from .optimizer import ZeroRedundancyOptimizer
 from .plan import Bucket, Piece, ShardPlan, build, by_size, split
 
-__all__ = ["STAGES", "Bucket", "CountingAllReduce", "Piece", "ShardPlan", "Zero", "build",
+__all__ = ["STAGES", "Bucket", "CountingAllReduce", "Piece", "ShardPlan", "Zero", "ZeroRedundancyOptimizer", "build",
            "by_size", "measure", "split"]
