@@ -11,9 +11,11 @@ each trains to the same parameters as plain data parallelism.
 """
 
 from .engine import STAGES, Zero
+from .fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from .memory import CountingAllReduce, measure
 from .optimizer import ZeroRedundancyOptimizer
 from .plan import Bucket, Piece, ShardPlan, build, by_size, split
 
-__all__ = ["STAGES", "Bucket", "CountingAllReduce", "Piece", "ShardPlan", "Zero", "ZeroRedundancyOptimizer", "build",
-           "by_size", "measure", "split"]
+__all__ = ["STAGES", "Bucket", "CountingAllReduce", "FSDPModule", "MixedPrecisionPolicy", "Piece",
+           "ShardPlan", "Zero", "ZeroRedundancyOptimizer", "build", "by_size", "clip_grad_norm_",
+           "fully_shard", "measure", "split"]
