@@ -79,7 +79,7 @@ def both(world, cases):
 CASES = [(name, 1, False) for name in OPTIMIZERS] + [("adam", 2, False), ("adamw", 1, True)]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fully_shard_equals_fsdp2(world_size):
     for out in mdp.spawn(both, world_size, (CASES,), backend="gloo", timeout=300):
         assert len(out) == 5 * len(CASES)

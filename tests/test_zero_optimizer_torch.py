@@ -88,7 +88,7 @@ def _broadcast_object(obj):
     return box[0]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_redundancy_optimizer_equals_torchs(world_size):
     for out in mdp.spawn(both, world_size, backend="gloo", timeout=300):
         bad = {k: v for k, v in out.items() if not v <= TOL}
