@@ -62,7 +62,7 @@ def diff(a, b) -> float:
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return float("inf")
-        return max([diff(x, y) for x, y in zip(a, b)] or [0.0])
+        return max([diff(x, y) for x, y in zip(a, b, strict=True)] or [0.0])
     return abs(a - b)
 
 

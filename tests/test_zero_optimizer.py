@@ -95,10 +95,10 @@ def test_constructor_checks_and_exception_types():
             Z(bad, optimizer_class=torch.optim.SGD, lr=0.01)
         assert isinstance(e.value, MicroDDPError) and "\n" not in str(e.value)
     for ok in (m.parameters(), list(m.parameters()),
-               [{"params": [l.weight for l in m]}, {"params": [l.bias for l in m]}]):
+               [{"params": [lin.weight for lin in m]}, {"params": [lin.bias for lin in m]}]):
         Z(ok, optimizer_class=torch.optim.SGD, lr=0.01)
-    o = Z([{"params": [l.weight for l in m], "weight_decay": 0.0},
-           {"params": [l.bias for l in m], "weight_decay": 0.01}],
+    o = Z([{"params": [lin.weight for lin in m], "weight_decay": 0.0},
+           {"params": [lin.bias for lin in m], "weight_decay": 0.01}],
           optimizer_class=torch.optim.AdamW, lr=0.01, betas=(0.9, 0.999), eps=1e-8)
     assert len(o.param_groups) == len(o.optim.param_groups) == 2
     for cls in (torch.optim.LBFGS, torch.optim.SparseAdam):
@@ -127,18 +127,18 @@ def distributed(world):
     # add_param_group: groups up front == added after == the unsharded optimizer (AdamW)
     torch.manual_seed(0)
     m1 = nn.Sequential(nn.Linear(5, 10), nn.Linear(10, 10), nn.Linear(10, 5))
-    m2, m3 = (nn.Sequential(*[nn.Linear(l.in_features, l.out_features) for l in m1])
+    m2, m3 = (nn.Sequential(*[nn.Linear(lin.in_features, lin.out_features) for lin in m1])
               for _ in range(2))
     m2.load_state_dict(m1.state_dict())
     m3.load_state_dict(m1.state_dict())
-    o1 = Z([{"params": [l.weight for l in m1], "weight_decay": 0.0},
-            {"params": [l.bias for l in m1], "weight_decay": 0.01}],
+    o1 = Z([{"params": [lin.weight for lin in m1], "weight_decay": 0.0},
+            {"params": [lin.bias for lin in m1], "weight_decay": 0.01}],
            optimizer_class=torch.optim.AdamW, lr=0.01)
-    o2 = Z([l.weight for l in m2], optimizer_class=torch.optim.AdamW, lr=0.01,
+    o2 = Z([lin.weight for lin in m2], optimizer_class=torch.optim.AdamW, lr=0.01,
            weight_decay=0.0, parameters_as_bucket_view=True)
-    o2.add_param_group({"params": [l.bias for l in m2], "weight_decay": 0.01})
-    o3 = torch.optim.AdamW([{"params": [l.weight for l in m3], "weight_decay": 0.0},
-                            {"params": [l.bias for l in m3], "weight_decay": 0.01}], lr=0.01)
+    o2.add_param_group({"params": [lin.bias for lin in m2], "weight_decay": 0.01})
+    o3 = torch.optim.AdamW([{"params": [lin.weight for lin in m3], "weight_decay": 0.0},
+                            {"params": [lin.bias for lin in m3], "weight_decay": 0.01}], lr=0.01)
     torch.manual_seed(1)  # the same inputs on every rank: the gradients need no averaging
     for _ in range(3):
         x = torch.randn(8, 5)
@@ -147,7 +147,8 @@ def distributed(world):
             m(x).sum().backward()
             o.step()
     out["add_param_group"] = max((a - b).abs().max().item()
-                                 for ma in (m1, m2) for a, b in zip(ma.parameters(), m3.parameters()))
+                                 for ma in (m1, m2)
+                                 for a, b in zip(ma.parameters(), m3.parameters(), strict=True))
     # step(closure) on gradients averaged by hand, maximize, bucket views on and off
     for bucket_view in (False, True):
         for maximize in (False, True):
@@ -160,7 +161,7 @@ def distributed(world):
             x = torch.tensor([float(world.rank + 1)])
             target = x + 3.0
 
-            def closure():
+            def closure(o=o, m=m, x=x, target=target):
                 o.zero_grad()
                 loss = nn.functional.l1_loss(m(x), target)
                 loss.backward()

@@ -54,7 +54,7 @@ def diff(a, b) -> float:
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return float("inf")
-        return max([diff(x, y) for x, y in zip(a, b)] or [0.0])
+        return max([diff(x, y) for x, y in zip(a, b, strict=True)] or [0.0])
     return 0.0 if a == b else float("inf")
 
 

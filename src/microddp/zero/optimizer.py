@@ -244,7 +244,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         elements of every state tensor, and every group's options."""
         saved = state_dict.get("param_groups")
         if not isinstance(saved, list) or len(saved) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)):
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups, strict=True)):
             raise MicroDDPError("the state dict's parameter groups do not match this "
                                 "optimizer's (number of groups or of parameters per group); "
                                 "load the state of an optimizer built over the same parameters")
