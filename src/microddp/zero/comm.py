@@ -157,6 +157,24 @@ def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent,
     return handles
 
 
+def all_gather_slots(outs: list[torch.Tensor], send: torch.Tensor, group=None) -> None:
+    """outs[r] becomes rank r's equal-sized `send` (fully_shard's units): one shared-memory
+    all-gather on one host, else the backend's."""
+    if shared_memory(send, group):
+        shm.shm_all_gather(outs, send, group=group)
+    else:
+        comms.all_gather(outs, send, group=group)
+
+
+def reduce_scatter_slots(out: torch.Tensor, ins: list[torch.Tensor], group=None) -> None:
+    """`out` becomes the sum over ranks of their ins[rank] (fully_shard's units): one
+    shared-memory reduce-scatter on one host, else the backend's."""
+    if shared_memory(out, group):
+        shm.shm_reduce_scatter(out, ins, op="sum", group=group)
+    else:
+        comms.reduce_scatter(out, ins, op="sum", group=group)
+
+
 def free_when_sent(handles: Sequence, buffer: torch.Tensor) -> torch.futures.Future:
     """Release `buffer`'s memory as soon as the last of `handles` (the collectives sending
     it) completes, from the thread that completes it, rather than when someone waits: during

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from .. import comms
-from ..collectives import shm
-from .comm import shared_memory
+from .comm import all_gather_slots, reduce_scatter_slots
 
 
 @dataclass
@@ -108,10 +107,7 @@ class Unit:
         """Every rank's slot, rank after rank."""
         out = send.new_empty(self.world_size * self.slot)
         outs = list(out.split(self.slot)) if self.slot else [out] * self.world_size
-        if shared_memory(send, self.group):
-            shm.shm_all_gather(outs, send, group=self.group)
-        else:
-            comms.all_gather(outs, send, group=self.group)
+        all_gather_slots(outs, send, self.group)
         return out
 
     def unpack(self, gathered: torch.Tensor, into: torch.Tensor) -> None:
@@ -178,10 +174,7 @@ class Unit:
         send.div_(self.world_size)
         out = send.new_empty(self.slot)
         ins = list(send.split(self.slot)) if self.slot else [out] * self.world_size
-        if shared_memory(out, self.group):
-            shm.shm_reduce_scatter(out, ins, op="sum", group=self.group)
-        else:
-            comms.reduce_scatter(out, ins, op="sum", group=self.group)
+        reduce_scatter_slots(out, ins, self.group)
         for e, s, f in zip(self.entries, self.sharded, self.full, strict=True):
             f.grad = None
             if not s.requires_grad:
