@@ -43,11 +43,14 @@ writes zero.json and zero.png into a new runs/bench-zero-DATE-TIME (or --out).
 
 CONTENDERS = ("dp", "zero1", "zero2", "zero3", "torch-zero1", "fsdp2", "zero-optimizer",
               "fully-shard")
+# On request: both ZeroRedundancyOptimizers with parameters_as_bucket_view=True
+BUCKET_VIEW = ("zero-optimizer-bv", "torch-zero1-bv")
 # An A/A control, on request only: a second torch ZeRO-1, identical to the first, so the
 # ratio of the two shows what this machine's noise alone makes of a ratio of medians.
 CONTROL = "torch-zero1-again"
 VERSUS = {"zero1": "torch-zero1", "zero3": "fsdp2",  # the same stage, ours and torch's
           "zero-optimizer": "torch-zero1", "fully-shard": "fsdp2",  # the same API too
+          "zero-optimizer-bv": "torch-zero1-bv",
           CONTROL: "torch-zero1"}
 KEYS = ("params", "grads", "optimizer_state")
 
@@ -58,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="world sizes (default 2 4)")
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
                    help=f"what to run (default {' '.join(CONTENDERS)}; add {CONTROL}, a "
-                   "second torch-zero1, for an A/A control of the ratio)")
+                   "second torch-zero1, for an A/A control of the ratio, and "
+                   f"{' '.join(BUCKET_VIEW)} for both ZeroRedundancyOptimizers with bucket views)")
     p.add_argument("--dim", type=int, default=512, help="FullMLP width (default 512)")
     p.add_argument("--depth", type=int, default=8, help="FullMLP depth (default 8)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
@@ -100,14 +104,15 @@ def _contender(world: World, name: str, dim: int, depth: int, memory: dict):
                 fully_shard(layer)
         fully_shard(model)
         net, opt, held = model, torch.optim.Adam(model.parameters(), lr=lr), model
-    elif name in ("torch-zero1", CONTROL, "zero-optimizer"):
-        if name == "zero-optimizer":
+    elif name in ("torch-zero1", CONTROL, *BUCKET_VIEW, "zero-optimizer"):
+        if name.startswith("zero-optimizer"):
             ZeroRedundancyOptimizer = zero.ZeroRedundancyOptimizer
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
         net = nn.parallel.DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr,
+                                      parameters_as_bucket_view=name.endswith("-bv"))
         held = model
     else:  # dp: microddp's DDP
         from ..dp import wrap
@@ -115,7 +120,7 @@ def _contender(world: World, name: str, dim: int, depth: int, memory: dict):
         net = wrap(model, "microddp")
         opt, held = torch.optim.Adam(model.parameters(), lr=lr), model
     # the sharded optimizers' own state lives in their inner optimizer, .optim
-    state = opt.optim if name in ("torch-zero1", CONTROL, "zero-optimizer") else opt
+    state = opt.optim if name in ("torch-zero1", CONTROL, *BUCKET_VIEW, "zero-optimizer") else opt
 
     def finish() -> None:
         memory[name] = zero.measure(held, state)
@@ -255,11 +260,11 @@ def run(args: argparse.Namespace) -> int:
     flags.at_least(0, warmup=args.warmup)
     flags.distinct("ranks", args.ranks)
     flags.distinct("contenders", args.contenders)
-    unknown = [c for c in args.contenders if c not in (*CONTENDERS, CONTROL)]
+    unknown = [c for c in args.contenders if c not in (*CONTENDERS, *BUCKET_VIEW, CONTROL)]
     if unknown:
         raise MicroDDPError(f"unknown contender(s) {', '.join(unknown)}; choose from "
-                            f"{', '.join(CONTENDERS)} (and {CONTROL}, an A/A control)")
-    names = [c for c in (*CONTENDERS, CONTROL) if c in args.contenders]
+                            f"{', '.join(CONTENDERS)} (and {', '.join(BUCKET_VIEW)}; {CONTROL}, an A/A control)")
+    names = [c for c in (*CONTENDERS, *BUCKET_VIEW, CONTROL) if c in args.contenders]
     params = sum(p.numel() for p in _model(args.dim, args.depth).parameters())
     with outputs.run_folder(args.out, "bench-zero") as out:
         load = os.getloadavg()

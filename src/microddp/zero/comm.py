@@ -166,13 +166,16 @@ def all_gather_slots(outs: list[torch.Tensor], send: torch.Tensor, group=None) -
         comms.all_gather(outs, send, group=group)
 
 
-def reduce_scatter_slots(out: torch.Tensor, ins: list[torch.Tensor], group=None) -> None:
-    """`out` becomes the sum over ranks of their ins[rank] (fully_shard's units): one
-    shared-memory reduce-scatter on one host, else the backend's."""
+def reduce_scatter_slots(out: torch.Tensor, ins: list[torch.Tensor], group=None):
+    """Make `out` the sum over ranks of their ins[rank] (fully_shard's units): one
+    shared-memory reduce-scatter on one host, started and returned as a handle; else the
+    backend's, done before returning None (gloo's reduce-scatter has no future to free its
+    input by, and holding every unit's input until the end of backward would hold the whole
+    gradient)."""
     if shared_memory(out, group):
-        shm.shm_reduce_scatter(out, ins, op="sum", group=group)
-    else:
-        comms.reduce_scatter(out, ins, op="sum", group=group)
+        return shm.shm_reduce_scatter(out, ins, op="sum", group=group, async_op=True)
+    comms.reduce_scatter(out, ins, op="sum", group=group)
+    return None
 
 
 def free_when_sent(handles: Sequence, buffer: torch.Tensor) -> torch.futures.Future:

@@ -181,6 +181,7 @@ def _attach(module: nn.Module, unit: Unit) -> None:
         # Parameters backward did not reach owe their unit's reduce: zeros, on every rank.
         if unit.sync and 0 < state["ready"] < len(trainable):
             unit.reduce_grads()
+        unit.finish_reduce()
         state["ready"], state["queued"] = 0, False
         unit.reshard()
 

@@ -11,7 +11,9 @@ On the wire a unit is one slot per rank: that rank's chunk of every parameter en
 each padded to c rows (FSDP2's layout): one all-gather brings the unit's parameters (cast to
 the policy's param_dtype) and one reduce-scatter sends its gradients (in reduce_dtype, divided
 by N on the way in), through the host's shared memory when every rank is on it (comm.py's
-test), else through the backend. The full parameters are views of one flat buffer whose
+test), else through the backend. Through shared memory the reduce-scatter starts as soon as
+backward has made the unit's gradients and is waited at the end of backward, so it runs while
+backward computes the earlier units. The full parameters are views of one flat buffer whose
 storage is emptied between uses (as params.py does for zero.Zero): tensors autograd saved in
 forward are the same tensors backward finds, refilled. Refills write through `.data`, whose
 version counter is its own, so autograd sees no in-place change.
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from .. import comms
-from .comm import all_gather_slots, reduce_scatter_slots
+from .comm import all_gather_slots, free_when_sent, reduce_scatter_slots
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Unit:
                      for e, s in zip(self.entries, self.sharded, strict=True)]
         self.flat.untyped_storage().resize_(0)
         self.gathered = False
+        self.pending: list = []  # reduce-scatters started in this backward
         self.register(self.sharded)
 
     # which tensors the modules hold
@@ -153,8 +156,8 @@ class Unit:
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
-        """Average the full gradients over ranks into the shards' .grad (added to what is
-        there, as autograd accumulates), and drop the full gradients."""
+        """Start averaging the full gradients over ranks, and drop them; finish_reduce adds
+        the result into the shards' .grad (to what is there, as autograd accumulates)."""
         grads = [f.grad for f in self.full]
         if all(g is None for g in grads):
             return
@@ -174,13 +177,27 @@ class Unit:
         send.div_(self.world_size)
         out = send.new_empty(self.slot)
         ins = list(send.split(self.slot)) if self.slot else [out] * self.world_size
-        reduce_scatter_slots(out, ins, self.group)
-        for e, s, f in zip(self.entries, self.sharded, self.full, strict=True):
+        # Started, not waited: backward goes on computing the earlier units meanwhile.
+        handle = reduce_scatter_slots(out, ins, self.group)
+        # `send` (the whole unit's gradients) lives only while it travels
+        freed = free_when_sent([handle], send) if handle is not None else None
+        self.pending.append((handle, freed, out))
+        for f in self.full:
             f.grad = None
-            if not s.requires_grad:
-                continue
-            g = out.narrow(0, e.offset, e.rows_of(self.rank) * e.row).view(s.shape).to(s.dtype)
-            if s.grad is None:
-                s.grad = g  # a view of `out`, which holds only this rank's slot
-            else:
-                s.grad.add_(g)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatters started, and add their rows into the shards' .grad."""
+        for handle, freed, out in self.pending:
+            if handle is not None:
+                handle.wait()
+                freed.wait()
+            for e, s in zip(self.entries, self.sharded, strict=True):
+                if not s.requires_grad:
+                    continue
+                g = out.narrow(0, e.offset, e.rows_of(self.rank) * e.row).view(s.shape)
+                g = g.to(s.dtype)
+                if s.grad is None:
+                    s.grad = g  # a view of `out`, which holds only this rank's slot
+                else:
+                    s.grad.add_(g)
+        self.pending.clear()
