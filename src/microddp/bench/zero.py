@@ -263,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = [c for c in args.contenders if c not in (*CONTENDERS, *BUCKET_VIEW, CONTROL)]
     if unknown:
         raise MicroDDPError(f"unknown contender(s) {', '.join(unknown)}; choose from "
-                            f"{', '.join(CONTENDERS)} (and {', '.join(BUCKET_VIEW)}; {CONTROL}, an A/A control)")
+                            f"{', '.join(CONTENDERS)} (and {', '.join(BUCKET_VIEW)}; "
+                            f"{CONTROL}, an A/A control)")
     names = [c for c in (*CONTENDERS, *BUCKET_VIEW, CONTROL) if c in args.contenders]
     params = sum(p.numel() for p in _model(args.dim, args.depth).parameters())
     with outputs.run_folder(args.out, "bench-zero") as out:
