@@ -29,7 +29,7 @@ from ..errors import MicroDDPError
 from .comm import Sent, broadcast_shards
 from .flat import flat_views, take_own
 from .optim_state import consolidate, load_shards
-from .plan import Bucket, build, by_size
+from .plan import build, by_size
 
 # Their update of an element depends on other elements (a line search, factored or
 # orthogonalised statistics, sparse rows), so a shard cut by elements cannot be stepped alone.
@@ -158,7 +158,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise MicroDDPError(f"could not build {name} over the shards: {e}") from e
         _sync_options(self.optim.param_groups, self.param_groups)
         self._consolidated: dict | None = None
-        self._comm: list | None = None  # _coalesced(), built at the first step
         self._initialized = True
 
     def _shard(self, group: dict) -> _Group:
@@ -176,7 +175,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         group = self._shard(self.param_groups[-1])
         self._groups.append(group)
         self.optim.add_param_group({**_options(self.param_groups[-1]), "params": group.shards})
-        self._comm = None
         _sync_options(self.optim.param_groups, self.param_groups)
         self._trainable = self._trainable_mask()
 
@@ -210,8 +208,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _broadcast(self) -> None:
         """Every rank's updated elements into every rank's parameters: all the broadcasts
         start before the first wait, so they travel together."""
-        if not self.parameters_as_bucket_view:
-            return self._broadcast_coalesced()
         handles = []
         for group in self._groups:
             for b, flat in zip(group.plan.buckets, group.flats, strict=True):
@@ -220,62 +216,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                                 self.process_group)
         for handle in handles:
             handle.wait()
-        self.sent.end_step()
-        return None
-
-    def _coalesced(self) -> list[tuple[Bucket, list[tuple[_Group, int]]]]:
-        """Each parameter is a bucket of its own here (its storage kept), so the broadcasts
-        go in batches of them, up to DDP's bucket cap: one rank-major buffer per batch, rank
-        r's part its elements of every parameter of the batch, so a step makes N broadcasts
-        (or one all-gather) per batch instead of per parameter."""
-        if self._comm is not None:
-            return self._comm
-        members = [(g, i) for g in self._groups for i, b in enumerate(g.plan.buckets) if b.numel]
-        cap = int(DEFAULT_BUCKET_CAP_MB * MiB) // max(
-            1, _element_size([p for g in self._groups for p in g.params]))
-        batches, current, size = [], [], 0
-        for g, i in members:
-            current.append((g, i))
-            size += g.plan.buckets[i].numel
-            if size >= cap:
-                batches.append(current)
-                current, size = [], 0
-        if current:
-            batches.append(current)
-        self._comm = []
-        for index, batch in enumerate(batches):
-            sizes = tuple(sum(g.plan.buckets[i].sizes[r] for g, i in batch)
-                          for r in range(self.world_size))
-            bucket = Bucket(index=index, group=0, params=(), numels=(sum(sizes),), sizes=sizes,
-                            cap=max(sizes), pieces=())
-            self._comm.append((bucket, batch))
-        return self._comm
-
-    def _broadcast_coalesced(self) -> None:
-        sent = []
-        for bucket, batch in self._coalesced():
-            like = batch[0][0].flats[batch[0][1]]
-            tmp = like.new_empty(bucket.numel)
-            at = bucket.start(self.rank)
-            for g, i in batch:
-                b = g.plan.buckets[i]
-                n = b.sizes[self.rank]
-                tmp.narrow(0, at, n).copy_(g.flats[i].narrow(0, b.start(self.rank), n))
-                at += n
-            handles = broadcast_shards(bucket, tmp, self.rank, self.sent, self.process_group)
-            sent.append((bucket, batch, tmp, handles))
-        for bucket, batch, tmp, handles in sent:
-            for handle in handles:
-                handle.wait()
-            for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                at = bucket.start(r)
-                for g, i in batch:
-                    b = g.plan.buckets[i]
-                    n = b.sizes[r]
-                    g.flats[i].narrow(0, b.start(r), n).copy_(tmp.narrow(0, at, n))
-                    at += n
         self.sent.end_step()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
