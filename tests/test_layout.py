@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # docs/architecture.md draws this picture.
 LAYERS = [
     ("errors", "outputs", "model", "spans", "timing"),   # shared by everything
+    ("gpt",),                  # the transformer and its text (no distributed code)
     ("upcalls",),              # what comms calls above it: filled by __init__, read by comms
     ("comms",),                # world, rendezvous, typed ops
     ("transport",),            # how two ranks move bytes
