@@ -59,6 +59,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
+        """Channels per head."""
         return self.d_model // self.n_head
 
 
@@ -77,6 +78,7 @@ class SeededDropout(nn.Module):
 
     def forward(self, x: torch.Tensor, full_shape: tuple[int, ...] | None = None,
                 index: tuple | None = None) -> torch.Tensor:
+        """x with the mask's slice `index` of a `full_shape` mask dropped (scaled by 1/(1-p))."""
         if not self.training or self.p == 0.0:
             return x
         shape = tuple(x.shape) if full_shape is None else tuple(full_shape)
@@ -117,6 +119,7 @@ class Attention(nn.Module):
         self.attn_drop = SeededDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention output for (B, S, d_model) inputs."""
         y = causal_attention(self.q(x), self.k(x), self.v(x), self.head_dim, self.attn_drop)
         return self.proj(y)
 
@@ -130,6 +133,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of (..., d_model) inputs."""
         return self.proj(F.gelu(self.fc(x)))
 
 
@@ -146,6 +150,7 @@ class Block(nn.Module):
         self.mlp_resid_drop = SeededDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One pre-norm block on the residual stream."""
         x = x + self.attn_resid_drop(self.attn(self.ln1(x)))
         return x + self.mlp_resid_drop(self.mlp(self.ln2(x)))
 
@@ -179,11 +184,13 @@ class GPT(nn.Module):
                 m.generator = gen
 
     def check_input(self, idx: torch.Tensor) -> None:
+        """Refuse, in one line, an input that is not (batch, seq <= block_size)."""
         if idx.dim() != 2 or idx.shape[1] > self.cfg.block_size:
             raise MicroDDPError(f"GPT input must be (batch, seq) with seq <= block_size "
                                 f"{self.cfg.block_size}, got shape {tuple(idx.shape)}")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """The (B, S, vocab) logits of (B, S) token ids."""
         self.check_input(idx)
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
@@ -192,6 +199,7 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the next token."""
         logits = self(idx)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -83,6 +83,7 @@ class TextData:
     @classmethod
     def load(cls, block_size: int, limit_bytes: int | None = None,
              cache: Path | None = None) -> TextData:
+        """The cached standard-library text (built on first use), as windows of `block_size`."""
         train, val = stdlib_text(limit_bytes, cache)
         for name, data in (("train", train), ("validation", val)):
             if len(data) <= block_size + 1:
