@@ -69,57 +69,21 @@ def copy_of(model):
 
 
 def torch_parallel(world, cfg: GPTConfig, data, sequence_parallel: bool):
-    """The same GPT split by PyTorch's parallelize_module (ColwiseParallel for q, k, v, fc and
-    the head, RowwiseParallel for the projections and the embedding, SequenceParallel for the
-    norms), trained as `train` does: eval logits, losses, first gradients, final parameters."""
+    """The same GPT split by PyTorch's parallelize_module (microddp.tp.torch_plan), trained as
+    `train` does: eval logits, losses, first gradients, final parameters."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-    sp = sequence_parallel
+
+    from microddp.tp.torch_plan import finish_grads, parallelize
+
     mesh = init_device_mesh("cpu", (world.world_size,))
-    model = fresh(cfg)
-    between = Shard(1) if sp else Replicate()
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=between,
-                                   use_local_output=not sp),
-            "head": ColwiseParallel(input_layouts=between, output_layouts=Replicate())}
-    for i in range(cfg.n_layer):
-        b = f"blocks.{i}."
-        for m in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
-            plan[b + m] = ColwiseParallel()
-        for m in ("attn.proj", "mlp.proj"):
-            plan[b + m] = RowwiseParallel(output_layouts=between, use_local_output=not sp)
-        if sp:
-            for m in ("ln1", "ln2"):
-                plan[b + m] = SequenceParallel()
-            for m in ("attn", "mlp"):
-                plan[b + m] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                 desired_input_layouts=(Replicate(),))
-    if sp:
-        plan["ln_f"] = SequenceParallel()
-    parallelize_module(model, mesh, plan)
+    model = parallelize(fresh(cfg), mesh, sequence_parallel)
 
     def whole(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    def finish():
-        # torch leaves the sequence-parallel parameters' gradients Partial (sums still to do),
-        # as microddp's finish_grads does: each is redistributed to its parameter's placement.
-        for p in model.parameters():
-            g = p.grad
-            if hasattr(g, "placements") and not hasattr(p, "placements"):
-                p.grad = g.full_tensor()
-            elif hasattr(g, "placements") and g.placements != p.placements:
-                p.grad = g.redistribute(p.device_mesh, p.placements)
-
     model.full_grads = lambda: {n: whole(p.grad).clone() for n, p in model.named_parameters()}
     with implicit_replication():  # the position embedding stays a plain tensor, replicated
-        logits, losses, grads = train(model, data, finish=finish)
+        logits, losses, grads = train(model, data, finish=lambda: finish_grads(model))
     state = {k: whole(v).detach().clone() for k, v in model.state_dict().items()}
     return logits, losses, grads, state

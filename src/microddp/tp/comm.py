@@ -105,7 +105,7 @@ def reduce_scatter_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     s = _seq_first(x)
     out = torch.empty_like(s[: s.shape[0] // p])
     ring_reduce_scatter(out, list(s.chunk(p)), "sum", group)
-    return out.movedim(0, SEQ_DIM)
+    return out.movedim(0, SEQ_DIM).contiguous()  # one copy here, not one per reader
 
 
 def all_gather_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
@@ -117,7 +117,7 @@ def all_gather_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     whole = torch.empty((s.shape[0] * p, *s.shape[1:]), dtype=s.dtype, device=s.device)
     _record("all_gather", whole, phase)
     ring_all_gather(list(whole.chunk(p)), s, group)
-    return whole.movedim(0, SEQ_DIM)
+    return whole.movedim(0, SEQ_DIM).contiguous()  # one copy here, not one per reader
 
 
 class _CopyToRegion(torch.autograd.Function):
