@@ -25,7 +25,7 @@ from ..timing import compare, interleaved, median
 EPILOG = """\
 examples:
   microddp bench tp                          # TP 2: microddp vs torch, with and without SP
-  microddp bench tp -n 2 --d-model 256 --layers 4 --seq 128 --repeats 30 --control
+  microddp bench tp --repeats 10 --control    # with an A/A pair of torch contenders
 """
 
 CONTROL = "torch-2"
