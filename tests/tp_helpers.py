@@ -20,10 +20,10 @@ def config(**kw) -> GPTConfig:
     return GPTConfig(**{**base, **kw})
 
 
-def batches(cfg: GPTConfig, n: int = STEPS):
+def batches(cfg: GPTConfig, n: int = STEPS, seq: int = SEQ):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g),
-             torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)) for _ in range(n)]
+    return [(torch.randint(0, cfg.vocab_size, (BATCH, seq), generator=g),
+             torch.randint(0, cfg.vocab_size, (BATCH, seq), generator=g)) for _ in range(n)]
 
 
 def fresh(cfg: GPTConfig) -> GPT:

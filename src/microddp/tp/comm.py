@@ -31,6 +31,7 @@ import torch
 from .. import comms
 from ..collectives import ring_all_gather, ring_reduce_scatter
 from ..errors import MicroDDPError
+from .threads import ThreadGroup
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)
 
@@ -66,20 +67,31 @@ def _record(op: str, whole: torch.Tensor, phase: str) -> None:
 
 def size(group) -> int:
     """The group's size (1 for a world of one)."""
-    return comms.group_size(group)
+    return group.size if isinstance(group, ThreadGroup) else comms.group_size(group)
 
 
 def rank(group) -> int:
     """This rank's place in the group."""
-    return comms.group_rank(group)
+    return group.rank if isinstance(group, ThreadGroup) else comms.group_rank(group)
 
 
 def all_reduce(t: torch.Tensor, group, phase: str, op: str = "sum") -> torch.Tensor:
     """t summed (or op) over the group, in place; a world of one does nothing."""
     if size(group) > 1:
         _record("all_reduce", t, phase)
-        comms.all_reduce(t, op, group)
+        if isinstance(group, ThreadGroup):
+            group.all_reduce(t, op)
+        else:
+            comms.all_reduce(t, op, group)
     return t
+
+
+def all_gather(outs: list[torch.Tensor], t: torch.Tensor, group) -> None:
+    """outs[i] becomes group rank i's t (uncounted: a checkpoint's gather, not a step's)."""
+    if isinstance(group, ThreadGroup):
+        group.all_gather(outs, t)
+    else:
+        comms.all_gather(outs, t, group)
 
 
 def _seq_first(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +116,10 @@ def reduce_scatter_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     _record("reduce_scatter", x, phase)
     s = _seq_first(x)
     out = torch.empty_like(s[: s.shape[0] // p])
-    ring_reduce_scatter(out, list(s.chunk(p)), "sum", group)
+    if isinstance(group, ThreadGroup):
+        group.reduce_scatter(out, list(s.chunk(p)))
+    else:
+        ring_reduce_scatter(out, list(s.chunk(p)), "sum", group)
     return out.movedim(0, SEQ_DIM).contiguous()  # one copy here, not one per reader
 
 
@@ -116,7 +131,10 @@ def all_gather_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     s = _seq_first(x)
     whole = torch.empty((s.shape[0] * p, *s.shape[1:]), dtype=s.dtype, device=s.device)
     _record("all_gather", whole, phase)
-    ring_all_gather(list(whole.chunk(p)), s, group)
+    if isinstance(group, ThreadGroup):
+        group.all_gather(list(whole.chunk(p)), s)
+    else:
+        ring_all_gather(list(whole.chunk(p)), s, group)
     return whole.movedim(0, SEQ_DIM).contiguous()  # one copy here, not one per reader
 
 

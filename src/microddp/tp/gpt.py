@@ -24,6 +24,7 @@ from ..errors import MicroDDPError
 from ..gpt.model import GPT, Block, GPTConfig, SeededDropout, causal_attention
 from .comm import (
     Call,
+    all_gather,
     all_reduce,
     boundary_calls,
     check_sequence,
@@ -244,12 +245,11 @@ def _copy(module: nn.Module) -> nn.Module:
 
 
 def _gather(t: torch.Tensor, dim: int, group, whole: int) -> torch.Tensor:
-    from .. import comms
     p = size(group)
     if p == 1:
         return t.clone()
     parts = [torch.empty_like(t) for _ in range(p)]
-    comms.all_gather(parts, t.contiguous(), group)
+    all_gather(parts, t.contiguous(), group)
     return torch.cat(parts, dim).narrow(dim, 0, whole)
 
 
