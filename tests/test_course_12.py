@@ -32,6 +32,7 @@ def test_vocab_parallel_loss_equals_torchs_with_padding():
         assert int(sent) == 64 * 4 + 64 * 8  # the max, then the (tokens, 2) sums
 
 
+@pytest.mark.slow  # the same proof as tests/test_tp_equality.py (default set), as the chapter prints it
 def test_tp_and_sp_train_like_one_process_with_less_memory():
     out = output(CHAPTER / "tensor_parallel.py")
     ref = re.search(r"one process: losses ([\d. ]+), activations saved (\d+) KiB", out)

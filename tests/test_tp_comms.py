@@ -5,10 +5,13 @@ memory, and a sequence it cannot split is refused in one line on every rank."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import microddp as mdp
 from microddp.collectives import ring_reduce_scatter, traffic
+from microddp.collectives.shm import shared
 from microddp.pipeline.activations import ActivationMeter
 from microddp.tp import TensorParallelGPT, counting
 from tp_helpers import BATCH, SEQ, batches, config, fresh
@@ -28,9 +31,24 @@ def _ranks(world):
             tp.finish_grads()
         out[sp] = (fwd, bwd, tp.comms(BATCH, SEQ))
         tp.zero_grad()
+        tp.seed_dropout(5)  # the same masks as the ring group's step below
         with ActivationMeter(tp.parameters()) as meter:
             tp.loss(x, y).backward()
         out[("memory", sp)] = meter.peak_saved
+        tp.finish_grads()
+        out[("grads", sp)] = tp.full_grads()
+    # The same step on a group that keeps off shared memory: the ring's reduce-scatter and
+    # all-gather instead of shared memory's, the same numbers.
+    os.environ["MICRODDP_TRANSPORT"] = "gloo"
+    ring_group = mdp.comms.new_group(list(range(p)))
+    del os.environ["MICRODDP_TRANSPORT"]
+    out["paths"] = (shared(None) is not None, shared(ring_group) is not None)
+    tp = TensorParallelGPT(fresh(cfg), ring_group, True)
+    tp.seed_dropout(5)
+    with traffic() as sent:
+        tp.loss(x, y).backward()
+    tp.finish_grads()
+    out["ring"] = (tp.full_grads(), sent.bytes)
     data = torch.arange(p * 4096, dtype=torch.float32)
     mine = torch.empty(4096)
     ring_reduce_scatter(mine, list(data.chunk(p)))  # first call: connections and checks settle
@@ -69,4 +87,9 @@ def test_stated_collectives_equal_issued_and_reduce_scatter_sends_its_share():
         # activation memory: TP splits the attention and MLP insides; SP splits the rest too
         tp_mem, sp_mem = out[("memory", False)], out[("memory", True)]
         assert sp_mem < tp_mem < meter.peak_saved, (sp_mem, tp_mem, meter.peak_saved)
+        assert out["paths"] == (True, False)  # shared memory on the world, the ring on the other
+        ring_grads, ring_sent = out["ring"]
+        assert ring_sent > 0
+        for k, g in out[("grads", True)].items():
+            torch.testing.assert_close(ring_grads[k], g, atol=1e-6, rtol=1e-5, msg=k)
         assert out["refused"].startswith("sequence parallelism needs the sequence length 5")

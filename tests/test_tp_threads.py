@@ -33,7 +33,8 @@ def _tp_only(n, sp):
     return cfg, data, run(n, rank)
 
 
-@pytest.mark.parametrize("n,sp", [(8, True), (16, False), (16, True)])
+@pytest.mark.parametrize("n,sp", [(8, True), pytest.param(16, False, marks=pytest.mark.slow),
+                                  (16, True)])
 def test_tp_8_and_16_thread_ranks_equal_one_process(n, sp):
     cfg, data, ranks = _tp_only(n, sp)
     _, r_losses, r_grads, r_state = reference(cfg, data)

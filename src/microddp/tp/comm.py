@@ -15,8 +15,9 @@ all-gathers backward (scatter_sequence). An all-reduce is a reduce-scatter then 
 so the bytes on the wire are the same and the activations between are 1/p as large.
 
 All-reduce goes through microddp.comms (shared memory on one host, else gloo); reduce-scatter
-and all-gather through microddp's ring, which sends (p-1)/p of the tensor per rank (gloo's
-reduce_scatter sends a whole all-reduce's worth). `counting()` records every call (op, bytes
+and all-gather through shared memory when the group's ranks share this host, else through
+microddp's ring, which sends (p-1)/p of the tensor per rank (gloo's reduce_scatter sends a
+whole all-reduce's worth). `counting()` records every call (op, bytes
 of the whole tensor, forward or backward), as PyTorch's CommDebugMode does for DTensor.
 """
 
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import comms
-from ..collectives import ring_all_gather, ring_reduce_scatter
+from ..collectives import ring_all_gather, ring_reduce_scatter, shm_all_gather, shm_reduce_scatter
+from ..collectives.shm import shared
 from ..errors import MicroDDPError
 from .threads import ThreadGroup
 
@@ -118,6 +120,8 @@ def reduce_scatter_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     out = torch.empty_like(s[: s.shape[0] // p])
     if isinstance(group, ThreadGroup):
         group.reduce_scatter(out, list(s.chunk(p)))
+    elif shared(group) is not None:  # one host: through shared memory (a collective question)
+        shm_reduce_scatter(out, list(s.chunk(p)), "sum", group)
     else:
         ring_reduce_scatter(out, list(s.chunk(p)), "sum", group)
     return out.movedim(0, SEQ_DIM).contiguous()  # one copy here, not one per reader
@@ -133,6 +137,8 @@ def all_gather_seq(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     _record("all_gather", whole, phase)
     if isinstance(group, ThreadGroup):
         group.all_gather(list(whole.chunk(p)), s)
+    elif shared(group) is not None:
+        shm_all_gather(list(whole.chunk(p)), s, group)
     else:
         ring_all_gather(list(whole.chunk(p)), s, group)
     return whole.movedim(0, SEQ_DIM).contiguous()  # one copy here, not one per reader
