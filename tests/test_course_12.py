@@ -46,3 +46,11 @@ def test_tp_and_sp_train_like_one_process_with_less_memory():
     assert "forward sends:  5 reduce_scatter (40 KiB), 5 all_gather (40 KiB), 2 all_reduce" in out
     memory = [int(m) for m in re.findall(r"activations saved per rank (\d+) KiB", out)]
     assert memory[1] < memory[0] < int(ref.group(2))
+
+
+@pytest.mark.slow  # timing runs; test_tp_comms counts the ring's share in the default set
+def test_reduce_scatter_three_ways_and_the_rings_share():
+    out = output(CHAPTER / "reduce_scatter.py", "--mib", "0.25", "--rounds", "3")
+    for name in ("shm", "ring", "gloo", "gloo-2"):
+        assert re.search(rf"^{name} +\d+\.\d\d ms +\d+\.\d{{3}}x gloo", out, re.M), name
+    assert "the ring sent 131072 bytes per rank: 0.500 of the tensor" in out
