@@ -1,7 +1,9 @@
 """How ranks find each other: the rendezvous store that `init` hands to init_process_group.
 
 Rank 0 hosts a TCPStore on exactly the address given (loopback stays loopback); the others,
-or every rank under a launcher that hosts the store itself, connect to it.
+or every rank under a launcher that hosts the store itself, connect to it. When the job has a
+secret (MICRODDP_SECRET, MICRODDP_SECRET_FILE, always under `microddp run`), the store is
+microddp's own, which lets in only processes that prove it (secure_store.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from ..errors import MicroDDPError
 from .hosts import is_loopback
+from .secret import job_secret
 
 
 def env_int(name: str, default: int | None) -> int | None:
@@ -61,6 +64,11 @@ def make_store(
     agent_store = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
                    and (addr, str(port)) == (os.environ.get("MASTER_ADDR"),
                                              os.environ.get("MASTER_PORT")))
+    secret = job_secret()
+    if secret is not None:
+        from .secure_store import secure_store  # noqa: PLC0415 (only for a job with a secret)
+
+        return secure_store(addr, port, rank, secret, timeout, agent_store)
     if rank != 0 or agent_store:
         try:
             return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)

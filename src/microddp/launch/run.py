@@ -156,7 +156,7 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
         kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in workers], grace=1)
         for w in workers:
             w.reader.join(timeout=2)
-        del agent
+        agent.close()
 
 
 def _report(first: _Worker, workers: list[_Worker]) -> None:
