@@ -25,16 +25,18 @@ AGENT_STORE_ENV = "MICRODDP_AGENT_STORE"  # "secret": the launcher's store check
 STORE_PORT_ENV = "MICRODDP_STORE_PORT"
 
 
+# torch keeps a Python Store only through its C++ side, which cannot call back into a Python
+# object that was collected: every store handed to torch is kept here for the process's life
+# (rank 0's server with it: other ranks may still be reading from it at its exit).
+_LIVE: list[AuthStore] = []
+
+
 class HostedStore(AuthStore):
-    """Rank 0's client of the server it hosts in this process; the server goes with it."""
+    """Rank 0's client of the server it hosts in this process."""
 
     def __init__(self, server: StoreServer, host: str, secret: str, timeout: timedelta):
         self.server = server
         super().__init__(host, server.port, secret, timeout)
-
-    def __del__(self) -> None:
-        self.close()
-        self.server.close()
 
 
 def host(addr: str, port: int, secret: str, timeout: timedelta) -> HostedStore:
@@ -61,9 +63,11 @@ def secure_store(addr: str, port: int, rank: int, secret: str, timeout: timedelt
                  under_launcher: bool) -> AuthStore:
     """The store that checks `secret`: the launcher's, or one rank 0 hosts (see above)."""
     if under_launcher and os.environ.get(AGENT_STORE_ENV) == "secret":
-        return AuthStore(addr, _launcher_port(port), secret, timeout)
-    if under_launcher:  # torch's agent store: keep off it, meet one port above
-        port = _launcher_port(port)
-    if rank == 0:
-        return host(addr, port, secret, timeout)
-    return AuthStore(addr, port, secret, timeout)
+        store = AuthStore(addr, _launcher_port(port), secret, timeout)
+    else:
+        if under_launcher:  # torch's agent store: keep off it, meet one port above
+            port = _launcher_port(port)
+        store = host(addr, port, secret, timeout) if rank == 0 else \
+            AuthStore(addr, port, secret, timeout)
+    _LIVE.append(store)
+    return store

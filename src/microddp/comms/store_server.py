@@ -53,6 +53,7 @@ class StoreServer:
         self.data: dict[bytes, bytes] = {}
         self.changed = threading.Condition()
         self.refused = 0  # connections turned away: tests and the log read it
+        self.pending = 0  # connections in their handshake now
         self._stop_r, self._stop_w = os.pipe()
         self._clients: set[socket.socket] = set()
         self._closed = False
@@ -89,6 +90,7 @@ class StoreServer:
                     del pending[p.sock]
                     self._refuse(p, "no complete handshake within "
                                     f"{HANDSHAKE_TIMEOUT_S:g} s")
+                self.pending = len(pending)
         finally:
             for p in pending.values():
                 p.sock.close()
