@@ -8,15 +8,14 @@ microddp's own, which lets in only processes that prove it (secure_store.py).
 
 from __future__ import annotations
 
-import errno
 import os
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
 from .hosts import is_loopback
+from .listen import bind
 from .secret import job_secret
 
 
@@ -29,25 +28,6 @@ def env_int(name: str, default: int | None) -> int | None:
         return int(raw)
     except ValueError:
         raise MicroDDPError(f"environment variable {name}={raw!r} is not a whole number") from None
-
-
-def bind(addr: str, port: int) -> socket.socket:
-    """Listen on exactly `addr:port` (not every interface), with a clear error if it is taken."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((addr, port))
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise MicroDDPError(
-                f"port {port} on {addr} is already in use; pick another MASTER_PORT "
-                "(or let `microddp run` choose a free one)"
-            ) from None
-        raise MicroDDPError(f"cannot listen on {addr}:{port}: {e.strerror}") from None
-    sock.listen(512)
-    return sock
 
 
 def make_store(

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from ..errors import MicroDDPError
 from .hosts import is_loopback
-from .rendezvous import bind
+from .listen import bind
 from .store_client import AuthStore
 from .store_server import StoreServer
 

@@ -119,51 +119,67 @@ class AuthStore(dist.Store):
 
     # -- torch.distributed.Store ----------------------------------------------------------
     def set(self, key, value) -> None:
+        """Set `key` to `value`."""
         self._call(wire.SET, [_value(key), _value(value)])
 
     def get(self, key) -> bytes:
+        """The value of `key`, waiting for it up to the store's timeout."""
         return self._call(wire.GET, [self._ms(), _value(key)])[0]
 
     def add(self, key, value: int) -> int:
+        """Add `value` to the number at `key` (0 if unset); the new number."""
         return int(self._call(wire.ADD, [_value(key), str(int(value)).encode()])[0])
 
     def compare_set(self, key, expected_value, desired_value) -> bytes:
+        """Set `key` to `desired_value` if it holds `expected_value` (or is unset and
+        `expected_value` is empty); the value it holds afterwards, as TCPStore answers."""
         return self._call(wire.CAS, [_value(key), _value(expected_value),
                                      _value(desired_value)])[0]
 
     def delete_key(self, key) -> bool:
+        """Remove `key`; whether it was there."""
         return self._call(wire.DELETE, [_value(key)])[0] == b"1"
 
     def num_keys(self) -> int:
+        """How many keys the store holds."""
         return int(self._call(wire.NUM_KEYS, [])[0])
 
     def check(self, keys) -> bool:
+        """Whether every one of `keys` is set, without waiting."""
         return self._call(wire.CHECK, _keys(keys))[0] == b"1"
 
     def wait(self, keys, timeout: timedelta | None = None) -> None:
+        """Wait until every one of `keys` is set; DistStoreError at the timeout."""
         self._call(wire.WAIT, [self._ms(timeout), *_keys(keys)])
 
     def multi_get(self, keys) -> list[bytes]:
+        """The values of `keys`, waiting for all of them."""
         return self._call(wire.MULTI_GET, [self._ms(), *_keys(keys)])
 
     def multi_set(self, keys, values) -> None:
+        """Set each of `keys` to its value, at once."""
         pairs = [b for k, v in zip(_keys(keys), values, strict=True) for b in (k, _value(v))]
         self._call(wire.MULTI_SET, pairs)
 
     def append(self, key, value) -> None:
+        """Append `value` to the bytes at `key` (set it if unset)."""
         self._call(wire.APPEND, [_value(key), _value(value)])
 
     def list_keys(self) -> list[str]:
+        """Every key the store holds."""
         return [k.decode() for k in self._call(wire.LIST, [])]
 
     def has_extended_api(self) -> bool:
+        """Yes: multi_get, multi_set, append and list_keys are here."""
         return True
 
     def set_timeout(self, timeout: timedelta) -> None:
+        """How long a get or wait waits from now on."""
         self._timeout = timeout
 
     @property
     def timeout(self) -> timedelta:
+        """How long a get or wait waits."""
         return self._timeout
 
     def close(self) -> None:
