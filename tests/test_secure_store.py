@@ -69,6 +69,25 @@ def test_the_same_answers_as_torchs_tcpstore(server):
     assert ours.num_keys() == 5
 
 
+def test_a_clone_sees_the_same_keys(server):
+    a = _client(server)
+    a.set("k", b"v")
+    assert a.clone().get("k") == b"v"
+
+
+def test_many_hosts_without_a_secret_warn_in_one_line(monkeypatch, capsys):
+    from microddp.launch import hosts
+
+    monkeypatch.delenv(sec.SECRET_ENV, raising=False)
+    monkeypatch.delenv(sec.SECRET_FILE_ENV, raising=False)
+    hosts._warn_without_secret("10.0.0.1", 29400)
+    monkeypatch.setenv(sec.SECRET_ENV, SECRET)
+    hosts._warn_without_secret("10.0.0.1", 29400)
+    assert capsys.readouterr().err.splitlines() == [
+        "microddp run: warning: no job secret (MICRODDP_SECRET or MICRODDP_SECRET_FILE), so "
+        "anyone who reaches 10.0.0.1:29400 can join this job's rendezvous; see docs/security.md"]
+
+
 def test_a_get_waits_for_the_key_another_client_sets(server):
     a, b = _client(server), _client(server)
     got = []

@@ -92,4 +92,6 @@ def test_a_stranger_on_the_link_neither_joins_nor_stalls_the_job(tmp_path):
     refused = [ln for ln in logs[0].splitlines() if "refused 10.213.0.3:" in ln]
     assert refused, logs[0]
     assert all("store" in ln or "roll call" in ln for ln in refused)
+    # the ranks' own store, rank 0's at MASTER_PORT + 1 (torchrun's agents keep 29400)
+    assert any("microddp store on port 29401: refused" in ln for ln in refused), refused
     assert not any("refused 10.213.0.3" in ln for ln in quiet_logs[0].splitlines())

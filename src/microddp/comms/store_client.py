@@ -43,6 +43,7 @@ class AuthStore(dist.Store):
         self._timeout = timeout
         self._local = threading.local()
         self._conns: list[socket.socket] = []
+        self._clones: list[AuthStore] = []
         self._lock = threading.Lock()
         self._conn()  # fail here, in one line, if the server is missing or refuses us
 
@@ -168,6 +169,13 @@ class AuthStore(dist.Store):
     def list_keys(self) -> list[str]:
         """Every key the store holds."""
         return [k.decode() for k in self._call(wire.LIST, [])]
+
+    def clone(self) -> AuthStore:
+        """Another client of the same store, with connections of its own (kept alive with this
+        one: torch holds a Python store only through C++)."""
+        twin = AuthStore(self.host, self.port, self._secret, self._timeout)
+        self._clones.append(twin)
+        return twin
 
     def has_extended_api(self) -> bool:
         """Yes: multi_get, multi_set, append and list_keys are here."""
