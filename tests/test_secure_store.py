@@ -88,6 +88,19 @@ def test_many_hosts_without_a_secret_warn_in_one_line(monkeypatch, capsys):
         "anyone who reaches 10.0.0.1:29400 can join this job's rendezvous; see docs/security.md"]
 
 
+def test_the_calls_torch_does_not_forward_reach_the_store_beneath_its_prefixes(server):
+    from microddp.comms.store_client import python_store
+
+    ours = _client(server)
+    wrapped = dist.PrefixStore("b/", dist.PrefixStore("a/", ours))
+    with pytest.raises(RuntimeError, match="pure virtual"):  # torch's trampoline lacks it
+        wrapped.delete_key("k")
+    assert python_store(wrapped) is ours and python_store(dist.HashStore()) is not ours
+    wrapped.set("k", b"v")
+    (key,) = ours.list_keys()  # torch's prefixes joined its way
+    assert key.endswith("k") and python_store(wrapped).delete_key(key) and not wrapped.check(["k"])
+
+
 def test_a_get_waits_for_the_key_another_client_sets(server):
     a, b = _client(server), _client(server)
     got = []

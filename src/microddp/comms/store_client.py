@@ -197,3 +197,16 @@ class AuthStore(dist.Store):
                 s.close()
             self._conns.clear()
         self._local = threading.local()
+
+
+def python_store(store: dist.Store) -> dist.Store:
+    """The AuthStore beneath torch's PrefixStores around it, else `store` itself.
+
+    torch forwards only some calls from its C++ stores to a Python one (delete_key and num_keys
+    fail through a PrefixStore with "pure virtual function"); a caller that needs every call and
+    keys of its own (the hang monitor's, under microddp/monitor/) talks to the store directly.
+    """
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    return inner if isinstance(inner, AuthStore) else store
