@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..comms.store_client import python_store
 from ..comms.world import distributed, get_world
 from ..errors import MicroDDPError
 from . import patch
@@ -76,7 +77,7 @@ def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
     disable()
     if store is None:
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = python_store(dist.distributed_c10d._get_default_store())
         except (AttributeError, RuntimeError, ValueError):
             raise MicroDDPError("no rendezvous store found; call microddp.init() first or "
                                 "pass store=") from None

@@ -14,13 +14,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from .. import outputs
 from .. import spans as trace
 from ..comms.world import World, distributed, get_world
 from ..errors import MicroDDPError
 from ..spans import Span
+from ..transport.objects import broadcast_value, gather_values
 from . import kineto
 
 TID_MAIN, TID_COMM = 0, 1
@@ -43,9 +42,11 @@ def gather(rec: trace.Recorder | None, world: World | None = None) -> dict[int, 
     mine = to_wall(rec) if rec is not None else []
     if not distributed():
         return {0: mine}
-    out: list[Any] | None = [None] * world.world_size if world.rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return {r: spans for r, spans in enumerate(out)} if out is not None else None
+    rows = [[s.name, s.start, s.end, s.track, s.step, {k: _jsonable(v) for k, v in s.args.items()}]
+            for s in mine]
+    out = gather_values(rows, dst=0)  # JSON, never pickle: see transport/objects.py
+    return {r: [Span(*row) for row in spans] for r, spans in enumerate(out)} \
+        if out is not None else None
 
 
 def _jsonable(v: Any) -> Any:
@@ -269,7 +270,5 @@ def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
         raise MicroDDPError("tracing was never started on this rank; call microddp.spans.start() "
                             "before the first step")
     by_rank = gather(rec, world)
-    result = [write(by_rank, run_dir) if by_rank is not None else None]
-    if distributed():
-        dist.broadcast_object_list(result, src=0)
-    return result[0]
+    result = write(by_rank, run_dir) if by_rank is not None else None
+    return broadcast_value(result, src=0) if distributed() else result

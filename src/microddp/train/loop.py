@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from .. import checkpoint, monitor, outputs
 from .. import spans as trace
@@ -25,6 +24,7 @@ from ..comms.world import World, distributed
 from ..data import ShardedBatchSampler, load_dataset
 from ..errors import MicroDDPError
 from ..trace import report as trace_report
+from ..transport.objects import all_gather_values
 from . import resume, sharded, strategies
 from .build import Hook, Precision, build_model
 from .config import TrainConfig, validate
@@ -213,8 +213,7 @@ def _memory_per_rank(strategy: Strategy, world: World) -> list[dict]:
     mine = {"rank": world.rank, **strategy.memory()}
     if not distributed():
         return [mine]
-    out: list = [None] * world.world_size
-    dist.all_gather_object(out, mine)
+    out = all_gather_values(mine)
     return out if world.rank == 0 else []
 
 
