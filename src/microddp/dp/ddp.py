@@ -25,7 +25,7 @@ from ..collectives.hierarchical import choose as choose_hierarchy
 from ..comms import distributed
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
-from .comm_hooks import BUILTIN, CommHook
+from .comm_hooks import BUILTIN, CommHook, check_hook
 from .join import Join, TorchJoinHook
 from .reducer import Reducer
 from .sync import (
@@ -220,10 +220,11 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
                 raise MicroDDPError(f"unknown built-in hook {hook!r}; choose one of "
                                     f"{', '.join(BUILTIN)}")
             hook = BUILTIN[hook]
-        if not callable(hook):
-            raise MicroDDPError(f"a comm hook must be callable as hook(state, bucket), got {hook!r}")
+        check_hook(hook)  # torch's TypeError/ValueError, and microddp's advice
         if self.reducer.comm_hook is not None:
-            raise MicroDDPError("register_comm_hook can be called only once per model")
+            raise MicroDDPError("register_comm_hook or register_builtin_comm_hook can only be "
+                                "called once. This model already has a comm hook; wrap the "
+                                "module again to use another one")
         self.reducer.comm_hook, self.reducer.comm_state = hook, state
 
 

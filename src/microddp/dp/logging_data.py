@@ -4,7 +4,8 @@ Monitoring code and scripts written for PyTorch's DDP read it (Lightning reads i
 so the keys and their formats are torch's: ints, or strings with lists joined by ", ".
 Keys for which microddp has no fact (CUDA-only ones, or torch's C++ logger's own) are left out,
 as torch leaves out what does not apply. Times are nanoseconds, as torch's, measured on the
-first 10 iterations and then one in `sample_rate` (100 unless set), as torch samples them.
+first 10 iterations and then one in `sample_rate` (100 unless set), as torch samples them;
+as in torch, a sampled forward publishes the iteration before it, and `iteration` says which.
 """
 
 from __future__ import annotations
@@ -41,14 +42,32 @@ class RuntimeStats:
         self.at: dict[str, int] = {}
         self.last: dict[str, int] = {}  # the latest sampled iteration's events and times
         self.sums = {"forward": 0, "compute": 0, "comm": 0, "overlap": 0}
-        self.sampled = 0
+        self.sampled_count = 0
+        self.pending: dict = {}  # this iteration's times, until the next forward publishes them
+
+    def sampled(self, n: int) -> bool:
+        """torch's rule for the forward that follows `n` earlier ones: the first ten, then one
+        in `sample_rate`."""
+        return n > 0 and (n <= FIRST_SAMPLED or n % self.sample_rate == 0)
 
     def forward_started(self) -> None:
-        """Start an iteration; sample it if it is one of the first ones or every
-        `sample_rate`-th."""
+        """Start an iteration. As torch's logger: a sampled forward publishes the times of the
+        iteration before it under `iteration` (the number of forwards so far), and this
+        iteration is timed only if the next forward will publish it."""
+        n = self.iterations
+        if self.sampled(n) and self.pending:
+            for k, v in self.pending.items():
+                if k in self.sums:
+                    self.sums[k] += v
+            self.sampled_count += 1
+            self.last = {**self.pending.pop("events"), "iteration": n,
+                         "forward_compute_time": self.pending["forward"],
+                         "backward_compute_time": self.pending["compute"],
+                         "backward_comm_time": self.pending["comm"],
+                         "backward_compute_comm_overlap_time": self.pending["overlap"]}
+        self.pending = {}
         self.iterations += 1
-        n = self.iterations - 1
-        self.on = n < FIRST_SAMPLED or n % self.sample_rate == 0
+        self.on = self.sampled(n + 1)
         self.at = {}
         if self.on:
             self.mark("forward_compute_time_start")
@@ -69,20 +88,14 @@ class RuntimeStats:
                  "comm": at["backward_comm_time_end"] - at["backward_comm_time_start"],
                  "overlap": max(0, at["backward_compute_time_end"]
                                 - at["backward_comm_time_start"])}
-        for k, v in times.items():
-            self.sums[k] += v
-        self.sampled += 1
-        self.last = {**at, "forward_compute_time": times["forward"],
-                     "backward_compute_time": times["compute"],
-                     "backward_comm_time": times["comm"],
-                     "backward_compute_comm_overlap_time": times["overlap"]}
+        self.pending = {**times, "events": dict(at)}  # published by the next forward
         self.on = False
 
     def averages(self) -> dict[str, int]:
         """Mean nanoseconds per sampled iteration, under torch's `DDPLoggingData` names."""
-        if not self.sampled:
+        if not self.sampled_count:
             return {}
-        n = self.sampled
+        n = self.sampled_count
         return {"avg_forward_compute_time": self.sums["forward"] // n,
                 "avg_backward_compute_time": self.sums["compute"] // n,
                 "avg_backward_comm_time": self.sums["comm"] // n,
@@ -119,11 +132,11 @@ def logging_data(ddp: nn.Module) -> dict:
         "is_multi_device_module": int(len({p.device for p in params}) > 1),
         "has_sync_bn": int(any("SyncBatchNorm" in type(m).__name__
                                for m in ddp.module.modules())),
-        "iteration": max(0, reducer.stats.iterations - 1),
         "num_buckets_reduced": len(reducer.buckets),
         "unused_parameter_size": sum(params[i].numel() * params[i].element_size()
                                      for i in reducer.unused),
         "has_rebuilt_buckets": int(reducer.has_rebuilt),
+        "iteration": 0,  # until a sampled forward publishes one (stats.last)
     }
     key = "rebuilt_bucket_sizes" if reducer.has_rebuilt else "bucket_sizes"
     data["bucket_sizes"] = data.get("bucket_sizes", _joined(reducer.first_sizes))

@@ -21,6 +21,7 @@ from ..errors import MicroDDPError
 from .comm_hooks import BUILTIN
 from .logging_data import logging_data
 from .refusals import TORCH_NAMES, refusal
+from .torch_errors import DDPValueError, torch_says
 from .sync import BROADCAST_BUCKET_BYTES
 
 _BUILTIN_HOOKS = {"ALLREDUCE": "allreduce", "FP16_COMPRESS": "fp16_compress"}
@@ -54,9 +55,10 @@ class TorchDDPApi:
                           stacklevel=2)
             return
         if self.reducer.stats.iterations:
-            raise MicroDDPError("_set_static_graph() must be called before the first forward "
-                                "(the first iteration is the one that learns the graph); call "
-                                "it right after wrapping, or pass static_graph=True")
+            raise MicroDDPError("_set_static_graph() should be called before training loop "
+                                "starts: before the first forward (the first iteration is the "
+                                "one that learns the graph); call it right after wrapping, or "
+                                "pass static_graph=True")
         if self.find_unused_parameters:
             warnings.warn("find_unused_parameters=True is not needed with _set_static_graph(): "
                           "the first iteration finds the unused parameters, which must then "
@@ -72,8 +74,9 @@ class TorchDDPApi:
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Time the first 10 iterations, then one in `sample_rate` (torch's rule)."""
         if not isinstance(sample_rate, int) or sample_rate < 1:
-            raise MicroDDPError(f"the runtime logging sample rate must be an integer of at "
-                                f"least 1, got {sample_rate!r}")
+            raise DDPValueError(torch_says(
+                "DDP runtime logging sample rate should be equal or greater than 1.",
+                f"It must be an integer of at least 1, got {sample_rate!r}."))
         self.reducer.stats.sample_rate = sample_rate
 
     # -- torch's other attributes, with torch's meaning ---------------------------------------
