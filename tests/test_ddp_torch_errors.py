@@ -108,7 +108,7 @@ def test_errors_are_torchs_types_with_torchs_words_and_logging_samples_as_torch(
             "late static graph", "sample rate 0"}
         for case in ours:
             assert theirs[case] is not None, case  # torch raises in every case
-            (our_kinds, our_mdp, our_msg), (their_kinds, _, their_msg) = ours[case], theirs[case]
+            (our_kinds, our_mdp, _), (their_kinds, _, _) = ours[case], theirs[case]
             assert set(their_kinds) <= set(our_kinds), (case, our_kinds, their_kinds)
             assert our_mdp, case
         # torch's phrase is in ours (torch prefixes its own messages with context, so the

@@ -21,8 +21,8 @@ from ..errors import MicroDDPError
 from .comm_hooks import BUILTIN
 from .logging_data import logging_data
 from .refusals import TORCH_NAMES, refusal
-from .torch_errors import DDPValueError, torch_says
 from .sync import BROADCAST_BUCKET_BYTES
+from .torch_errors import DDPValueError, torch_says
 
 _BUILTIN_HOOKS = {"ALLREDUCE": "allreduce", "FP16_COMPRESS": "fp16_compress"}
 
