@@ -30,11 +30,11 @@ from .ops import (
     send,
     shutdown,
 )
-from .world import distributed
+from .world import distributed, given_group
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "distributed", "Handle",
     "REDUCE_OPS", "all_reduce", "all_reduce_mean", "broadcast", "all_gather", "reduce_scatter",
     "reduce", "scatter", "gather", "barrier", "send", "recv", "isend", "irecv", "new_group",
-    "group_size", "group_rank",
+    "group_size", "group_rank", "given_group",
 ]

@@ -28,6 +28,7 @@ from .world import (
     World,
     distributed,
     get_world,
+    given_group,
     group_rank,
     group_size,
     group_timeout,
@@ -87,13 +88,15 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
     if (name, tensor.dtype) not in _CHECKED:
         check_op_dtype(name, tensor)
         _CHECKED.add((name, tensor.dtype))
-    if not distributed():
+    given = given_group(group)  # its own methods, no default group needed, no shared memory
+    if not (given or distributed()):
         return _done(async_op, result=[tensor])
-    if _outside(group):
+    if not given and _outside(group):
         return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
     finish = _divide(tensor, group_size(group)) if name == "avg" else None
     route = current_route()
-    fast = route.all_reduce_path(tensor, name, group) if route is not None else None
+    fast = (route.all_reduce_path(tensor, name, group) if route is not None and not given
+            else None)
     if fast is not None:  # shared memory between the ranks of this host (collectives/route.py)
         work = fast(tensor, "sum" if name == "avg" else name, group, async_op)
         if work is None and not async_op:  # done already, on this thread: no handle to make

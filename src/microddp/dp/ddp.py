@@ -22,7 +22,7 @@ from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from ..collectives.hierarchical import choose as choose_hierarchy
-from ..comms import distributed
+from ..comms import distributed, given_group
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from .comm_hooks import BUILTIN, CommHook, check_hook
@@ -301,7 +301,7 @@ def _device_ids(module: nn.Module, device_ids) -> list[torch.device] | None:
 def _refuse_off_gpu(module: nn.Module, group, buffers: bool) -> None:
     """NCCL moves CUDA tensors only: a module left on the CPU would fail in the first
     broadcast with the backend's error, not one that says to move it."""
-    if not distributed() or str(dist.get_backend(group)) != "nccl":
+    if given_group(group) or not distributed() or str(dist.get_backend(group)) != "nccl":
         return
     tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
     off = sorted({str(t.device) for t in tensors if t.device.type != "cuda"})

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comms import distributed, group_rank, group_size
+from ..comms import distributed, given_group, group_rank, group_size
 
 FIRST_SAMPLED = 10  # torch records every one of the first 10 iterations
 DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
@@ -109,7 +109,7 @@ def _joined(values) -> str:
 def logging_data(ddp: nn.Module) -> dict:
     """The dictionary `_get_ddp_logging_data()` returns (see the module docstring)."""
     reducer, group = ddp.reducer, ddp.process_group
-    on = distributed()
+    on = distributed(group) or distributed()  # a given group first: no world formed
     params = reducer.params
     sizes = [b.nbytes for b in reducer.buckets]
     data = {
@@ -124,7 +124,8 @@ def logging_data(ddp: nn.Module) -> dict:
         "find_unused_parameters": int(ddp.find_unused_parameters),
         "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
         "static_graph": int(ddp.static_graph),
-        "backend_name": str(dist.get_backend(group)) if on else "none",
+        "backend_name": (group.name() if given_group(group) else str(dist.get_backend(group))
+                         if on else "none"),
         "dtypes": _joined(sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype).replace("torch.", ""))
                                   for p in params})),
         "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
