@@ -38,7 +38,7 @@ class TorchDDPApi:
                                 "copy.deepcopy) only when it uses the default process group, "
                                 "as with torch's; save ddp.module instead, or its state_dict()")
         state = dict(self.__dict__)
-        for name in ("reducer", "_join", "_torch_join", "process_group"):
+        for name in ("reducer", "_sparse", "_join", "_torch_join", "process_group"):
             state.pop(name, None)
         return state
 
