@@ -188,6 +188,11 @@ def choose_backend(backend: str | None, local_rank: int,
         needed = local_rank + 1 if local_world_size is None else local_world_size
         return "nccl" if dist.is_nccl_available() and needed <= _gpus() else "gloo"
     backend = backend.lower()
+    if backend == "microddp":  # torch's plugin name, for scripts that do not call init
+        raise MicroDDPError('backend "microddp" is the name of microddp\'s torch.distributed '
+                            'backend, for a plain PyTorch script\'s dist.init_process_group('
+                            '"microddp") after `import microddp.backend`; init() takes gloo or '
+                            'nccl and uses shared memory on one host by itself: drop the argument')
     if backend not in BACKENDS:
         raise MicroDDPError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not backend_available(backend):
