@@ -26,6 +26,7 @@ from ..comms import distributed, given_group
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
 from .comm_hooks import BUILTIN, CommHook, check_hook
+from .compiled import as_active, not_traced
 from .join import Join, TorchJoinHook
 from .reducer import Reducer
 from .sparse import SparseGrads, sparse_parameters
@@ -83,6 +84,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._torch_join: Join | None = None
         self._ever_joined = False  # for _get_ddp_logging_data's join_uneven_inputs
+        self._error: str | None = None  # the last error raised as torch's DDP logs it
         self._ddp_sink_clone = True  # torch's flag; microddp never clones outputs anyway
         self._has_buffers = any(True for _ in module.buffers())
         # Parameters frozen now get no hook: if one is unfrozen later, its gradient would stay
@@ -143,6 +145,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         """The device of the module's parameters."""
         return next(self.module.parameters()).device
 
+    @not_traced  # under torch.compile, the module is compiled, not this (compiled.py)
     def forward(self, *inputs, **kwargs):
         """Run the module, first syncing buffers and preparing the reducer for this iteration's
         backward."""
@@ -167,7 +170,8 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
             inputs, kwargs = to_device((inputs, kwargs), self._input_device[0])
         if grad_sync:
             self.reducer.stats.forward_started()
-        output = self.module(*inputs, **kwargs)
+        with as_active(self):  # torch.compile splits the module's graph by bucket
+            output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             self.reducer.prepare_for_backward(list(output_tensors(output)))
@@ -226,15 +230,18 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
                 raise MicroDDPError(f"unknown built-in hook {hook!r}; choose one of "
                                     f"{', '.join(BUILTIN)}")
             hook = BUILTIN[hook]
-        check_hook(hook)  # torch's TypeError/ValueError, and microddp's advice
+        try:
+            check_hook(hook)  # torch's TypeError/ValueError, and microddp's advice
+        except MicroDDPError as e:
+            raise self._logged(e) from None
         if self._sparse is not None:
             raise MicroDDPError(f"parameter '{self._sparse.names[0]}' has sparse gradients "
                                 "(sparse=True), which microddp averages without comm hooks; "
                                 "build the embedding with sparse=False to use a hook")
         if self.reducer.comm_hook is not None:
-            raise MicroDDPError("register_comm_hook or register_builtin_comm_hook can only be "
-                                "called once. This model already has a comm hook; wrap the "
-                                "module again to use another one")
+            raise self._logged(MicroDDPError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once. This "
+                "model already has a comm hook; wrap the module again to use another one"))
         self.reducer.comm_hook, self.reducer.comm_state = hook, state
 
 

@@ -150,6 +150,8 @@ def logging_data(ddp: nn.Module) -> dict:
                                     .__name__)
     if ddp._ever_joined:
         data["join_uneven_inputs"] = 1
+    if getattr(ddp, "_error", None) is not None:  # unpickled from an older version: none
+        data["has_error"], data["error"] = 1, ddp._error
     for name, var in _ENV.items():
         data[name] = os.environ.get(var, "N/A")
     data.update(reducer.stats.last)

@@ -55,10 +55,10 @@ class TorchDDPApi:
                           stacklevel=2)
             return
         if self.reducer.stats.iterations:
-            raise MicroDDPError("_set_static_graph() should be called before training loop "
-                                "starts: before the first forward (the first iteration is the "
-                                "one that learns the graph); call it right after wrapping, or "
-                                "pass static_graph=True")
+            raise self._logged(MicroDDPError(
+                "_set_static_graph() should be called before training loop starts: before the "
+                "first forward (the first iteration is the one that learns the graph); call it "
+                "right after wrapping, or pass static_graph=True"))
         if self.find_unused_parameters:
             warnings.warn("find_unused_parameters=True is not needed with _set_static_graph(): "
                           "the first iteration finds the unused parameters, which must then "
@@ -67,6 +67,12 @@ class TorchDDPApi:
         self._build_reducer()
 
     # -- logging -----------------------------------------------------------------------------
+    def _logged(self, error: Exception) -> Exception:
+        """`error`, also kept for _get_ddp_logging_data's has_error and error (torch's
+        _log_and_throw records what its DDP raises the same way)."""
+        self._error = str(error)
+        return error
+
     def _get_ddp_logging_data(self) -> dict:
         """torch's dictionary of facts and average times (see logging_data.py for the keys)."""
         return logging_data(self)
@@ -74,9 +80,9 @@ class TorchDDPApi:
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Time the first 10 iterations, then one in `sample_rate` (torch's rule)."""
         if not isinstance(sample_rate, int) or sample_rate < 1:
-            raise DDPValueError(torch_says(
+            raise self._logged(DDPValueError(torch_says(
                 "DDP runtime logging sample rate should be equal or greater than 1.",
-                f"It must be an integer of at least 1, got {sample_rate!r}."))
+                f"It must be an integer of at least 1, got {sample_rate!r}.")))
         self.reducer.stats.sample_rate = sample_rate
 
     # -- torch's other attributes, with torch's meaning ---------------------------------------
