@@ -147,8 +147,11 @@ def test_sleep_mode_run_keeps_each_schedules_structure_and_1f1b_holds_less(tmp_p
             planned = [f"{name} {a.kind}{a.mb}" for a in schedule.actions[rank]
                        if a.kind in ("F", "B", "I", "W")]
             assert [s.name for s in first] == planned
-    assert set(result["versus_torch"]) == {"gpipe", "1f1b"}
-    assert all(v["ratio"] > 0 for v in result["versus_torch"].values())
+    assert set(result["versus_torch"]) == {"gpipe", "1f1b", "interleaved", "zero-bubble", "zbv"}
+    assert all(v["shaped_ratio"] > 0 and v["shaped_ms"] > 0 and v["torch_ms"] > 0
+               for v in result["versus_torch"].values())
+    assert all(v["ratio"] > 0 for n, v in result["versus_torch"].items() if n != "zbv")
+    assert "its torch-shaped class" in stdout
 
 
 BAD = [

@@ -147,3 +147,60 @@ def test_save_from_rank0_gathers_every_ranks_rng_and_all_see_the_file(tmp_path):
 def test_save_needs_a_sane_keep(tmp_path):
     with pytest.raises(MicroDDPError, match="keep must be at least 1"):
         checkpoint.save(_state(1), tmp_path, 1, keep=0)
+
+
+def _flip_tensor_bytes(path, value: float, count: int = 200) -> None:
+    """Flip `count` bytes inside the stored data of a tensor filled with `value`: the zip's
+    structure stays whole, so only a digest of the contents can notice."""
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(np.float32(value).tobytes() * 64)
+    assert at > 0, "the tensor's bytes were not found in the file"
+    for i in range(at, at + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_a_tensor_are_refused_and_the_previous_checkpoint_used(tmp_path):
+    """torch's reader loads a file whose tensor bytes changed on disk without a word; the
+    digest saved with the contents turns that into 'damaged' and the fallback."""
+    for step in (3, 6):
+        state = _state(step)
+        state["model"] = {"w": torch.full((1000,), 1.2345)}
+        checkpoint.save(state, tmp_path, step)
+    newest = tmp_path / "ckpt-00000006.pt"
+    _flip_tensor_bytes(newest, 1.2345)
+    loaded = torch.load(newest, weights_only=True)  # what a plain load would resume from
+    assert not torch.equal(loaded["model"]["w"], torch.full((1000,), 1.2345))
+    with pytest.raises(MicroDDPError, match=r"ckpt-00000006.pt is damaged \(its contents do "
+                                            r"not match the digest"):
+        checkpoint.load(newest)
+    said: list[str] = []
+    state, path = checkpoint.load_latest(tmp_path, warn=said.append)
+    assert path.name == "ckpt-00000003.pt" and state["step"] == 3
+    assert torch.equal(state["model"]["w"], torch.full((1000,), 1.2345))
+    assert len(said) == 1 and "is damaged" in said[0] and "falling back" in said[0]
+
+
+def test_a_damaged_shard_is_refused(tmp_path):
+    from microddp.train import sharded
+
+    path = tmp_path / "shard-00000.pt"
+    checkpoint.write_atomic({"format": 1, "run": "r", "pieces": [
+        {"name": "w", "start": 0, "param": torch.full((500,), -7.5), "state": {},
+         "scalars": {}}]}, path)
+    assert sharded._load(path, "cpu")["run"] == "r"
+    _flip_tensor_bytes(path, -7.5)
+    with pytest.raises(MicroDDPError, match="shard-00000.pt is damaged"):
+        sharded._load(path, "cpu", mmap=True)
+
+
+def test_the_digest_covers_every_kind_of_value_and_files_without_one_still_load(tmp_path):
+    base = {"a": torch.arange(4), "b": [1, 2.5, "x", None, (True,)], "c": {"d": torch.zeros(0)}}
+    d = checkpoint.digest(base)
+    for changed in ({**base, "a": torch.arange(4).float()}, {**base, "b": [1, 2.5, "x", None,
+                                                                          (False,)]},
+                    {**base, "c": {"d": torch.zeros(0, 2)}}, {**base, "e": 0}):
+        assert checkpoint.digest(changed) != d
+    state = _state(1)
+    torch.save(state, tmp_path / "ckpt-00000001.pt")  # an older microddp's file: no digest
+    assert checkpoint.load(tmp_path / "ckpt-00000001.pt")["step"] == 1

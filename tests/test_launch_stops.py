@@ -185,3 +185,49 @@ def test_a_worker_whose_parent_is_already_gone_exits():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=DEADLINE)
     assert (out.returncode, out.stdout) == (1, "watched\n"), out.stderr
+
+
+ESCAPE = """
+    import os, subprocess, sys, time
+    rank, out = os.environ["RANK"], sys.argv[1]
+    p = subprocess.Popen(["sleep", "300"], start_new_session=True)  # a session of its own
+    open(f"{out}/setsid-{rank}", "w").write(str(p.pid))
+    if os.fork() == 0:  # a daemon: fork, setsid, fork again, the middle one exits
+        os.setsid()
+        if os.fork() == 0:
+            open(f"{out}/daemon-{rank}", "w").write(str(os.getpid()))
+            os.execvp("sleep", ["sleep", "300"])
+        os._exit(0)
+    os.wait()
+    while len(os.listdir(out)) < 4:  # both ranks' children written down
+        time.sleep(0.01)
+    sys.exit(3 if sys.argv[2] == "fail" and rank == "1" else 0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and prctl")
+@pytest.mark.parametrize("end", ["ok", "fail"])
+def test_children_in_their_own_session_do_not_outlive_the_job(tmp_path, end):
+    """A child started with setsid (or a double-forked daemon) left the worker's process group
+    and outlived `microddp run` (issue 57): the launcher now watches the process tree."""
+    out = tmp_path / "pids"
+    out.mkdir()
+    script = write(tmp_path, "escape.py", ESCAPE)
+    done = microddp("run", "-n", "2", script, str(out), end)
+    assert done.returncode == (0 if end == "ok" else 3), done.stderr
+    pids = [int(p.read_text()) for p in out.iterdir()]
+    assert len(pids) == 4
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert left == [], f"still running after the job: {left}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -28,7 +28,7 @@ LAYERS = [
     ("flags",),                # command-line checks (engine names come from dp)
     ("launch",),               # starting ranks
     ("trace",),                # traced runs of the engines
-    ("train", "predict", "bench"),
+    ("train", "predict", "bench", "exercises"),
     ("commands",),             # one thin file per verb
     ("__init__", "__main__"),  # the public face
 ]

@@ -208,3 +208,31 @@ def test_the_head_says_which_timeout_ran_out():
         "recv)",
         "microddp hang report: collective all_reduce #4 on rank 0 failed (Connection closed by "
         "peer)"]
+
+
+
+def _hang_error_type(world):
+    import time
+
+    monitor.enable(timeout=STALL_S)
+    t = torch.ones(2)
+    mdp.comms.all_reduce(t)
+    if world.rank == 1:
+        time.sleep(3 * STALL_S)
+    try:
+        mdp.comms.all_reduce(t)
+    except mdp.MicroDDPError as e:
+        return type(e).__name__, e.exit_code
+    return None
+
+
+def test_a_hang_report_is_a_peer_error_that_a_launcher_restarts():
+    """A hang report exited 2, the usage-error code, so `--max-restarts` refused to restart a
+    frozen rank's job: it is a PeerError (exit code 1) now, still a MicroDDPError."""
+    from microddp.errors import PeerError
+
+    assert issubclass(PeerError, mdp.MicroDDPError) and PeerError.exit_code == 1
+    assert mdp.MicroDDPError.exit_code == 2
+    results = mdp.spawn(_hang_error_type, 2, timeout=60)
+    assert results[0] == ("PeerError", 1), results
+    assert results[1] in (("PeerError", 1), None), results  # rank 0 may be gone, or answer

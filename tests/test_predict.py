@@ -356,3 +356,58 @@ def test_across_hosts_counts_the_rounds_of_flat_and_hierarchical():
     # one rank per host: the hierarchy is the flat ring
     one = across_hosts(1e6, hosts=4, local=1, intra=intra, inter=inter)
     assert one["flat_s"] == pytest.approx(one["hierarchical_s"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-4, 1.0), st.floats(1e-4, 1.0), st.floats(1e-6, 1.0), st.integers(1, 300))
+def test_the_buckets_closed_form_equals_playing_them_one_by_one(forward, backward, per, k):
+    """predict no longer loops over buckets (--params 1e14 ran for minutes): its closed form
+    must be the loop's result for every bucket count."""
+    end = 0.0
+    for i in range(k):
+        end = max(end, forward + backward * (i + 1) / k) + per
+    model = predict.Model(params=k * 2**20 / 4, flops_per_sample=3 * (forward + backward))
+    hw = predict.Hardware(flops=1.0, bandwidth=1e30, latency=per / 2)  # a 2-rank ring: 2 alphas
+    r = predict.predict(model, hw, 2, 1.0, bucket_mb=1.0)
+    assert r["buckets"] == k
+    f = r["compute_s"] / 3
+    replay = 0.0
+    for i in range(k):
+        replay = max(replay, f + 2 * f * (i + 1) / k) + r["comm_s"] / k
+    assert r["exposed_overlap_s"] == pytest.approx(max(0.0, replay - 3 * f), rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params", "inf"], "--params must be positive, got inf"),
+    (["--params", "nan"], "--params must be positive, got nan"),
+    (["--params", "1e300"], "--params 1e+300 is beyond any model"),
+    (["--bucket-mb", "0"], "--bucket-mb must be positive, got 0"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
+    (["--bucket-mb", "-1"], "--bucket-mb must be positive, got -1"),
+    (["--local-ranks", "0"], "--local-ranks and --grad-bytes must be at least 1"),
+    (["--batch", "inf"], "--batch must be positive, got inf"),
+    (["--latency", "inf"], "--latency must be positive, got inf"),
+])
+def test_bad_numbers_are_one_line_and_exit_2(capsys, args, message):
+    assert cli.main(["predict", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_huge_models_are_predicted_at_once(capsys):
+    assert cli.main(["predict", "--params", "1e14", "--world", "1", "4096"]) == 0
+    assert "parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,why", [('{"flops": 1e10,', "Expecting"),
+                                      ('[1, 2]', "is not a calibration"),
+                                      ('{"flops": -1, "bandwidth": 1e9, "latency": 1e-4}',
+                                       "flops is -1"),
+                                      ('{"flops": 1e10}', "missing")])
+def test_a_malformed_calibration_is_one_line(capsys, tmp_path, text, why):
+    (tmp_path / "c.json").write_text(text)
+    assert cli.main(["predict", "--hardware", "calibrated", "--calibration",
+                     str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a calibration this microddp can read" in err[0] \
+        and why in err[0], err

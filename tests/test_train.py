@@ -221,3 +221,35 @@ def test_monitor_timeout_zero_turns_the_monitor_off(tmp_path, timeout, on):
     for seen in microddp.launch.spawn(_monitor_during_training, 2,
                                       args=(str(tmp_path), timeout), timeout=120):
         assert seen == [on, on]
+
+
+def test_a_nan_loss_stops_every_rank_naming_the_steps(tmp_path):
+    """`--lr 1e30` made the loss nan from step 2 and the job went on to exit 0 (issue 57):
+    the summed loss of a progress line is the same on every rank, so all stop there."""
+    with pytest.raises(MicroDDPError, match=r"the training loss became nan in steps 1-2 "
+                                            r"\(every rank stops here"):
+        _single(tmp_path, lr=1e30, batch_size=32, max_steps=6, log_every=2)
+    microddp.shutdown()
+
+
+def _nan_worker(world, out):
+    try:
+        loop.train(world, _cfg(out, lr=1e30, batch_size=32, max_steps=6, log_every=2))
+    except MicroDDPError as e:
+        return str(e)
+    return "trained on"
+
+
+def test_a_nan_loss_stops_both_ranks_at_the_same_step(tmp_path):
+    said = microddp.launch.spawn(_nan_worker, 2, args=(str(tmp_path),), timeout=120)
+    assert said[0] == said[1] and "loss became nan in steps 1-2" in said[0]
+
+
+def test_a_batch_larger_than_the_data_is_refused(tmp_path):
+    """--batch-size 1e8 and --accumulate 1e5 printed batch sizes that were never used."""
+    for kw, said in (({"batch_size": 1440}, "--batch-size 1440 is more than the 1438"),
+                     ({"batch_size": 64, "accumulate": 23}, "--batch-size 64 x --accumulate 23")):
+        with pytest.raises(MicroDDPError, match=said):
+            _single(tmp_path, **kw)
+        microddp.shutdown()
+    assert _single(tmp_path / "fits", batch_size=1438, max_steps=1)["step"] == 1

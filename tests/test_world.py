@@ -67,6 +67,18 @@ def test_timeout_accepts_seconds_and_timedelta():
         world._as_timedelta(-1)
 
 
+def test_a_bad_microddp_timeout_is_one_line_in_init_and_in_the_launcher(monkeypatch, capsys):
+    from microddp.commands import main
+
+    monkeypatch.setenv("MICRODDP_TIMEOUT", "abc")
+    with pytest.raises(mdp.MicroDDPError, match="MICRODDP_TIMEOUT must be a number of seconds"):
+        mdp.init()
+    assert main(["hello", "-n", "2"]) == 2  # the launcher read it too, and crashed
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["microddp hello: error: MICRODDP_TIMEOUT must be a number of seconds, got "
+                   "'abc'"]
+
+
 def test_backend_and_device_choice_on_this_machine():
     expected = "nccl" if torch.cuda.is_available() else "gloo"
     assert world.choose_backend(None, 0) == expected
@@ -88,6 +100,14 @@ def test_nccl_without_gpus_is_a_clear_error():
         ({"init_method": "smtp://x", "rank": 0, "world_size": 2}, "unsupported init_method"),
         ({"init_method": "tcp://nohostport", "rank": 0, "world_size": 2}, "tcp://HOST:PORT"),
         ({"timeout": 0}, "positive"),
+        ({"timeout": "abc"}, "timeout must be a number of seconds, got 'abc'"),
+        ({"timeout": True}, "timeout must be a number of seconds, got True"),
+        ({"timeout": float("nan")}, "positive number of seconds up to .* got nan"),
+        ({"timeout": float("inf")}, "positive number of seconds up to .* got inf"),
+        ({"timeout": -3}, "positive number of seconds up to .* got -3"),
+        ({"timeout": 1e30}, "positive number of seconds up to .* got 1e\\+30"),
+        ({"init_method": "file:///no/such/folder/rdzv", "rank": 0, "world_size": 2},
+         "the folder /no/such/folder does not exist"),
     ],
 )
 def test_bad_init_arguments(kwargs, message):

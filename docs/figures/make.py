@@ -41,7 +41,8 @@ COMMANDS = {
               "--repeats", "5"], "zero.png"),
     "async": (["bench", "async", "--steps", "100", "--rounds", "2"], "async.png"),
 }
-DRAWN = ("pipeline", "notebook")  # drawn here from microddp's data, no ranks
+# drawn here from microddp's data (collectives: from a 4-rank run; draw_collectives.py)
+DRAWN = ("pipeline", "notebook", "collectives", "ring", "zero-bytes")
 NOTEBOOK = HERE.parent / "04b-ring-vs-gloo-notebook.md"
 
 
@@ -212,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
             if name in COMMANDS:
                 command = run_command(name, Path(tmp) / "out")
             else:
-                draw = {"pipeline": draw_pipeline, "notebook": draw_notebook}[name]
+                sys.path.insert(0, str(HERE))
+                from draw_collectives import draw_collectives, draw_ring, draw_zero_bytes
+
+                draw = {"pipeline": draw_pipeline, "notebook": draw_notebook,
+                        "collectives": lambda t: draw_collectives(t, save_figure),
+                        "ring": lambda t: draw_ring(t, save_figure),
+                        "zero-bytes": lambda t: draw_zero_bytes(t, save_figure)}[name]
                 command = draw(HERE / f"{name}.png")
         manifest[name] = {"command": command, "machine": where,
                           # 1-minute load average when the run started and when it ended

@@ -3,12 +3,16 @@
 A checkpoint is written to a temporary file, flushed to disk and renamed over its final name,
 so a crash mid-write never leaves a half file under a checkpoint's name. Loading uses
 `weights_only=True` (no arbitrary code from a file) and skips an unreadable newest file in
-favour of the one before, with a warning naming it. Files are created with the permissions
+favour of the one before, with a warning naming it. Every file carries a digest of its own
+contents (every tensor's bytes, every plain value), checked on load: a flipped byte in a
+tensor, which torch's reader does not notice, makes the file unreadable instead of resuming
+into a wrong model. Files are created with the permissions
 the umask allows, as any other file the job writes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -86,9 +90,50 @@ def _umask() -> int:
     return mask
 
 
+DIGEST = "digest"  # the key under which a saved dict carries the digest of the rest
+
+
+def _feed(h, obj) -> None:
+    """Hash `obj`'s contents in a fixed walk: types, keys, tensors' dtype, shape and bytes."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)}".encode())
+        for k, v in obj.items():
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{type(obj).__name__[0]}{len(obj)}".encode())
+        for v in obj:
+            _feed(h, v)
+    else:  # int, float, str, bool, None, numpy scalars: repr is exact for each
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+def digest(state: dict) -> str:
+    """sha256 of `state`'s contents, its own digest entry left out."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in state.items() if k != DIGEST})
+    return h.hexdigest()
+
+
+def verify(state, path) -> None:
+    """MicroDDPError if `state` (loaded from `path`) does not match the digest saved with it.
+    A file written before digests existed has none and is taken as it is."""
+    if isinstance(state, dict) and DIGEST in state and digest(state) != state[DIGEST]:
+        raise MicroDDPError(f"checkpoint {path} is damaged (its contents do not match the "
+                            "digest saved with them: bytes changed on disk)")
+
+
 def write_atomic(obj, final: Path) -> Path:
     """torch.save `obj` to `final` through a temporary file that is flushed to disk and then
-    renamed: a reader (or a crash) never sees half a file under `final`'s name."""
+    renamed: a reader (or a crash) never sees half a file under `final`'s name. A dict is
+    saved with the digest of its contents (checked by `verify` on load)."""
+    if isinstance(obj, dict):
+        obj = {**obj, DIGEST: digest(obj)}
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600 whatever the umask
@@ -146,6 +191,7 @@ def load(path: str | Path, map_location: torch.device | str = "cpu") -> dict:
             state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, unsupported type: all mean "corrupt"
         raise MicroDDPError(f"checkpoint {path} is unreadable ({_why_unreadable(e)})") from None
+    verify(state, path)
     missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
     if missing:
         raise MicroDDPError(f"checkpoint {path} is incomplete (missing {', '.join(missing)})")

@@ -2,8 +2,11 @@
 
 Every schedule trains its own copy of the same FullMLP, cut into the same stages, on the same
 ranks; their steps are interleaved (a fresh random order each round, a barrier before each
-step) with those of torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B, so load on
-the machine hits all alike. For microddp's schedules each rank records when each of its
+step) with those of torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (and ScheduleZBVZeroBubble, with
+zero-bubble) and of microddp's classes of the same names (microddp.pipeline.PipelineStage
+and its schedules, called by the same code as torch's: the import swapped), so load on the
+machine hits all alike. For microddp's schedules each rank records when each of its
 forwards and backwards ran (the bubble is the idle share of the ranks' time between the
 step's first compute and its last) and how many bytes each rank held at most: the
 activations autograd saved (saved-tensor hooks) and the interpreter's message buffers (posted
@@ -28,6 +31,7 @@ from ..comms.world import World
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..pipeline.activations import ActivationMeter
+from ..pipeline.schedules import place
 from ..pipeline.sleep import Sleeping
 from ..timing import interleaved
 from . import pipeline_report as report
@@ -41,7 +45,13 @@ writes pipeline.json, timeline-SCHEDULE.png per schedule and trace.json (open it
 https://ui.perfetto.dev) into a new runs/bench-pipeline-DATE-TIME (or --out).
 """
 
-TORCH = ("gpipe", "1f1b")  # the schedules torch.distributed.pipelining has as well
+# the schedules torch.distributed.pipelining has as well, by their class names there (and in
+# microddp.pipeline, whose classes of the same names run as "shaped-NAME")
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+         "interleaved": "ScheduleInterleaved1F1B",
+         "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+# zbv (2 stages per rank in a V) has no run_schedule counterpart here: it runs, with
+# zero-bubble, as torch's class and microddp's only
 loss_fn = nn.functional.cross_entropy
 
 
@@ -67,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed steps per contender "
                    "(default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--no-torch", action="store_true", help="leave out torch's ScheduleGPipe "
-                   "and Schedule1F1B")
+    p.add_argument("--no-torch", action="store_true", help="leave out torch's schedules and "
+                   "microddp's torch-shaped classes timed against them")
     p.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned (by "
                    "default rank r runs on core r mod cores, its threads too: see "
                    "microddp.pipeline.placement)")
@@ -126,23 +136,32 @@ def _ours(world: World, name: str, cfg: dict, log: dict):
     return step, measure
 
 
-def _torchs(world: World, name: str, cfg: dict):
-    """The same step with torch.distributed.pipelining: one PipelineStage per rank."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _torchs(world: World, name: str, cfg: dict, lib=None):
+    """The same step with torch.distributed.pipelining's classes (or `lib`'s of the same
+    names: microddp.pipeline): PipelineStage per stage, interleaved with --virtual per rank."""
+    import torch.distributed.pipelining as torchs
 
+    lib = lib or torchs
     p, rank = world.world_size, world.rank
+    v = {"interleaved": cfg["virtual"], "zbv": 2}.get(name, 1)
     torch.manual_seed(0)
-    module = wrap(pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), p)[rank],
-                  cfg["compute"], cfg["sleep_ms"])
-    stage = PipelineStage(module, rank, p, torch.device("cpu"))
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](
-        stage, cfg["microbatches"], loss_fn=loss_fn)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    parts = pipeline.split_model(FullMLP(cfg["dim"], cfg["depth"]), p * v)
+    mine = [s for s in range(p * v)
+            if place(s, p, "v" if name == "zbv" else "loop") == rank]
+    modules = [wrap(parts[s], cfg["compute"], cfg["sleep_ms"]) for s in mine]
+    stages = [lib.PipelineStage(module, s, p * v, torch.device("cpu"))
+              for s, module in zip(mine, modules, strict=True)]
+    schedule = getattr(lib, TORCH[name])(stages if name in ("interleaved", "zero-bubble", "zbv")
+                                         else stages[0], cfg["microbatches"], loss_fn=loss_fn)
+    opt = torch.optim.SGD([q for module in modules for q in module.parameters()], lr=1e-3)
     x, y = _batch(cfg["dim"], cfg["batch"])
 
     def step() -> None:
         opt.zero_grad()
-        torch_schedule_step(schedule, rank, p, x, y)
+        if name == "zbv":  # the V puts the first and the last stage on rank 0
+            schedule.step(*([x] if rank == 0 else []), target=y if rank == 0 else None)
+        else:
+            torch_schedule_step(schedule, rank, p, x, y)
         opt.step()
 
     return step
@@ -168,6 +187,7 @@ def _job(world: World, cfg: dict) -> dict:
     contenders = {name: step for name, (step, _) in ours.items()}
     for name in cfg["torch"]:
         contenders[f"torch-{name}"] = _torchs(world, name, cfg)
+        contenders[f"shaped-{name}"] = _torchs(world, name, cfg, pipeline)
     times = interleaved(contenders, cfg["repeats"], cfg["warmup"], sync=dist.barrier)
     # A step is as slow as its slowest rank: the maximum over ranks, step by step.
     names = list(contenders)
@@ -199,11 +219,21 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     virtual = args.virtual if "interleaved" in args.schedules else 1
     pipeline.blocks_per_stage(args.depth, args.stages * virtual)  # raises, saying what to do
     pipeline.microbatch_sizes(args.batch, args.microbatches)
-    theirs = [] if args.no_torch else [s for s in TORCH if s in args.schedules]
+    theirs = [] if args.no_torch else [s for s in TORCH if s in args.schedules
+                                       or (s == "zbv" and "zero-bubble" in args.schedules)]
+    if "zbv" in theirs and args.depth < 2 * args.stages:
+        theirs.remove("zbv")
+        print(f"note: ZB-V needs --depth of at least 2 x stages ({2 * args.stages}); left out")
     if "1f1b" in theirs and args.microbatches < args.stages:
         theirs.remove("1f1b")
         print(f"note: torch's Schedule1F1B refuses fewer micro-batches than stages "
               f"({args.microbatches} < {args.stages}); left out")
+    for name in [t for t in theirs if t in ("interleaved", "zero-bubble")]:
+        rounds = max(1, args.microbatches // args.stages)
+        if args.microbatches % rounds:
+            theirs.remove(name)
+            print(f"note: torch's {TORCH[name]} needs the micro-batches to be a multiple of "
+                  f"max(1, m // p) = {rounds}; left out")
     if theirs and args.batch % args.microbatches:
         print(f"note: torch's schedules need equal micro-batches ({args.batch} samples do not "
               f"split into {args.microbatches}); torch left out")

@@ -23,6 +23,7 @@ COMMANDS = {
     "bench": ("microddp.commands.bench", "benchmarks against PyTorch: allreduce, ddp, scaling, pipeline, zero, async"),
     "trace": ("microddp.commands.trace", "record and summarise a timeline of DDP steps"),
     "predict": ("microddp.commands.predict", "predict step time and scaling with a cost model"),
+    "exercise": ("microddp.commands.exercise", "course exercises: write a key function, check it on real ranks"),
 }
 
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except MicroDDPError as e:
         print(f"microddp {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"microddp {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,6 +48,9 @@ a sample is one input of --batch: a preset's tokens per sample are in its note (
 presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
 --latency; list them with --list.
 """
+
+
+MAX_PARAMS = 1e16  # 10,000x the largest models trained so far; beyond it the table is noise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,7 +164,7 @@ def _hardware(args: argparse.Namespace) -> Hardware:
     for name in ("flops", "bandwidth", "latency", "memory"):
         v = getattr(args, name)
         if v is not None:
-            if not v > 0:
+            if not 0 < v < math.inf:
                 raise MicroDDPError(f"--{name} must be positive, got {v}")
             hw = replace(hw, **{name: v}, note=hw.note + f" ({name} overridden)")
     if args.flops is not None:  # the stated rate is the rate: a measured cap would hide it
@@ -174,14 +178,18 @@ def _model(args: argparse.Namespace) -> Model:
             raise MicroDDPError("--tokens and --flops-per-sample describe a --params model; a "
                                 "preset or FullMLP already knows its FLOPs per sample")
     else:
-        if not args.params > 0:
+        if not 0 < args.params < math.inf:
             raise MicroDDPError(f"--params must be positive, got {args.params:g}")
+        if args.params > MAX_PARAMS:
+            raise MicroDDPError(f"--params {args.params:g} is beyond any model the table can "
+                                f"show (at most {MAX_PARAMS:g})")
         if args.tokens is not None and args.flops_per_sample is not None:
             raise MicroDDPError("give --tokens or --flops-per-sample, not both")
         for name in ("tokens", "flops_per_sample"):
             v = getattr(args, name)
-            if v is not None and not v > 0:
-                raise MicroDDPError(f"--{name.replace('_', '-')} must be positive, got {v:g}")
+            if v is not None and not 0 < v < math.inf:
+                raise MicroDDPError(f"--{name.replace('_', '-')} must be positive, "
+                                    f"got {v:g}")
         if args.flops_per_sample is not None:
             return Model(args.params, args.flops_per_sample, "custom, FLOPs per sample as given")
         # Without --tokens a sample is one token: say so, since it is easy to forget
@@ -286,6 +294,13 @@ def run(args: argparse.Namespace) -> int:
     if args.hosts is not None:
         _across_hosts(args, _hardware(args))
         return 0
+    if not 0 < args.bucket_mb < math.inf:
+        raise MicroDDPError(f"--bucket-mb must be positive, got {args.bucket_mb:g}")
+    if args.local_ranks < 1 or args.grad_bytes < 1:
+        raise MicroDDPError(f"--local-ranks and --grad-bytes must be at least 1, got "
+                            f"{args.local_ranks} and {args.grad_bytes}")
+    if not 0 < args.batch < math.inf:
+        raise MicroDDPError(f"--batch must be positive, got {args.batch:g}")
     model, hw = _model(args), _hardware(args)
     args.algorithm = args.algorithm or hw.algorithm or "ring"
     worlds = args.world or [2**i for i in range(13)]

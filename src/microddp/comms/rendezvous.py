@@ -10,6 +10,7 @@ import errno
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -120,6 +121,10 @@ def store_args(
         addr, port = _parse_tcp(init_method)
         return {"store": make_store(addr, port, rank, world_size, timeout)}
     if init_method.startswith("file://"):
+        folder = Path(init_method[len("file://"):]).parent
+        if not folder.is_dir():  # torch's FileStore would wait forever for a file it cannot make
+            raise MicroDDPError(f"init_method {init_method!r}: the folder {folder} does not "
+                                "exist; create it on a file system every rank sees")
         return {"init_method": init_method}
     raise MicroDDPError(
         f"unsupported init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///PATH"

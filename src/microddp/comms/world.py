@@ -141,13 +141,27 @@ def group_timeout(group=None) -> timedelta:
         return dist.default_pg_timeout
 
 
+MAX_TIMEOUT_S = 10 * 365 * 86400  # "never" for a job; a timedelta overflows far beyond it
+
+
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    """`timeout` (seconds, a timedelta, or None for MICRODDP_TIMEOUT or the default), checked:
+    a string, a bool, nan, inf or a value <= 0 is one clear line, not a deep TypeError."""
+    what = "timeout"
     if timeout is None:
-        timeout = float(os.environ.get("MICRODDP_TIMEOUT", DEFAULT_TIMEOUT_S))
+        what, text = "MICRODDP_TIMEOUT", os.environ.get("MICRODDP_TIMEOUT")
+        try:
+            timeout = DEFAULT_TIMEOUT_S if text is None else float(text)
+        except ValueError:
+            raise MicroDDPError(f"MICRODDP_TIMEOUT must be a number of seconds, got "
+                                f"{text!r}") from None
     if isinstance(timeout, timedelta):
-        return timeout
-    if timeout <= 0:
-        raise MicroDDPError(f"timeout must be positive, got {timeout!r} seconds")
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise MicroDDPError(f"{what} must be a number of seconds, got {timeout!r}")
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise MicroDDPError(f"{what} must be a positive number of seconds up to "
+                            f"{MAX_TIMEOUT_S} (ten years), got {timeout!r}")
     return timedelta(seconds=float(timeout))
 
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..errors import MicroDDPError
+from .descendants import Descendants
 from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 MAX_WORKERS = 1024
@@ -130,10 +131,16 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
     agent = AgentStore.start(port)
     envs = [worker_env(os.environ, r, n, agent, restart, max_restarts, run_id=run_id)
             for r in range(n)]
+    tree = Descendants()  # before the workers: what they start, setsid or not, ends with them
     workers = [_Worker(r, cmd, env, out) for r, env in enumerate(envs)]
+    pids = [w.proc.pid for w in workers]
     let_go: set[int] = set()
+    polls = 0
     try:
         while not out.closed.is_set():
+            if polls % 10 == 0:
+                tree.watch(pids)
+            polls += 1
             codes = [w.proc.poll() for w in workers]
             failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
             spared = [w for w in failed if w.rank in expendable]
@@ -154,6 +161,7 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
         return PIPE_CLOSED
     finally:
         kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in workers], grace=1)
+        tree.stop(pids, grace=1)
         for w in workers:
             w.reader.join(timeout=2)
         del agent

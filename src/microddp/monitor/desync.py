@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import MicroDDPError
+from ..errors import MicroDDPError, PeerError
 from .hang import Monitor
 from .log import Entry
 
@@ -36,7 +36,7 @@ def check(mon: Monitor, entry: Entry, group: Any) -> None:
     except Exception:  # noqa: BLE001 (a store timeout: some rank never got here)
         text = mon.collect(entry, why="debug mode: not every rank reached it")
         mon.log.end(entry)
-        raise MicroDDPError(text) from None
+        raise PeerError(text) from None
     theirs = {r: json.loads(mon.store.get(k)) for r, k in keys.items()}
     if entry.seq > 1:  # everyone has read the previous round, since they all reached this one
         mon.store.delete_key(mon.key("fp", entry.group, entry.seq - 1, mon.rank))

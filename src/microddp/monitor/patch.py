@@ -41,7 +41,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import MicroDDPError
+from ..errors import MicroDDPError, PeerError
 from ..transport import shm
 from . import desync
 from .hang import Monitor
@@ -111,7 +111,7 @@ class MonitoredWork:
         try:
             ok = self._work.wait(timeout or timedelta(seconds=max(left, 0.05)))
         except RuntimeError as e:
-            raise MicroDDPError(mon.collect(entry, why=_first_line(e))) from None
+            raise PeerError(mon.collect(entry, why=_first_line(e))) from None
         mon.log.end(entry)
         return ok
 
@@ -144,7 +144,7 @@ def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
     a report was made already), else the error itself (arguments refused at once)."""
     if isinstance(e, MicroDDPError) or (mon.report is None and not _backend_failed(e)):
         return e
-    return MicroDDPError(mon.collect(entry, why=_first_line(e), own=False))
+    return PeerError(mon.collect(entry, why=_first_line(e), own=False))
 
 
 def failed_wait(error: RuntimeError) -> BaseException:
@@ -254,9 +254,9 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         except MicroDDPError as e:
             if not getattr(e, "timed_out", False):  # a shared-memory Work's wait ran out
                 raise
-            raise MicroDDPError(mon.collect(entry, why=_first_line(e))) from None
+            raise PeerError(mon.collect(entry, why=_first_line(e))) from None
         except RuntimeError as e:
-            raise MicroDDPError(mon.collect(entry, why=_first_line(e))) from None
+            raise PeerError(mon.collect(entry, why=_first_line(e))) from None
         finally:
             mon.log.end(entry)
 

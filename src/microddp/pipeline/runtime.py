@@ -28,9 +28,11 @@ Messages carry a tag made from (ACT or GRAD, boundary, micro-batch), so two mess
 the same two ranks (interleaving sends both ways, or receives posted early) can never be
 mistaken for each other.
 
-The loss is the whole batch's: micro-batch i's loss is `loss_fn(out_i, y_i) * n_i / n`, the
-mean over its n_i samples turned into their sum over the whole batch's n samples, so the
-gradients accumulated over the micro-batches are the gradients of one process on the batch.
+`run_schedule`'s loss is the whole batch's: micro-batch i's loss is `loss_fn(out_i, y_i) * n_i
+/ n`, the mean over its n_i samples turned into their sum over the whole batch's n samples, so
+the gradients accumulated over the micro-batches are the gradients of one process on the batch.
+The torch-shaped classes (schedule_classes.py) run the same `execute` with their own inputs,
+loss and receive shapes (a `_Step`'s hooks), and forward-only programs.
 """
 
 from __future__ import annotations
@@ -135,16 +137,21 @@ class _Step:
     """One rank's state during one step: what each action leaves for the next ones."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], group, rank: int,
-                 xs: tuple[torch.Tensor, ...]):
+                 feed: Callable[[int], tuple], finish: Callable,
+                 kwargs: Callable[[int], dict] | None = None,
+                 act_like: Callable[[Action], torch.Tensor] | None = None):
         self.schedule, self.stages, self.group, self.rank = schedule, stages, group, rank
-        self.xs = xs
+        self.feed = feed          # mb -> the first stage's positional inputs
+        self.finish = finish      # (last stage's output, mb) -> what its backward starts from
+        self.kwargs = kwargs or (lambda mb: {})  # mb -> keyword inputs of every stage
+        self.act_like = act_like  # RECV_ACT -> a tensor shaped as its message
+        self.forward_only = not any(a.kind in ("B", "I", "W") for a in schedule.actions[rank])
         self.inputs: dict = {}     # (stage, mb) -> the stage's input (a leaf needing grad)
         self.outputs: dict = {}    # (stage, mb) -> the stage's output, or the loss last
         self.out_grads: dict = {}  # (stage, mb) -> gradient of that output (None for a loss)
         self.in_grads: dict = {}   # (stage, mb) -> gradient of the input, to send down
         self.sends: dict = {}      # message key -> handle of a send not yet waited for
         self.sent_bytes = 0
-        self.loss = 0.0
         self.posted: dict = {}     # (kind, stage, mb) -> (handle, buffer) of a posted receive
         # this rank's receives in program order; the first `next_post` of them are posted
         self.receives = [a for a in schedule.actions[rank] if a.kind in RECVS]
@@ -166,10 +173,7 @@ class _Step:
         """A tensor shaped as receive `a`'s message, or None while that is not known (a
         gradient before its forward)."""
         if a.kind == "RECV_ACT":
-            module = self.stages[a.stage]
-            x = self.xs[a.mb]
-            return x.new_empty(len(x), _input_width(module),
-                               dtype=next(module.parameters()).dtype)
+            return self.act_like(a)
         return self.outputs.get((a.stage, a.mb))
 
     def post_ahead(self) -> None:
@@ -251,13 +255,34 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     xs, ys = x.tensor_split(m), y.tensor_split(m)
     if any(len(part) == 0 for part in xs):
         microbatch_sizes(n, m)  # raises, saying what to do
-    st = _Step(schedule, stages, group, rank, xs)
+    total = [0.0]
+
+    def finish(out: torch.Tensor, mb: int) -> torch.Tensor:
+        loss = loss_fn(out, ys[mb]) * (len(ys[mb]) / n)
+        total[0] += loss.item()
+        return loss
+
+    def act_like(a: Action) -> torch.Tensor:
+        module = stages[a.stage]
+        return xs[a.mb].new_empty(len(xs[a.mb]), _input_width(module),
+                                  dtype=next(module.parameters()).dtype)
+
+    st = _Step(schedule, stages, group, rank, lambda mb: (xs[mb],), finish, act_like=act_like)
+    execute(st, record=record, messages=messages)
+    if sent is not None:
+        sent.append(st.sent_bytes)
+    return total[0] if schedule.stages - 1 in stages else None
+
+
+def execute(st: _Step, *, record: list | None = None, messages: list | None = None) -> None:
+    """Run `st`'s rank's program to its end: every action, then every send waited for."""
+    schedule = st.schedule
     try:
         st.post_ahead()
-        for a in schedule.actions[rank]:
+        for a in schedule.actions[st.rank]:
             note(a)  # a hang report names the action a stuck rank waits in
             start = time.perf_counter()
-            _perform(st, a, xs, ys, loss_fn, n)
+            _perform(st, a)
             end = time.perf_counter()
             if record is not None and a.kind in COMPUTE:
                 record.append((a, start, end))
@@ -268,12 +293,9 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
             handle.wait()
     finally:
         note(None)
-    if sent is not None:
-        sent.append(st.sent_bytes)
-    return st.loss if schedule.stages - 1 in stages else None
 
 
-def _perform(st: _Step, a: Action, xs, ys, loss_fn, n: int) -> None:
+def _perform(st: _Step, a: Action) -> None:
     """One action of this rank's program."""
     schedule, rank, last = st.schedule, st.rank, st.schedule.stages - 1
     key = (a.stage, a.mb)
@@ -281,18 +303,25 @@ def _perform(st: _Step, a: Action, xs, ys, loss_fn, n: int) -> None:
     if a.kind == "RECV_ACT":
         st.inputs[key] = st.recv(a)
     elif a.kind == "F":
-        inp = xs[a.mb] if a.stage == 0 else st.inputs[key].requires_grad_()
-        out = module(inp)
+        if a.stage == 0:
+            inputs = st.feed(a.mb)
+        else:
+            inp = st.inputs[key]
+            inputs = (inp if st.forward_only else inp.requires_grad_(),)
+        out = module(*inputs, **st.kwargs(a.mb))
         if a.stage == last:
-            out = loss_fn(out, ys[a.mb]) * (len(ys[a.mb]) / n)
-            st.loss += out.item()
+            out = st.finish(out, a.mb)
         elif schedule.rank_of(a.stage + 1) == rank:
             # the next stage starts its own graph, so that B runs stage by stage
             st.inputs[(a.stage + 1, a.mb)] = out.detach()
+        if st.forward_only:
+            st.inputs.pop(key, None)  # no backward will read it
+            if a.stage == last:
+                return
         st.outputs[key] = out
         st.post_ahead()  # its gradient's receive may be next in the window
     elif a.kind == "SEND_ACT":
-        st.send(a, st.outputs[key])
+        st.send(a, st.outputs.pop(key) if st.forward_only else st.outputs[key])
     elif a.kind == "RECV_GRAD":
         st.out_grads[key] = st.recv(a)
     elif a.kind == "B":

@@ -5,7 +5,9 @@ A schedule is built for all ranks at once, before anything runs, so it can be pr
 message; one interpreter (`microddp.pipeline.runtime`) runs any of them.
 
 Stages are numbered 0..p*v-1 along the model. With v virtual stages per rank (interleaving),
-rank r holds stages r, r+p, r+2p, ...: stage s lives on rank s % p as its virtual stage s // p.
+rank r holds stages r, r+p, r+2p, ...: stage s lives on rank s % p as its virtual stage s // p
+(the "loop" placement; the "v" placement of ZB-V turns every other round back: rank r holds
+r and 2p-1-r, so the first and the last stage share rank 0).
 The four builders take any p >= 1 ranks and any m >= 1 micro-batches (fewer micro-batches than
 stages only makes a bigger bubble, so microddp allows it where torch refuses).
 """
@@ -52,6 +54,7 @@ class Schedule:
     microbatches: int
     actions: tuple[tuple[Action, ...], ...]
     virtual: int = 1
+    placement: str = "loop"  # or "v": see the module docstring
 
     @property
     def stages(self) -> int:
@@ -59,16 +62,23 @@ class Schedule:
         return self.ranks * self.virtual
 
     def rank_of(self, stage: int) -> int:
-        """The rank that runs `stage` (stages are dealt round-robin)."""
-        return stage % self.ranks
+        """The rank that runs `stage` (dealt round-robin, or back and forth for "v")."""
+        return place(stage, self.ranks, self.placement)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages `rank` runs, first to last."""
-        return [rank + k * self.ranks for k in range(self.virtual)]
+        return [s for s in range(self.stages) if self.rank_of(s) == rank]
 
     def peer(self, action: Action) -> int:
         """The rank a send's message goes to, or a receive's comes from."""
         return self.rank_of(peer_stage(action))
+
+
+def place(stage: int, p: int, placement: str = "loop") -> int:
+    """The rank of `stage` among p ranks: stage % p ("loop"), or with every other round of p
+    stages dealt backwards ("v": ZB-V's, rank r holds r and 2p-1-r)."""
+    k, i = divmod(stage, p)
+    return p - 1 - i if placement == "v" and k % 2 else i
 
 
 def peer_stage(action: Action) -> int:
@@ -108,7 +118,8 @@ def _check(p: int, m: int, v: int = 1) -> None:
 Op = tuple[str, int, int]  # (kind, stage, micro-batch): a compute action before comms are added
 
 
-def _with_comms(name: str, p: int, m: int, v: int, orders: list[list[Op]]) -> Schedule:
+def _with_comms(name: str, p: int, m: int, v: int, orders: list[list[Op]],
+                placement: str = "loop") -> Schedule:
     """Turn each rank's compute order into its program: a receive right before the compute
     that needs it, a send right after the compute that made it (between stages on different
     ranks only; neighbouring stages on one rank hand tensors over in memory)."""
@@ -121,17 +132,19 @@ def _with_comms(name: str, p: int, m: int, v: int, orders: list[list[Op]]) -> Sc
             prog.append(Action(r, kind, mb, s, s // p))
 
         for kind, s, mb in order:
-            if kind == "F" and s > 0 and (s - 1) % p != r:
+            below = s > 0 and place(s - 1, p, placement) != r
+            above = s < last and place(s + 1, p, placement) != r
+            if kind == "F" and below:
                 add("RECV_ACT", s, mb)
-            if kind in ("B", "I") and s < last and (s + 1) % p != r:
+            if kind in ("B", "I") and above:
                 add("RECV_GRAD", s, mb)
             add(kind, s, mb)
-            if kind == "F" and s < last and (s + 1) % p != r:
+            if kind == "F" and above:
                 add("SEND_ACT", s, mb)
-            if kind in ("B", "I") and s > 0 and (s - 1) % p != r:
+            if kind in ("B", "I") and below:
                 add("SEND_GRAD", s, mb)
         programs.append(tuple(prog))
-    return Schedule(name, p, m, tuple(programs), v)
+    return Schedule(name, p, m, tuple(programs), v, placement)
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -195,6 +208,24 @@ def _play(p: int, v: int, m: int, backward: str,
     return orders
 
 
+def megatron_orders(p: int, m: int, v: int, backward: str
+                    ) -> tuple[list[list[Op]], list[list[Op]], list[int]]:
+    """Each rank's forwards and its backwards (of kind `backward`, B or I) in Megatron-LM's
+    interleaved order, and how many micro-batches it may have in flight (warm-up + 1)."""
+
+    def key(op: Op, reverse: bool) -> tuple[int, int, int]:
+        k = op[1] // p
+        return (op[2] // p, v - 1 - k if reverse else k, op[2])
+
+    forwards, backwards, limit = [], [], []
+    for r in range(p):
+        ops = [(s, i) for s in range(r, p * v, p) for i in range(m)]
+        forwards.append(sorted((("F", s, i) for s, i in ops), key=lambda o: key(o, False)))
+        backwards.append(sorted(((backward, s, i) for s, i in ops), key=lambda o: key(o, True)))
+        limit.append(min((p - 1 - r) * 2 + (v - 1) * p, m * v) + 1)
+    return forwards, backwards, limit
+
+
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     """Interleaved 1F1B: each rank holds v non-adjacent stages (rank r: r, r+p, ...), so a
     micro-batch crosses the ranks v times and the fill and drain take 1/v as long.
@@ -211,16 +242,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         raise MicroDDPError(f"interleaved 1F1B needs v >= 2 virtual stages per rank, got {v}; "
                             "with one stage per rank use the 1f1b schedule")
 
-    def key(op: Op, reverse: bool) -> tuple[int, int, int]:
-        k = op[1] // p
-        return (op[2] // p, v - 1 - k if reverse else k, op[2])
-
-    forwards, backwards, limit, nf, nb = [], [], [], [0] * p, [0] * p
-    for r in range(p):
-        ops = [(s, i) for s in range(r, p * v, p) for i in range(m)]
-        forwards.append(sorted((("F", s, i) for s, i in ops), key=lambda o: key(o, False)))
-        backwards.append(sorted((("B", s, i) for s, i in ops), key=lambda o: key(o, True)))
-        limit.append(min((p - 1 - r) * 2 + (v - 1) * p, m * v) + 1)
+    forwards, backwards, limit = megatron_orders(p, m, v, "B")
+    nf, nb = [0] * p, [0] * p
 
     def pick(r: int, ready: Callable[[Op], bool]) -> Op | None:
         if nf[r] < m * v and nf[r] - nb[r] < limit[r] and ready(forwards[r][nf[r]]):
@@ -276,3 +299,13 @@ def build(name: str, p: int, m: int, v: int = 2) -> Schedule:
         raise MicroDDPError(f"unknown pipeline schedule {name!r}; choose one of "
                             f"{', '.join(BUILDERS)}")
     return interleaved_1f1b(p, m, v) if name == "interleaved" else BUILDERS[name](p, m)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """`schedule` without its backwards: each rank's forwards in the same order, for
+    evaluation. Dropping the backwards removes no message a forward waits for, so the
+    programs stay free of deadlock."""
+    orders = [[(a.kind, a.stage, a.mb) for a in program if a.kind == "F"]
+              for program in schedule.actions]
+    return _with_comms(f"{schedule.name}-forward", schedule.ranks, schedule.microbatches,
+                       schedule.virtual, orders, schedule.placement)

@@ -38,7 +38,7 @@ def _check_rank(schedule: Schedule, r: int) -> None:
             return _fail(schedule, r, i, a, rule, why)
 
         if (a.kind not in KINDS or a.rank != r or not 0 <= a.mb < m
-                or not 0 <= a.stage <= last or a.stage % p != r or a.virtual != a.stage // p):
+                or not 0 <= a.stage <= last or schedule.rank_of(a.stage) != r or a.virtual != a.stage // p):
             raise fail("well formed", f"kinds are {', '.join(KINDS)}, micro-batches 0..{m - 1}, "
                        f"and rank {r} holds stages {schedule.stages_of(r)}")
         s, mb = a.stage, a.mb
@@ -54,8 +54,8 @@ def _check_rank(schedule: Schedule, r: int) -> None:
                 raise fail("micro-batches in order",
                            f"stage {s} must run micro-batch {runs[order_kind, s]} first")
             runs[order_kind, s] += 1
-        local_below = s > 0 and (s - 1) % p == r
-        local_above = s < last and (s + 1) % p == r
+        local_below = s > 0 and schedule.rank_of(s - 1) == r
+        local_above = s < last and schedule.rank_of(s + 1) == r
         if a.kind == "F" and s > 0:
             has = ("F", s - 1, mb) in seen if local_below else ("RECV_ACT", s, mb) in seen
             if not has:
@@ -74,7 +74,7 @@ def _check_rank(schedule: Schedule, r: int) -> None:
             raise fail("W after I", "the weight gradient needs this micro-batch's I first")
         if a.kind in SENDS or a.kind in RECVS:
             peer = peer_stage(a)
-            if not 0 <= peer <= last or peer % p == r:
+            if not 0 <= peer <= last or schedule.rank_of(peer) == r:
                 raise fail("matched", f"stage {s} has no neighbour stage {peer} on another rank")
         if a.kind == "SEND_ACT" and ("F", s, mb) not in seen:
             raise fail("send after compute", "the activation is sent before F computed it")

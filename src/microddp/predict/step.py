@@ -138,9 +138,14 @@ def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str
     worth once there are more ranks than cores, when the host's CPU bound (`cpu_bound_s`)
     takes over.
     """
-    if world < 1 or batch <= 0:
+    if world < 1 or not 0 < batch < math.inf:
         raise MicroDDPError(f"world size and batch must be positive, got {world} and {batch}")
-    local = max(1, local_ranks)
+    if not 0 < bucket_mb < math.inf:
+        raise MicroDDPError(f"the bucket size must be a positive number of MB, got {bucket_mb}")
+    if local_ranks < 1 or grad_bytes < 1:
+        raise MicroDDPError(f"local ranks and bytes per gradient must be at least 1, got "
+                            f"{local_ranks} and {grad_bytes}")
+    local = local_ranks
     sharing = min(local, hw.cores) if hw.cores else local  # ranks running at once, each its share
     rate = hw.flops / sharing
     if hw.rank_flops:  # fewer ranks than cores: each has more threads, not more of the host
@@ -151,10 +156,10 @@ def predict(model: Model, hw: Hardware, world: int, batch: float, algorithm: str
     k = max(1, math.ceil(total / (bucket_mb * 2**20)))
     per_bucket = allreduce_time(total / k, world, hw, algorithm)
     comm = k * per_bucket
-    link_free = 0.0
-    for i in range(k):  # bucket i is full once (i+1)/k of backward is done
-        ready = forward + backward * (i + 1) / k
-        link_free = max(link_free, ready) + per_bucket
+    # Bucket i is full once (i+1)/k of backward is done and then holds the link for per_bucket;
+    # the last one ends at max over i of (ready_i + (k-i) * per_bucket), a linear function of
+    # i whose maximum lies at i = 0 or i = k-1: no loop over (possibly billions of) buckets.
+    link_free = max(forward + backward / k + k * per_bucket, forward + backward + per_bucket)
     hidden_end = forward + backward
     exposed_overlap = max(0.0, link_free - hidden_end) if world > 1 else 0.0
     exposed = exposed_overlap if overlap else comm
@@ -233,6 +238,22 @@ def save_calibration(hw: Hardware, path: str, pipeline: dict | None = None) -> N
 
 def load_calibration(path: str) -> tuple[Hardware, dict | None]:
     """The figures `save_calibration` wrote: the hardware, and the pipeline costs if any."""
-    saved = json.loads(Path(path).read_text())
-    pipeline = saved.pop("pipeline", None)
-    return Hardware(**saved), pipeline
+    try:
+        saved = json.loads(Path(path).read_text())
+        pipeline = saved.pop("pipeline", None)
+        hw = Hardware(**saved)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise MicroDDPError(f"{path} is not a calibration this microddp can read ({e}); run "
+                            "`microddp predict --calibrate` to write a new one") from None
+    bad = [f for f in ("flops", "bandwidth", "latency") if not _positive(getattr(hw, f))]
+    if bad:
+        raise MicroDDPError(f"{path} is not a calibration this microddp can read ({bad[0]} is "
+                            f"{getattr(hw, bad[0])!r}); run `microddp predict --calibrate` to "
+                            "write a new one")
+    return hw, pipeline
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf

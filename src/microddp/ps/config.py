@@ -75,9 +75,11 @@ def parse_straggler(text: str) -> dict[int, float]:
             if not sep:
                 raise ValueError
             out[int(rank)] = float(factor)
+            if not math.isfinite(out[int(rank)]):  # inf: a sleep no clock can hold
+                raise ValueError
         except ValueError:
-            raise MicroDDPError(f"straggler {part!r} is not RANK:FACTOR (e.g. 2:4 makes rank 2 "
-                                "four times slower)") from None
+            raise MicroDDPError(f"straggler {part!r} is not RANK:FACTOR with a finite FACTOR "
+                                "(e.g. 2:4 makes rank 2 four times slower)") from None
     return out
 
 

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(from_args(parser.parse_args(argv)))
     except MicroDDPError as e:
         print(f"microddp train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -235,6 +235,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if not (math.isfinite(cfg.monitor_timeout) and cfg.monitor_timeout >= 0):
         raise MicroDDPError(f"--monitor-timeout must be a finite number of seconds, at least 0 "
                             f"(0 turns the hang monitor off), got {cfg.monitor_timeout}")
+    if 0 < cfg.monitor_timeout < MIN_MONITOR_TIMEOUT_S:  # healthy ranks are that far apart
+        raise MicroDDPError(f"--monitor-timeout {cfg.monitor_timeout:g} s would report healthy "
+                            f"ranks as hung (they drift apart by more within a step); use at "
+                            f"least {MIN_MONITOR_TIMEOUT_S:g} s, or 0 to turn the monitor off")
+    if cfg.seed > MAX_SEED:  # NumPy's generators take 32 bits, torch's 64
+        raise MicroDDPError(f"--seed must be at most {MAX_SEED} (2**32 - 1), got {cfg.seed}")
+    _check_size(cfg)
     n = cfg.nproc if world_size is None else world_size
     if world_size is None:
         limit = max_sensible_nproc()
@@ -258,6 +265,27 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.resume and not (cfg.out or cfg.checkpoint_dir):
         raise MicroDDPError("--resume needs the run to continue: pass its --out DIR "
                             "(or --checkpoint-dir)")
+
+
+MIN_MONITOR_TIMEOUT_S = 1.0
+MAX_SEED = 2**32 - 1
+
+
+def _check_size(cfg: TrainConfig) -> None:
+    """A model that cannot fit in this host's memory is refused before a rank allocates it
+    (--hidden 10000000 asked the allocator for 400 TB, and every rank died of it)."""
+    widest_input = 64  # digits' 8x8 pixels; the synthetic set is narrower
+    params = widest_input * cfg.hidden + max(cfg.depth - 1, 0) * cfg.hidden ** 2 \
+        + cfg.hidden * 10 if cfg.depth else widest_input * 10
+    need = 4 * params * 2  # float32 parameters and their gradients, before any optimizer
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): let torch say it
+        return
+    if need > have:
+        raise MicroDDPError(f"--hidden {cfg.hidden} with --depth {cfg.depth} is a model of "
+                            f"{params:.3g} parameters, {need / 2**30:.3g} GiB with its gradients, "
+                            f"more than this host's {have / 2**30:.3g} GiB; use a smaller --hidden")
 
 
 def stages(cfg: TrainConfig, world_size: int) -> int:

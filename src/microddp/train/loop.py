@@ -23,6 +23,7 @@ from .. import checkpoint, monitor, outputs
 from .. import spans as trace
 from ..comms.world import World, distributed
 from ..data import ShardedBatchSampler, load_dataset
+from ..errors import MicroDDPError
 from ..trace import report as trace_report
 from . import resume, sharded, strategies
 from .build import Hook, Precision, build_model
@@ -62,6 +63,12 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     device = world.device
     data = load_dataset(cfg.dataset)
     train_set, test_set = data.train.to(device), data.test.to(device)
+    if cfg.batch_size * cfg.accumulate > len(train_set):  # a step would use samples twice
+        raise MicroDDPError(f"--batch-size {cfg.batch_size}"
+                            + (f" x --accumulate {cfg.accumulate}" if cfg.accumulate > 1 else "")
+                            + f" is more than the {len(train_set)} training samples of "
+                            f"{cfg.dataset}; one step can use each sample once: use at most "
+                            f"{len(train_set)} samples per step")
     module = build_model(cfg, data.in_features, data.n_classes, device)
     precision = Precision(cfg.amp, device)
     strategy = strategies.make(cfg, world, module, precision)
@@ -128,6 +135,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     first_epoch = sampler.epoch + (1 if sampler.position >= len(sampler) else 0)
     evaluated: dict = {}
     stopped = False
+    logged_step = step  # the step of the last progress line: a bad loss lies after it
     trained, run_t0 = 0, time.perf_counter()  # samples this run trained, for its samples/s
     for epoch in range(first_epoch, cfg.epochs):
         if cfg.max_steps and step >= cfg.max_steps:
@@ -160,6 +168,12 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
             if done % log_every == 0 or last:
                 meter.sync()  # every rank reaches this line at the same steps
                 loss, n = meter.take_interval()
+                if not math.isfinite(loss):  # the same summed loss on every rank: all stop
+                    raise MicroDDPError(
+                        f"the training loss became {loss} in steps {logged_step + 1}-{step} "
+                        f"(every rank stops here, before a checkpoint keeps it); lower "
+                        f"--lr (now {cfg.lr:g}) or look for bad inputs in those batches")
+                logged_step = step
                 now = time.perf_counter()
                 rate = n / max(now - last_log, 1e-9)
                 rep.progress(epoch, cfg.epochs, done, steps_per_epoch, step, loss, rate)

@@ -169,6 +169,7 @@ def _load(path: Path, map_location, mmap: bool = False) -> dict:
                             ) from None
     if not isinstance(out, dict):
         raise MicroDDPError(f"checkpoint file {path} is not a microddp shard")
+    checkpoint.verify(out, path)
     return out
 
 

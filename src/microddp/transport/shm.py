@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import MicroDDPError
+from ..errors import PeerError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "microddp-shm-"
@@ -342,4 +342,4 @@ class Flags:
                 text = _reporter(text) + f"\n({text})"
             except Exception:  # noqa: BLE001 (the report is a courtesy: our own words stand)
                 pass
-        raise MicroDDPError(text)
+        raise PeerError(text)
