@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # 16 tests, 2 ranks each
 HERE = Path(__file__).resolve().parent
 # What microddp's DDP does not do yet, in torch's DDP tests that torch's DDP passes here.
 KNOWN = {
