@@ -32,3 +32,17 @@ def _fresh_world():
 
     yield
     comms.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` (tests/test_cuda_parity.py) run with CUDA tensors: here without a
+    GPU they are skipped, saying why and how to run them where there is one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU (torch {torch.__version__} sees none); "
+                                   "on a machine with one: python -m pytest -m cuda -n 0")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -231,8 +231,8 @@ def test_parameters_in_different_memory_formats_fail_every_rank():
 
 def test_a_comm_hook_that_returns_no_future_is_named():
     for message in mdp.spawn(mismatch, 2, args=("hook",), timeout=60):
-        assert message.startswith("comm hook <lambda> returned Tensor, not a "
-                                  "torch.futures.Future")
+        assert message.startswith("callback must return a torch.futures.Future object, "
+                                  "but got Tensor: comm hook <lambda> returned Tensor;")
 
 
 def test_options_microddp_does_not_have_are_refused_by_name():
@@ -241,8 +241,6 @@ def test_options_microddp_does_not_have_are_refused_by_name():
         mdp.DDP(nn.Linear(2, 2), mixed_precision=object())
     with pytest.raises(MicroDDPError, match="unexpected argument 'find_unused_parameter'"):
         mdp.DDP(nn.Linear(2, 2), find_unused_parameter=True)
-    with pytest.raises(MicroDDPError, match="module 'e' has sparse=True"):
-        mdp.DDP(nn.ModuleDict({"e": nn.Embedding(5, 2, sparse=True)}))
     mdp.DDP(nn.Linear(2, 2), device_mesh=None, batched_grad_copy=False)  # torch's defaults: fine
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

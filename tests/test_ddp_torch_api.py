@@ -252,6 +252,7 @@ def test_every_torch_ddp_name_works_or_says_what_to_do():
         assert "ddp._get_ddp_logging_data()" in messages["logger"]
         assert "process_group=new_group" in messages["_update_process_group"]
         assert messages["reducer"].startswith("reducer._set_static_graph exists in PyTorch's")
-        assert messages["late static"].startswith("_set_static_graph() must be called before "
-                                                  "the first forward")
+        assert messages["late static"].startswith("_set_static_graph() should be called before "
+                                                  "training loop starts: before the first "
+                                                  "forward")
         assert "at least 1" in messages["rate"]

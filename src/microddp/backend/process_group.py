@@ -40,6 +40,7 @@ from ..shm.agreement import Check
 from ..shm.collectives import flat_data, open_shared
 from ..shm.group import SharedGroup
 from ..world.args import op_name
+from . import call_forms as forms
 from .work import LaneWork
 
 BackendType = dist.ProcessGroup.BackendType
@@ -119,9 +120,11 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
 
     # -- the collectives -------------------------------------------------------------------
 
-    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        """dist.all_reduce; DDP's buckets come here."""
-        opts = opts or dist.AllreduceOptions()
+    def allreduce(self, tensors=None, opts=None, op=None, timeout=None, *,
+                  tensor=None) -> dist.Work:
+        """dist.all_reduce; DDP's buckets come here. Every form of torch's (call_forms.py)."""
+        tensors, opts = forms.allreduce(tensor if tensors is None else tensors, opts, op,
+                                        timeout)
         op = _op(opts.reduceOp)
         takes = self._takes(tensors, op)
         fields = {"op": str(op), "shared_memory": takes, "tensors": len(tensors)}
@@ -139,10 +142,14 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
 
         return self._run("allreduce", body, tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+    def broadcast(self, tensors=None, opts=None, root=None, timeout=None, *,
+                  tensor=None) -> dist.Work:
         """dist.broadcast; DDP's construction sends rank 0's parameters and buffers here."""
-        opts = opts or dist.BroadcastOptions()
-        takes = opts.rootTensor == 0 and self._takes(tensors)
+        tensors, opts = forms.broadcast(tensor if tensors is None else tensors, opts, root,
+                                        timeout)
+        # a root outside the group goes to gloo too, which refuses it in its own words
+        takes = (opts.rootTensor == 0 and 0 <= opts.rootRank < self.size()
+                 and self._takes(tensors))
         fields = {"src": opts.rootRank, "shared_memory": takes, "tensors": len(tensors)}
         if not takes:
             return self._to_gloo_agreed("broadcast", _first(tensors), **fields).broadcast(
@@ -151,10 +158,12 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         check = self._check("broadcast", tensors[0], **fields)
         return self._run("broadcast", lambda g: g.broadcast(flat, root, check), tensors)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts=None) -> dist.Work:
+    def allgather(self, output_tensors=None, input_tensors=None, opts=None, timeout=None, *,
+                  input_tensor=None) -> dist.Work:
         """dist.all_gather; DDP's check that every rank has the same parameter shapes too."""
-        opts = opts or dist.AllgatherOptions()
+        output_lists, inputs, opts = forms.allgather(
+            output_tensors, input_tensor if input_tensors is None else input_tensors, opts,
+            timeout)
         takes = (self._takes(inputs) and len(output_lists) == 1
                  and _alike(output_lists[0], inputs[0], self.size()))
         fields = {"shared_memory": takes, "tensors": len(inputs)}
@@ -163,13 +172,16 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
                 output_lists, inputs, opts)
         outputs, flat = [flat_data(t) for t in output_lists[0]], flat_data(inputs[0])
         check = self._check("allgather", inputs[0], **fields)
+        # gloo's result(): the outputs as one flat list
         return self._run("allgather", lambda g: g.all_gather(outputs, flat, check),
-                         output_lists)
+                         output_lists[0])
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-                       opts=None) -> dist.Work:
+    def reduce_scatter(self, output_tensors=None, input_tensors=None, opts=None, op=None,
+                       timeout=None, *, output=None, input=None) -> dist.Work:  # noqa: A002
         """dist.reduce_scatter (a list of inputs per rank)."""
-        opts = opts or dist.ReduceScatterOptions()
+        outputs, input_lists, opts = forms.reduce_scatter(
+            output if output_tensors is None else output_tensors,
+            input if input_tensors is None else input_tensors, opts, op, timeout)
         op = _op(opts.reduceOp)
         takes = (self._takes(outputs, op) and len(input_lists) == 1
                  and _alike(input_lists[0], outputs[0], self.size()))
@@ -187,11 +199,11 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
 
         return self._run("reduce_scatter", body, outputs)
 
-    def barrier(self, opts=None) -> dist.Work:
+    def barrier(self, opts=None, timeout=None) -> dist.Work:
         """dist.barrier: behind every call issued before it, on both channels. gloo's barrier
         waits for the calls this group sent to gloo; then an all-reduce of one number on the
         lane, behind the calls sent to shared memory."""
-        opts = opts or dist.BarrierOptions()
+        opts = forms.barrier(opts, timeout)
         if self.shared is None:
             return self._to_gloo("barrier").barrier(opts)
         gloo = self.gloo.barrier(opts)

@@ -253,7 +253,7 @@ def choose(group=None) -> Hierarchy | None:
     hierarchically: only over the whole world, when its ranks span several hosts and some share
     one (MICRODDP_HIERARCHICAL=0 never; =1 also with one rank per host). Collective the first
     time: every rank must call it, as DDP's constructor does."""
-    if not distributed() or (group is not None and group is not dist.group.WORLD) or uses_nccl():
+    if (group is not None and group is not dist.group.WORLD) or not distributed() or uses_nccl():
         return None  # NCCL is topology-aware already: its rings and trees go by host
     world = dist.group.WORLD
     if world in _chosen:
@@ -276,6 +276,6 @@ def choose(group=None) -> Hierarchy | None:
 
 def chosen(group=None) -> Hierarchy | None:
     """What `choose` decided for `group`, without any communication (None if never asked)."""
-    if not distributed() or (group is not None and group is not dist.group.WORLD):
+    if (group is not None and group is not dist.group.WORLD) or not distributed():
         return None
     return _chosen.get(dist.group.WORLD)

@@ -9,7 +9,7 @@ sits above collectives/ and monitor/ and imports what it uses from them directly
 every layer (the process group, rendezvous, hosts) is world/.
 """
 
-from ..world.world import distributed
+from ..world.world import distributed, given_group
 from .ops import (
     REDUCE_OPS,
     Handle,
@@ -40,5 +40,5 @@ __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "distributed", "Handle",
     "REDUCE_OPS", "all_reduce", "all_reduce_mean", "broadcast", "all_gather", "reduce_scatter",
     "reduce", "scatter", "gather", "barrier", "send", "recv", "isend", "irecv", "new_group",
-    "group_size", "group_rank",
+    "group_size", "group_rank", "given_group",
 ]

@@ -35,6 +35,7 @@ from ..world.args import (
 from ..world.world import (
     World,
     distributed,
+    given_group,
     group_rank,
     group_size,
     group_timeout,
@@ -122,14 +123,15 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
                async_op: bool = False) -> Handle | None:
     """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
     name, problem = _all_reduce_problem(tensor, op)
-    if not distributed() or _outside(group):
+    given = given_group(group)  # its own methods, no default group needed, no shared memory
+    if not (given or distributed()) or (not given and _outside(group)):
         if problem is not None:
             raise problem
         if not distributed():
             return _done(async_op, result=[tensor])
         return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
     finish = _divide(tensor, group_size(group)) if name == "avg" else None
-    fast = all_reduce_path(tensor, name, group) if problem is None else None
+    fast = all_reduce_path(tensor, name, group) if problem is None and not given else None
     if fast is not None:  # shared memory between the ranks of this host (collectives/route.py)
         work = fast(tensor, name, group, async_op)  # checked in its own synchronisation
         if work is None and not async_op:  # done already, on this thread: no handle to make
@@ -137,7 +139,10 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
                 finish()
             return None
         return _result(work, async_op, finish)
-    _agree("all_reduce", group, problem, tensor, op=name)
+    if given and problem is not None:  # a group torch does not know: no agreement through it
+        raise problem
+    if not given:
+        _agree("all_reduce", group, problem, tensor, op=name)
     return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
                    async_op, finish)
 

@@ -9,9 +9,11 @@ PyTorch's own hooks (torch.distributed.algorithms.ddp_comm_hooks) work too.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from .. import collectives
 from ..collectives.hierarchical import chosen
@@ -19,6 +21,7 @@ from ..comms import all_reduce, distributed, group_size
 from ..errors import MicroDDPError
 from ..monitor.patch import failed_wait
 from .buckets import Bucket, bucket_view
+from .torch_errors import DDPTypeError, DDPValueError, torch_says
 
 Future = torch.futures.Future
 CommHook = Callable[[object, "GradBucket"], Future]
@@ -67,14 +70,52 @@ class GradBucket:
         return list(self._bucket.lengths)
 
 
+def check_hook(hook) -> None:
+    """Refuse, at registration, a hook that cannot work, with torch's error types and phrases:
+    not callable (TypeError), or annotated with a bucket that is not a GradBucket or a result
+    that is not a Future (ValueError). Unannotated hooks are checked by their result."""
+    if not callable(hook):
+        raise DDPTypeError(torch_says(
+            "Communication hook must be callable.",
+            f"It is called as hook(state, bucket) and returns a Future; got {hook!r}."))
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: its result is checked
+        return
+    params = list(sig.parameters.values())
+    bucket = (sig.parameters["bucket"] if "bucket" in sig.parameters
+              else params[1] if len(params) > 1 else None)
+    if bucket is not None and not _names(bucket.annotation, (dist.GradBucket, GradBucket),
+                                         "GradBucket"):
+        raise DDPValueError(torch_says(
+            "Communication hook: bucket annotation should be dist.GradBucket.",
+            f"The hook's bucket is annotated {bucket.annotation!r}; annotate it "
+            "dist.GradBucket, or leave it unannotated."))
+    if not _names(sig.return_annotation, (torch.futures.Future[torch.Tensor], Future),
+                  "Future"):
+        raise DDPValueError(torch_says(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor].",
+            f"The hook is annotated to return {sig.return_annotation!r}; a hook returns a "
+            "Future whose value is the averaged bucket."))
+
+
+def _names(annotation, types: tuple, word: str) -> bool:
+    """Whether `annotation` is empty, one of `types`, or a string naming `word` (a module with
+    `from __future__ import annotations` has strings, which torch's own check refuses)."""
+    if annotation is inspect.Parameter.empty or any(annotation == t for t in types):
+        return True
+    return isinstance(annotation, str) and annotation.split("[")[0].endswith(word)
+
+
 def check_future(hook: CommHook, fut) -> Future:
     """`fut`, what `hook` returned, if it is a Future (torch's contract for comm hooks)."""
     if not isinstance(fut, torch._C.Future):  # the base of torch.futures.Future and .then()'s
         name = getattr(hook, "__name__", repr(hook))
-        raise MicroDDPError(
-            f"comm hook {name} returned {type(fut).__name__}, not a torch.futures.Future; return "
-            "e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future() or, for a "
-            "result already computed, a Future with set_result(tensor)")
+        raise MicroDDPError(torch_says(
+            f"callback must return a torch.futures.Future object, but got {type(fut).__name__}:",
+            f"comm hook {name} returned {type(fut).__name__}; return e.g. "
+            "dist.all_reduce(bucket.buffer(), async_op=True).get_future() or, for a result "
+            "already computed, a Future with set_result(tensor)"))
     return fut
 
 

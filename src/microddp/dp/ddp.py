@@ -22,12 +22,14 @@ from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from ..collectives.hierarchical import choose as choose_hierarchy
-from ..comms import distributed
+from ..comms import distributed, given_group
 from ..errors import MicroDDPError
 from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
-from .comm_hooks import BUILTIN, CommHook
+from .comm_hooks import BUILTIN, CommHook, check_hook
+from .compiled import as_active, not_traced
 from .join import Join, TorchJoinHook
 from .reducer import Reducer
+from .sparse import SparseGrads, sparse_parameters
 from .sync import (
     broadcast_coalesced,
     global_rank,
@@ -52,7 +54,6 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         if not isinstance(module, nn.Module):
             raise MicroDDPError(f"DistributedDataParallel wraps an nn.Module, got "
                                 f"{type(module).__name__}")
-        _refuse_sparse(module)
         if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
             raise MicroDDPError("the module has parameters or buffers marked to be ignored by "
                                 "DDP (_set_params_and_buffers_to_ignore_for_model), which "
@@ -83,13 +84,13 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._torch_join: Join | None = None
         self._ever_joined = False  # for _get_ddp_logging_data's join_uneven_inputs
+        self._error: str | None = None  # the last error raised as torch's DDP logs it
         self._ddp_sink_clone = True  # torch's flag; microddp never clones outputs anyway
         self._has_buffers = any(True for _ in module.buffers())
-        names, params = _reducer_params(module)
         # Parameters frozen now get no hook: if one is unfrozen later, its gradient would stay
         # local and the replicas drift apart (torch's DDP lets them, silently).
         self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        if not params:
+        if not any(p.requires_grad for p in module.parameters()):
             raise MicroDDPError("the module has no parameter that requires a gradient, so there "
                                 "is nothing to average; wrap a trainable module")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
@@ -112,7 +113,12 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         """A new Reducer for the current settings (at wrapping, unpickling, _set_static_graph);
         a comm hook registered on the old one carries over, except on unpickling (as torch)."""
         old = self.__dict__.get("reducer")
-        names, params = _reducer_params(self.module)
+        sparse = sparse_parameters(self.module)
+        names, params = _reducer_params(self.module, skip=sparse)
+        # Sparse gradients go beside the buckets (sparse.py); None when there are none.
+        sparse_names, sparse_params = _reducer_params(self.module, keep=sparse)
+        self._sparse = (SparseGrads(sparse_params, sparse_names, self.process_group)
+                        if sparse_params else None)
         with torch.enable_grad():
             self.reducer = Reducer(params, names, self.process_group, self._caps[0],
                                    self._caps[1], self.find_unused_parameters,
@@ -139,6 +145,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         """The device of the module's parameters."""
         return next(self.module.parameters()).device
 
+    @not_traced  # under torch.compile, the module is compiled, not this (compiled.py)
     def forward(self, *inputs, **kwargs):
         """Run the module, first syncing buffers and preparing the reducer for this iteration's
         backward."""
@@ -163,10 +170,13 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
             inputs, kwargs = to_device((inputs, kwargs), self._input_device[0])
         if grad_sync:
             self.reducer.stats.forward_started()
-        output = self.module(*inputs, **kwargs)
+        with as_active(self):  # torch.compile splits the module's graph by bucket
+            output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             self.reducer.prepare_for_backward(list(output_tensors(output)))
+            if self._sparse is not None:
+                self._sparse.prepare_for_backward()
         # A forward that does not sync (no_sync, no_grad) leaves the reducer as it was, as in
         # torch: an earlier syncing forward's backward still averages its gradients.
         return output
@@ -220,10 +230,18 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
                 raise MicroDDPError(f"unknown built-in hook {hook!r}; choose one of "
                                     f"{', '.join(BUILTIN)}")
             hook = BUILTIN[hook]
-        if not callable(hook):
-            raise MicroDDPError(f"a comm hook must be callable as hook(state, bucket), got {hook!r}")
+        try:
+            check_hook(hook)  # torch's TypeError/ValueError, and microddp's advice
+        except MicroDDPError as e:
+            raise self._logged(e) from None
+        if self._sparse is not None:
+            raise MicroDDPError(f"parameter '{self._sparse.names[0]}' has sparse gradients "
+                                "(sparse=True), which microddp averages without comm hooks; "
+                                "build the embedding with sparse=False to use a hook")
         if self.reducer.comm_hook is not None:
-            raise MicroDDPError("register_comm_hook can be called only once per model")
+            raise self._logged(MicroDDPError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once. This "
+                "model already has a comm hook; wrap the module again to use another one"))
         self.reducer.comm_hook, self.reducer.comm_state = hook, state
 
 
@@ -256,21 +274,15 @@ def _refuse_unfrozen(frozen: list[tuple[str, nn.Parameter]]) -> None:
             "changing requires_grad (torch's DDP has the same rule, unchecked)")
 
 
-def _refuse_sparse(module: nn.Module) -> None:
-    """Sparse gradients (an Embedding with sparse=True) do not fit a flat dense bucket."""
-    for name, mod in module.named_modules():
-        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
-            raise MicroDDPError(f"module '{name or type(mod).__name__}' has sparse=True, whose "
-                                "sparse gradients microddp's dense buckets cannot average; build "
-                                "it with sparse=False, or use torch's DDP for this model")
-
-
-def _reducer_params(module: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
-    """Trainable parameters in module order, each once even if tied (shared) between layers."""
+def _reducer_params(module: nn.Module, skip: set = frozenset(), keep: set | None = None
+                    ) -> tuple[list[str], list[nn.Parameter]]:
+    """Trainable parameters in module order, each once even if tied (shared) between layers;
+    without those in `skip`, and only those in `keep` if given."""
     names, params, seen = [], [], set()
     for mod_name, mod in module.named_modules():
         for name, p in mod.named_parameters(recurse=False):
-            if p.requires_grad and p not in seen:
+            if p.requires_grad and p not in seen and p not in skip and (
+                    keep is None or p in keep):
                 seen.add(p)
                 names.append(f"{mod_name}.{name}" if mod_name else name)
                 params.append(p)
@@ -300,7 +312,7 @@ def _device_ids(module: nn.Module, device_ids) -> list[torch.device] | None:
 def _refuse_off_gpu(module: nn.Module, group, buffers: bool) -> None:
     """NCCL moves CUDA tensors only: a module left on the CPU would fail in the first
     broadcast with the backend's error, not one that says to move it."""
-    if not distributed() or str(dist.get_backend(group)) != "nccl":
+    if given_group(group) or not distributed() or str(dist.get_backend(group)) != "nccl":
         return
     tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
     off = sorted({str(t.device) for t in tensors if t.device.type != "cuda"})

@@ -4,7 +4,8 @@ Monitoring code and scripts written for PyTorch's DDP read it (Lightning reads i
 so the keys and their formats are torch's: ints, or strings with lists joined by ", ".
 Keys for which microddp has no fact (CUDA-only ones, or torch's C++ logger's own) are left out,
 as torch leaves out what does not apply. Times are nanoseconds, as torch's, measured on the
-first 10 iterations and then one in `sample_rate` (100 unless set), as torch samples them.
+first 10 iterations and then one in `sample_rate` (100 unless set), as torch samples them;
+as in torch, a sampled forward publishes the iteration before it, and `iteration` says which.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comms import distributed, group_rank, group_size
+from ..comms import distributed, given_group, group_rank, group_size
 
 FIRST_SAMPLED = 10  # torch records every one of the first 10 iterations
 DEFAULT_SAMPLE_RATE = 100  # torch's kDDPRuntimeLoggingSampleRate
@@ -41,14 +42,32 @@ class RuntimeStats:
         self.at: dict[str, int] = {}
         self.last: dict[str, int] = {}  # the latest sampled iteration's events and times
         self.sums = {"forward": 0, "compute": 0, "comm": 0, "overlap": 0}
-        self.sampled = 0
+        self.sampled_count = 0
+        self.pending: dict = {}  # this iteration's times, until the next forward publishes them
+
+    def sampled(self, n: int) -> bool:
+        """torch's rule for the forward that follows `n` earlier ones: the first ten, then one
+        in `sample_rate`."""
+        return n > 0 and (n <= FIRST_SAMPLED or n % self.sample_rate == 0)
 
     def forward_started(self) -> None:
-        """Start an iteration; sample it if it is one of the first ones or every
-        `sample_rate`-th."""
+        """Start an iteration. As torch's logger: a sampled forward publishes the times of the
+        iteration before it under `iteration` (the number of forwards so far), and this
+        iteration is timed only if the next forward will publish it."""
+        n = self.iterations
+        if self.sampled(n) and self.pending:
+            for k, v in self.pending.items():
+                if k in self.sums:
+                    self.sums[k] += v
+            self.sampled_count += 1
+            self.last = {**self.pending.pop("events"), "iteration": n,
+                         "forward_compute_time": self.pending["forward"],
+                         "backward_compute_time": self.pending["compute"],
+                         "backward_comm_time": self.pending["comm"],
+                         "backward_compute_comm_overlap_time": self.pending["overlap"]}
+        self.pending = {}
         self.iterations += 1
-        n = self.iterations - 1
-        self.on = n < FIRST_SAMPLED or n % self.sample_rate == 0
+        self.on = self.sampled(n + 1)
         self.at = {}
         if self.on:
             self.mark("forward_compute_time_start")
@@ -69,20 +88,14 @@ class RuntimeStats:
                  "comm": at["backward_comm_time_end"] - at["backward_comm_time_start"],
                  "overlap": max(0, at["backward_compute_time_end"]
                                 - at["backward_comm_time_start"])}
-        for k, v in times.items():
-            self.sums[k] += v
-        self.sampled += 1
-        self.last = {**at, "forward_compute_time": times["forward"],
-                     "backward_compute_time": times["compute"],
-                     "backward_comm_time": times["comm"],
-                     "backward_compute_comm_overlap_time": times["overlap"]}
+        self.pending = {**times, "events": dict(at)}  # published by the next forward
         self.on = False
 
     def averages(self) -> dict[str, int]:
         """Mean nanoseconds per sampled iteration, under torch's `DDPLoggingData` names."""
-        if not self.sampled:
+        if not self.sampled_count:
             return {}
-        n = self.sampled
+        n = self.sampled_count
         return {"avg_forward_compute_time": self.sums["forward"] // n,
                 "avg_backward_compute_time": self.sums["compute"] // n,
                 "avg_backward_comm_time": self.sums["comm"] // n,
@@ -96,7 +109,7 @@ def _joined(values) -> str:
 def logging_data(ddp: nn.Module) -> dict:
     """The dictionary `_get_ddp_logging_data()` returns (see the module docstring)."""
     reducer, group = ddp.reducer, ddp.process_group
-    on = distributed()
+    on = distributed(group) or distributed()  # a given group first: no world formed
     params = reducer.params
     sizes = [b.nbytes for b in reducer.buckets]
     data = {
@@ -111,7 +124,8 @@ def logging_data(ddp: nn.Module) -> dict:
         "find_unused_parameters": int(ddp.find_unused_parameters),
         "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
         "static_graph": int(ddp.static_graph),
-        "backend_name": str(dist.get_backend(group)) if on else "none",
+        "backend_name": (group.name() if given_group(group) else str(dist.get_backend(group))
+                         if on else "none"),
         "dtypes": _joined(sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype).replace("torch.", ""))
                                   for p in params})),
         "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -119,11 +133,11 @@ def logging_data(ddp: nn.Module) -> dict:
         "is_multi_device_module": int(len({p.device for p in params}) > 1),
         "has_sync_bn": int(any("SyncBatchNorm" in type(m).__name__
                                for m in ddp.module.modules())),
-        "iteration": max(0, reducer.stats.iterations - 1),
         "num_buckets_reduced": len(reducer.buckets),
         "unused_parameter_size": sum(params[i].numel() * params[i].element_size()
                                      for i in reducer.unused),
         "has_rebuilt_buckets": int(reducer.has_rebuilt),
+        "iteration": 0,  # until a sampled forward publishes one (stats.last)
     }
     key = "rebuilt_bucket_sizes" if reducer.has_rebuilt else "bucket_sizes"
     data["bucket_sizes"] = data.get("bucket_sizes", _joined(reducer.first_sizes))
@@ -136,6 +150,8 @@ def logging_data(ddp: nn.Module) -> dict:
                                     .__name__)
     if ddp._ever_joined:
         data["join_uneven_inputs"] = 1
+    if getattr(ddp, "_error", None) is not None:  # unpickled from an older version: none
+        data["has_error"], data["error"] = 1, ddp._error
     for name, var in _ENV.items():
         data[name] = os.environ.get(var, "N/A")
     data.update(reducer.stats.last)

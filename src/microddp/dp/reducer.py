@@ -33,7 +33,6 @@ from .double_backward import DoubleBackward
 from .grads import GradCopier, Lender
 from .logging_data import RuntimeStats
 from .refusals import refusal
-from .sync import global_rank
 from .unused import accumulators, find_unused, no_gradient
 
 # Gradients of at least this many elements are copied into their bucket the moment they are
@@ -130,8 +129,8 @@ class Reducer(DoubleBackward):
         if not self.rebuild_due:
             return False
         order = torch.tensor(self.arrival, dtype=torch.int64, device=self.params[0].device)
-        if distributed():
-            dist.broadcast(order, global_rank(self.group, 0), self.group)
+        if distributed(self.group):
+            dist.broadcast(order, group=self.group, group_src=0)
         self.set_buckets(plan_buckets(self.params, self.caps, order=order.tolist()))
         self.rebuild_due, self.will_rebuild, self.arrival = False, False, []
         self.has_rebuilt = True

@@ -41,8 +41,8 @@ ADVICE = {
     "logger": "it is torch's C++ logger; read ddp._get_ddp_logging_data() instead",
     "_register_fused_optim": "microddp does not run the optimizer inside backward; call "
                              "optimizer.step() after loss.backward()",
-    "_set_sparse_metadata": "microddp averages dense gradients only (sparse=True embeddings "
-                            "are refused at wrapping)",
+    "_set_sparse_metadata": "microddp finds sparse gradients by their modules (Embedding "
+                            "or EmbeddingBag with sparse=True), as torch does without it",
     "_update_process_group": "wrap the module again with "
                              "DistributedDataParallel(module, process_group=new_group)",
     "_use_python_reducer": "it selects torch's reducer for compiled autograd; microddp has "

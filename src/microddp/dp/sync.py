@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..comms import distributed
+from ..comms import distributed, given_group, group_size
 from ..errors import MicroDDPError
 from ..transport.objects import all_gather_values
 from .buckets import MiB, plan_buckets
@@ -22,8 +22,11 @@ _preserve_version = getattr(torch.autograd, "_unsafe_preserve_version_counter", 
 
 
 def global_rank(group, group_rank: int) -> int:
-    """The global rank of `group_rank` in `group` (collectives take global ranks)."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+    """The global rank of `group_rank` in `group` (collectives take global ranks). A group
+    torch does not know (comms.given_group) is its own world: the same number."""
+    if group is None or given_group(group):
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
 
 
 @torch.no_grad()
@@ -36,12 +39,14 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, group=Non
     autograd version counters alone, so a buffer an earlier forward saved for its backward
     (eval-mode BatchNorm) does not make that backward fail."""
     tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors or not distributed():
+    if not tensors or not distributed(group):
         return
+    # A group torch does not know takes the root as its own rank (src is one: global_rank)
+    root = {"group_src": src} if given_group(group) else {"src": src}
     for indices in plan_buckets(tensors, [bucket_bytes]):
         chunk = [tensors[i] for i in indices]
         flat = _flatten_dense_tensors([t.detach() for t in chunk])
-        dist.broadcast(flat, src, group)
+        dist.broadcast(flat, group=group, **root)
         for t, new in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
             with _preserve_version(t) if keep_versions else nullcontext():
                 t.copy_(new)
@@ -68,7 +73,7 @@ def describe(module: nn.Module, buffers: bool = True) -> list[tuple]:
 def verify_same_model(module: nn.Module, group=None, buffers: bool = True) -> None:
     """Raise MicroDDPError on every rank (not a hang on some) if the replicas' layouts differ.
     `buffers`: compare the buffers too (they will be overwritten with rank 0's)."""
-    if not distributed():
+    if not distributed(group):
         return
     mine = describe(module, buffers)
     # JSON turns tuples into lists; back to tuples, so every rank's entries compare and print alike

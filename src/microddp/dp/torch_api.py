@@ -22,6 +22,7 @@ from .comm_hooks import BUILTIN
 from .logging_data import logging_data
 from .refusals import TORCH_NAMES, refusal
 from .sync import BROADCAST_BUCKET_BYTES
+from .torch_errors import DDPValueError, torch_says
 
 _BUILTIN_HOOKS = {"ALLREDUCE": "allreduce", "FP16_COMPRESS": "fp16_compress"}
 
@@ -37,7 +38,7 @@ class TorchDDPApi:
                                 "copy.deepcopy) only when it uses the default process group, "
                                 "as with torch's; save ddp.module instead, or its state_dict()")
         state = dict(self.__dict__)
-        for name in ("reducer", "_join", "_torch_join", "process_group"):
+        for name in ("reducer", "_sparse", "_join", "_torch_join", "process_group"):
             state.pop(name, None)
         return state
 
@@ -54,9 +55,10 @@ class TorchDDPApi:
                           stacklevel=2)
             return
         if self.reducer.stats.iterations:
-            raise MicroDDPError("_set_static_graph() must be called before the first forward "
-                                "(the first iteration is the one that learns the graph); call "
-                                "it right after wrapping, or pass static_graph=True")
+            raise self._logged(MicroDDPError(
+                "_set_static_graph() should be called before training loop starts: before the "
+                "first forward (the first iteration is the one that learns the graph); call it "
+                "right after wrapping, or pass static_graph=True"))
         if self.find_unused_parameters:
             warnings.warn("find_unused_parameters=True is not needed with _set_static_graph(): "
                           "the first iteration finds the unused parameters, which must then "
@@ -65,6 +67,12 @@ class TorchDDPApi:
         self._build_reducer()
 
     # -- logging -----------------------------------------------------------------------------
+    def _logged(self, error: Exception) -> Exception:
+        """`error`, also kept for _get_ddp_logging_data's has_error and error (torch's
+        _log_and_throw records what its DDP raises the same way)."""
+        self._error = str(error)
+        return error
+
     def _get_ddp_logging_data(self) -> dict:
         """torch's dictionary of facts and average times (see logging_data.py for the keys)."""
         return logging_data(self)
@@ -72,8 +80,9 @@ class TorchDDPApi:
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Time the first 10 iterations, then one in `sample_rate` (torch's rule)."""
         if not isinstance(sample_rate, int) or sample_rate < 1:
-            raise MicroDDPError(f"the runtime logging sample rate must be an integer of at "
-                                f"least 1, got {sample_rate!r}")
+            raise self._logged(DDPValueError(torch_says(
+                "DDP runtime logging sample rate should be equal or greater than 1.",
+                f"It must be an integer of at least 1, got {sample_rate!r}.")))
         self.reducer.stats.sample_rate = sample_rate
 
     # -- torch's other attributes, with torch's meaning ---------------------------------------

@@ -1,6 +1,8 @@
 """Is this machine ready for microddp? The checks behind `microddp doctor`: the backends, a
 loopback port, and a live 2-rank all-reduce, once through torch's all_reduce and once through
-microddp's ring (send/recv alone: a host can pass one and fail the other).
+microddp's ring (send/recv alone: a host can pass one and fail the other). Also whether a
+plain `import torch` registers the "microddp" torch.distributed backend (its entry point), or a
+script needs `import microddp.backend` first.
 
 They live here, above collectives and beside spawn, because they start ranks and run a ring.
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import platform
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -80,6 +84,19 @@ def live_checks(spawn: Callable, backend: str) -> list[tuple[str, bool, str]]:
             (f"live {name}ring_all_reduce", ring, ring_detail)]
 
 
+def backend_autoloads() -> bool:
+    """Whether a plain `import torch` registers the "microddp" backend: microddp's
+    `torch.backends` entry point is installed and torch's autoloading is on. Asked of a fresh
+    interpreter: this one may have imported microddp.backend already."""
+    code = "import torch.distributed as d; print('microddp' in d.Backend.backend_list)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip().endswith("True")
+
+
 def diagnose(skip_live: bool = False) -> int:
     """Print what this machine offers (python, torch, CUDA, backends) and an ok/FAIL line per
     check; return 0 when microddp can run here, else 1. skip_live leaves out the 2-rank tests,
@@ -99,6 +116,10 @@ def diagnose(skip_live: bool = False) -> int:
     backends = {b: backend_available(b) for b in ("nccl", "gloo", "mpi", "ucc")}
     print("backends  " + "  ".join(f"{b}:{'yes' if ok else 'no'}" for b, ok in backends.items()))
     checks.append(("gloo backend", backends["gloo"], "needed for CPU training"))
+    autoloads = backend_autoloads()
+    print("microddp  torch.distributed backend " + (
+        'registered by `import torch` (dist.init_process_group("microddp") works as it is)'
+        if autoloads else "registered only by `import microddp.backend`"))
     ok, msg = loopback_port()
     checks.append(("loopback port", ok, msg))
     if not skip_live:
@@ -113,6 +134,11 @@ def diagnose(skip_live: bool = False) -> int:
         advice.append("GPUs but no NCCL: install a CUDA build of torch for fast GPU collectives")
     if gpus:
         advice.append(f"start at most {gpus} processes per host (one per GPU)")
+    if not autoloads:
+        from ..backend import IMPORT_HINT
+
+        advice.append(f"{IMPORT_HINT} (its torch.backends entry point is not installed here: "
+                      "`pip install -e .` again, or TORCH_DEVICE_BACKEND_AUTOLOAD=0 is set)")
     for line in advice:
         print(f"note: {line}")
     healthy = all(good for _, good, _ in checks)

@@ -193,6 +193,7 @@ def _report(first: _Worker, workers: list[_Worker]) -> None:
 
 # What a failing rank's last lines show, and what to do about it, where torch's words do not say.
 HINTS = {
+    # the same words as microddp.backend.IMPORT_HINT (that module imports torch; this one not)
     "Unknown backend type microddp": 'the "microddp" backend is registered by `import '
     'microddp.backend`: add that line before dist.init_process_group("microddp")',
 }

@@ -82,7 +82,12 @@ def _detail(arguments: dict) -> str:
 
 def _outside(group: Any) -> bool:
     """This rank is not in `group`: torch (and microddp) skip the call, nobody waits for it."""
-    return group is not None and group is not dist.GroupMember.WORLD and dist.get_rank(group) < 0
+    if group is None or group is dist.GroupMember.WORLD:
+        return False
+    try:
+        return dist.get_rank(group) < 0
+    except (ValueError, RuntimeError):  # a group torch does not know (built directly, or a
+        return False  # Python one): it has no global ranks, and this rank is in it
 
 
 def _backend(group: Any) -> str:

@@ -68,23 +68,40 @@ def distributed(group=None) -> bool:
     to talk through, and a DDP built afterwards must act alone rather than fail.
 
     With `group`, also "does `group` hold more than one rank?": False for a group of one (or
-    one this rank is not in: torch gives its size as -1), where a reduction is the identity.
+    one this rank is not in: torch gives its size as -1), where a reduction is the identity;
+    True for a group torch does not know (given_group), even of one, and with no default group.
     Without `group` the size is not asked: a one-rank world formed through a store
     (`init(world_size=1, init_method=...)`) still talks through its group, as in torch.
     """
+    if given_group(group):
+        return True
     if not (get_world().distributed and dist.is_initialized()):
         return False
     return group is None or dist.get_world_size(group) > 1
 
 
+def given_group(group) -> bool:
+    """Whether `group` is a ProcessGroup that torch's registry does not know: built directly
+    (`ProcessGroupGloo(store, rank, size)`) or a Python subclass, used with or without a
+    default group. It answers for itself (its size, its rank: group and world are one to it),
+    and it is always talked through, even alone, as torch's DDP talks through a group it is
+    given: its methods may do more than move bytes."""
+    return (isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD
+            and group not in dist.distributed_c10d._world.pg_group_ranks)
+
+
 def group_size(group=None) -> int:
     """How many ranks `group` holds (the whole world when None); 1 in a world of one.
     -1 if this rank is not in `group` (torch's answer)."""
+    if given_group(group):
+        return group.size()
     return dist.get_world_size(group) if distributed() else 1
 
 
 def group_rank(group=None) -> int:
     """This process's rank inside `group` (-1 if it is not a member); 0 in a world of one."""
+    if given_group(group):
+        return group.rank()
     return dist.get_rank(group) if distributed() else 0
 
 
@@ -160,6 +177,11 @@ def choose_backend(backend: str | None, local_rank: int,
         needed = local_rank + 1 if local_world_size is None else local_world_size
         return "nccl" if dist.is_nccl_available() and needed <= _gpus() else "gloo"
     backend = backend.lower()
+    if backend == "microddp":  # torch's plugin name, for scripts that do not call init
+        raise MicroDDPError('backend "microddp" is the name of microddp\'s torch.distributed '
+                            'backend, for a plain PyTorch script\'s dist.init_process_group('
+                            '"microddp") after `import microddp.backend`; init() takes gloo or '
+                            'nccl and uses shared memory on one host by itself: drop the argument')
     if backend not in BACKENDS:
         raise MicroDDPError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not backend_available(backend):
