@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..comms import distributed, given_group, group_size
+from ..comms import distributed, given_group
 from ..errors import MicroDDPError
 from ..transport.objects import all_gather_values
 from .buckets import MiB, plan_buckets
