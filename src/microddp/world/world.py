@@ -155,6 +155,11 @@ def uses_nccl(group=None) -> bool:
     """Whether CUDA tensors on `group` travel through NCCL: its backend is nccl, torch's
     per-device "cpu:gloo,cuda:nccl", or "undefined" (what init_process_group() without a
     backend gives since torch 2.6: gloo for CPU tensors, NCCL for CUDA ones, chosen lazily)."""
+    if given_group(group):  # not in torch's registry: the group names its own backend
+        try:
+            return "nccl" in str(group.name()).lower()
+        except (AttributeError, RuntimeError):
+            return False
     name = str(dist.get_backend(group))
     if name == "undefined":
         return dist.is_nccl_available() and torch.cuda.is_available()
