@@ -80,7 +80,7 @@ class Server:
                                     momentum=config.momentum))
         workers = list(range(1, world_size))
         self.live = set(workers)  # neither lost nor gone after its goodbye
-        self.ssp = Staleness(config.staleness, config.backup_workers)
+        self.ssp = Staleness(config.staleness, config.backup_workers, shards=len(workers))
         self.clock = dict.fromkeys(workers, 0)  # the global batch each worker computes next
         self.sent_at: dict[int, float] = {}
         self.stopping = False
