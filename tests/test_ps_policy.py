@@ -74,7 +74,7 @@ def test_a_global_batch_of_async_updates_moves_as_far_as_one_sync_step(bound):
     rate, which with momentum 0.9 is what kept `--staleness 8` at 56% test accuracy."""
     grads = [torch.tensor([1.0, -2.0]), torch.tensor([3.0, 0.5]), torch.tensor([-1.0, 4.0])]
     sync = Staleness(0, shards=3)
-    for w, g in enumerate(grads):
+    for w in range(len(grads)):
         sync.sent(w)
     for w, g in enumerate(grads):
         sync.arrived(Held(w, 0, g, 1))
