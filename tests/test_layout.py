@@ -18,13 +18,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # docs/architecture.md draws this picture.
 LAYERS = [
     ("errors", "outputs", "model", "spans", "timing"),   # shared by everything
+    ("gpt",),                  # the transformer and its text (no distributed code)
     ("upcalls",),              # what comms calls above it: filled by __init__, read by comms
     ("comms",),                # world, rendezvous, typed ops
     ("transport",),            # how two ranks move bytes
     ("collectives",),          # algorithms over transport
     ("backend",),              # torch.distributed's "microddp" backend over the collectives
     ("monitor",),              # hang and desync reports over comms and collectives
-    ("dp", "pipeline", "zero", "ps", "data", "checkpoint"),  # parallelism; what a job reads, keeps
+    ("dp", "pipeline", "zero", "ps", "tp", "data", "checkpoint"),  # parallelism; what a job reads, keeps
     ("flags",),                # command-line checks (engine names come from dp)
     ("launch",),               # starting ranks
     ("trace",),                # traced runs of the engines

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import operator
+import sys
 import zlib
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ import torch
 
 from ..errors import MicroDDPError
 from ..transport.peers import Peers, wait_all
-from . import shm
+from . import shm, shm_checked
 from .checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
 from .shm_agree import SharedAgreement
 from .sized_tags import settle
@@ -157,7 +158,10 @@ def shared_agreement(peers: Peers) -> SharedAgreement | None:
     if peers.nccl:
         return None
     state = shm.shared(peers.group)
-    return None if state is None else state.group.agreement
+    if state is None:
+        return None
+    state.lane.drain()  # its queued calls agree here too, before this one
+    return state.group.agreement
 
 
 def _agree_in_memory(peers: Peers, box: SharedAgreement, mine: array.array, where: str,
@@ -311,3 +315,6 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
         agreed = peers.global_rank(root) if check and root_problem is None else group_root
     agree(peers, where, home(tensor, peers), problem, check, **fields, **{root_name: agreed})
     return peers, root, name, items
+
+
+shm_checked.use(sys.modules[__name__])  # shared-memory calls agree as agree() does (shm_checked.py)

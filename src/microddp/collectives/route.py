@@ -35,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import shm
+from ..transport.peers import Peers
+from . import agree, shm, shm_checked
 from .shm_group import DTYPES, SharedGroup
 
 OPS = frozenset({"sum", "avg", "product", "min", "max"})
@@ -80,7 +81,8 @@ def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | Non
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
     """comms.all_reduce over shared memory (the monitor logs it as all_reduce): torch's
-    contract, a Work when async_op, else None once done."""
+    contract, a Work when async_op, else None once done. `op` "avg" sums (comms divides);
+    the ranks' calls are checked in the call's own synchronisation (shm_checked.py)."""
     return shm.all_reduce_unversioned(tensor, op, group, async_op)
 
 
@@ -100,12 +102,37 @@ def intra_host_path(tensor: torch.Tensor, op: str, group) -> SharedGroup | None:
     return state.group if state is not None else None
 
 
+def agree_call(where: str, group, problem: Exception | None, tensor=None, **more) -> None:
+    """Before a comms call that goes through the group's backend: raise the same
+    MicroDDPError on every rank unless all passed alike `tensor`'s shape, dtype and device and
+    `more` (this rank's `problem`, found by its own checks, is shared first). Through the
+    group's shared memory, in order with its calls there, where it has some; else the
+    butterfly of agree.py through gloo. Not on NCCL, and not for all_reduce off shared
+    memory: there the agreement is a round of messages the caller waits for before the call
+    starts, in front of every DDP bucket (whose shapes DDP checked when it was built), and an
+    asynchronous call would no longer overlap anything."""
+    fields = (shm_checked.all_reduce_fields(tensor, more["op"]) if where == "all_reduce"
+              else shm_checked.tensor_fields(tensor, **more))
+    if shm.agree_in_order(group, where, fields, problem):
+        return
+    peers = Peers(group)
+    if peers.nccl or where in ("all_reduce", "barrier"):  # a barrier's round is the barrier
+        if problem is not None:
+            raise problem
+        return
+    agree.agree(peers, where, torch.device("cpu"), problem, **fields)
+
+
 class Route:
     """What microddp.comms asks (comms/route.py's protocol)."""
 
     def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
         """See the module's all_reduce_path."""
         return all_reduce_path(tensor, op, group)
+
+    def agree(self, where: str, group, problem: Exception | None, tensor=None, **more) -> None:
+        """See the module's agree_call."""
+        agree_call(where, group, problem, tensor, **more)
 
     def prepare(self, group) -> None:
         """Decide now, collectively, whether `group` uses shared memory (and attach it)."""

@@ -21,6 +21,11 @@ class Route(Protocol):
     def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
         """all_reduce(tensor, op, group, async_op) to call instead of the backend's, or None."""
 
+    def agree(self, where: str, group, problem: Exception | None, tensor=None, **more) -> None:
+        """Raise the same MicroDDPError on every rank of `group` unless all of them called
+        `where` with alike `tensor` (shape, dtype, device) and `more` (op, src, ...); this
+        rank's `problem`, if any, is raised here after the others have heard of it."""
+
     def prepare(self, group) -> None:
         """Set `group`'s paths up now: a collective step, called where every rank of the group
         is at the same point (init, new_group), so that the first call finds them ready."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .. import checkpoint, outputs
 from ..comms.world import World, distributed
 from ..errors import MicroDDPError
+from ..transport.objects import all_gather_values
 
 FORMAT = 1
 MANIFEST, COMMON = "manifest.json", "common.pt"
@@ -117,9 +118,7 @@ def _barrier() -> None:
 def _gather(value, world: World) -> list:
     if not distributed():
         return [value]
-    out = [None] * world.world_size
-    dist.all_gather_object(out, value)
-    return out
+    return all_gather_values(value)
 
 
 def read(folder: str | Path, map_location: torch.device | str = "cpu") -> dict:
