@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .. import spans as trace
+from .. import spans
 from ..timing import straggle
 from .config import SERVER, PSConfig
 from .flat import FlatModel
@@ -40,7 +40,7 @@ def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> Work
     while True:
         t0 = time.perf_counter()
         try:
-            with trace.span("wait for parameters", track="comm_wait"):
+            with spans.span("wait for parameters", track="comm_wait"):
                 head, _ = recv(SERVER, numel, config.server_timeout, into=flat.params)
         except RuntimeError as e:  # gloo: connection closed, or nothing for server_timeout
             raise server_gone(rank, SERVER, "waiting for parameters", e) from None
@@ -53,20 +53,20 @@ def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> Work
             os._exit(1)  # an injected crash: no goodbye, no cleanup, as a killed process
         t0 = time.perf_counter()
         flat.zero_grad()
-        with trace.span("forward+backward"):
+        with spans.span("forward+backward"):
             loss, loss_sum, samples = task.shard_loss(model, clock, part, parts)
             loss.backward()
             flat.grads[numel] = loss_sum
-        with trace.span("straggle"):  # a straggler: the same work, `factor` times as long
+        with spans.span("straggle"):  # a straggler: the same work, `factor` times as long
             straggle(time.perf_counter() - t0, factor)
         compute_s += time.perf_counter() - t0
         try:
-            with trace.span("push gradient", track="comm"):
+            with spans.span("push gradient", track="comm"):
                 send(header(GRAD, rank, version, clock, samples), SERVER, flat.grads)
         except RuntimeError as e:
             raise server_gone(rank, SERVER, "sending a gradient", e) from None
         pushed += 1
-        trace.next_step()
+        spans.next_step()
     try:
         send(header(BYE, rank, clock=pushed), SERVER)
     except RuntimeError as e:
