@@ -81,7 +81,8 @@ class _Snapshots(ps.Observer):
     def updated(self, server: ps.Server, used: list[ps.Held]) -> None:
         step = server.report.applied // self.workers
         if step // self.every > self.kept[-1][1] // self.every:
-            self.kept.append((time.perf_counter() - server.start, step, server.params))
+            # a copy: the server steps its parameters in place
+            self.kept.append((time.perf_counter() - server.start, step, server.params.clone()))
 
 
 def _ps_run(world, task: ps.Task, setup: Setup, s: dict, slow: dict[int, float]) -> dict | None:

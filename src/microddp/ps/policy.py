@@ -41,6 +41,7 @@ class Staleness:
     bound: float
     backup_workers: int = 0
     version: int = 0
+    shards: int = 0  # parts a global batch is cut into (the workers at the start); 0: no scaling
     computing: dict[int, int] = field(default_factory=dict)  # worker -> version it computes on
     held: list[Held] = field(default_factory=list)
 
@@ -69,19 +70,28 @@ class Staleness:
             return True
         return all(self.version + 1 - q <= self.bound for q in self.computing.values())
 
-    def take(self, staleness_lr: bool = False) -> tuple[torch.Tensor, list[Held], list[int]]:
-        """The update to apply now: the mean of the held gradients (each divided by its
-        staleness if `staleness_lr`), the gradients used and their staleness; v advances."""
+    def take(self, staleness_lr: bool = False, out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list[Held], list[int]]:
+        """The update to apply now, the gradients used and their staleness; v advances.
+
+        S = 0: the mean of the held gradients, one global batch's gradient. S > 0: each held
+        gradient counts as its shard's share of a global batch (divided by `shards`, not by how
+        many are held), so a global batch's worth of updates moves the parameters as far as one
+        synchronous step; otherwise N workers' updates take N full steps per global batch.
+        With `staleness_lr` each gradient is also divided by its staleness (at least 1).
+        `out`: the tensor to write the update into (the server's flat gradient buffer)."""
         # In worker order, not arrival order: float addition is not associative, and this way
         # the same gradients always sum to the same bits (S=0 is deterministic, run after run).
         used, self.held = sorted(self.held, key=lambda g: g.worker), []
         stale = [self.version - g.version for g in used]
         weights = [1.0 / max(1, s) if staleness_lr else 1.0 for s in stale]
-        total = torch.zeros_like(used[0].grad)
-        for w, g in zip(weights, used, strict=True):
+        share = len(used) if self.bound == 0 or not self.shards else self.shards
+        total = torch.empty_like(used[0].grad) if out is None else out
+        torch.mul(used[0].grad, weights[0], out=total)
+        for w, g in zip(weights[1:], used[1:], strict=True):
             total.add_(g.grad, alpha=w)
         self.version += 1
-        return total.div_(len(used)), used, stale
+        return total.div_(share), used, stale
 
 
 def is_sync(bound: float) -> bool:

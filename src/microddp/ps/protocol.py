@@ -69,14 +69,18 @@ def send(head: torch.Tensor, dst: int, payload: torch.Tensor | None = None) -> N
         comms.send(payload, dst, tag=TAG_PAYLOAD)
 
 
-def recv(src: int, numel: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def recv(src: int, numel: int, timeout: float, into: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One message from `src`; raises RuntimeError (gloo's) if `src` is gone or silent for
-    `timeout` seconds."""
+    `timeout` seconds. Parameters are received into `into` when given (a worker's flat
+    parameters, which the model's are views of), a gradient into a new tensor."""
     head = torch.zeros(HEADER_LEN, dtype=torch.int64)
     comms.irecv(head, src, tag=TAG_HEADER).wait(timedelta(seconds=timeout))
     payload = None
     if int(head[0]) in (PARAMS, GRAD):
-        payload = torch.zeros(numel + (int(head[0]) == GRAD), dtype=torch.float32)
+        kind = int(head[0])
+        payload = into if kind == PARAMS and into is not None else \
+            torch.empty(numel + (kind == GRAD), dtype=torch.float32)
         comms.irecv(payload, src, tag=TAG_PAYLOAD).wait(timedelta(seconds=timeout))
     return head, payload
 

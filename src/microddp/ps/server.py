@@ -17,8 +17,9 @@ import torch
 from .. import spans
 from ..errors import MicroDDPError
 from .config import SERVER, PSConfig
+from .flat import FlatModel
 from .policy import Held, Staleness
-from .protocol import BYE, GRAD, LOST, PARAMS, STOP, Inbox, flat_params, header, load_flat, send
+from .protocol import BYE, GRAD, LOST, PARAMS, STOP, Inbox, header, send
 from .task import Task, accuracy
 
 # A receive that outlives this is abandoned by its thread; the server's own worker_timeout,
@@ -80,14 +81,16 @@ class Server:
                                     momentum=config.momentum))
         workers = list(range(1, world_size))
         self.live = set(workers)  # neither lost nor gone after its goodbye
-        self.ssp = Staleness(config.staleness, config.backup_workers)
+        self.ssp = Staleness(config.staleness, config.backup_workers, shards=len(workers))
         self.clock = dict.fromkeys(workers, 0)  # the global batch each worker computes next
         self.sent_at: dict[int, float] = {}
         self.stopping = False
         self.report = ServerReport(workers=len(workers))
         if state is not None:
             self.load_state_dict(state)
-        self.params = flat_params(self.model)
+        # the parameters the workers are sent: the optimizer steps this buffer in place
+        self.flat = FlatModel(self.model)
+        self.params = self.flat.params
         # Gradients: `steps` global batches' worth. The run stops at the update that reaches it;
         # an update applies all it holds, so the last may go up to len(workers) - 1 past it.
         self.budget = config.steps * len(workers)
@@ -154,10 +157,8 @@ class Server:
     def update(self) -> None:
         """Apply the held gradients in one optimizer step and send the new parameters to their workers."""
         with spans.span("optimizer", track="optim"):
-            grad, used, stale = self.ssp.take(self.config.staleness_lr)
-            load_flat(self.model, grad, into_grad=True)
+            _, used, stale = self.ssp.take(self.config.staleness_lr, out=self.flat.grads)
             self.opt.step()
-            self.params = flat_params(self.model)
         r = self.report
         r.updates += 1
         r.applied += len(used)

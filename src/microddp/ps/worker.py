@@ -8,23 +8,11 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 from .. import spans
 from ..timing import straggle
 from .config import SERVER, PSConfig
-from .protocol import (
-    BYE,
-    GRAD,
-    STOP,
-    flat_grads,
-    flat_params,
-    header,
-    load_flat,
-    recv,
-    send,
-    server_gone,
-)
+from .flat import FlatModel
+from .protocol import BYE, GRAD, STOP, header, recv, send, server_gone
 from .task import Task
 
 
@@ -42,7 +30,10 @@ class WorkerReport:
 def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> WorkerReport:
     """The loop of worker `rank` (1..world_size-1); raises MicroDDPError if the server is gone."""
     model = task.make_model()
-    numel = flat_params(model).numel()
+    # parameters received in place, gradients pushed from where backward leaves them; the
+    # slot past the last gradient carries the shard's loss
+    flat = FlatModel(model, extra=1)
+    numel = flat.numel
     part, parts = rank - 1, world_size - 1
     factor = config.stragglers.get(rank, 1.0)
     pushed, compute_s, wait_s = 0, 0.0, 0.0
@@ -50,7 +41,7 @@ def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> Work
         t0 = time.perf_counter()
         try:
             with spans.span("wait for parameters", track="comm_wait"):
-                head, params = recv(SERVER, numel, config.server_timeout)
+                head, _ = recv(SERVER, numel, config.server_timeout, into=flat.params)
         except RuntimeError as e:  # gloo: connection closed, or nothing for server_timeout
             raise server_gone(rank, SERVER, "waiting for parameters", e) from None
         if pushed:  # the first pull also waits for the server to start: not a staleness wait
@@ -61,19 +52,17 @@ def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> Work
         if config.fail_after.get(rank) == pushed:
             os._exit(1)  # an injected crash: no goodbye, no cleanup, as a killed process
         t0 = time.perf_counter()
-        load_flat(model, params)
-        model.zero_grad(set_to_none=True)
+        flat.zero_grad()
         with spans.span("forward+backward"):
             loss, loss_sum, samples = task.shard_loss(model, clock, part, parts)
             loss.backward()
-            grad = flat_grads(model)
+            flat.grads[numel] = loss_sum
         with spans.span("straggle"):  # a straggler: the same work, `factor` times as long
             straggle(time.perf_counter() - t0, factor)
         compute_s += time.perf_counter() - t0
         try:
             with spans.span("push gradient", track="comm"):
-                send(header(GRAD, rank, version, clock, samples), SERVER,
-                     torch.cat([grad, torch.tensor([loss_sum])]))
+                send(header(GRAD, rank, version, clock, samples), SERVER, flat.grads)
         except RuntimeError as e:
             raise server_gone(rank, SERVER, "sending a gradient", e) from None
         pushed += 1
