@@ -25,7 +25,7 @@ LAYERS = [
     ("collectives",),          # algorithms over transport
     ("backend",),              # torch.distributed's "microddp" backend over the collectives
     ("monitor",),              # hang and desync reports over comms and collectives
-    ("dp", "pipeline", "zero", "ps", "tp", "data", "checkpoint"),  # parallelism; what a job reads, keeps
+    ("dp", "pipeline", "zero", "ps", "tp", "cp", "data", "checkpoint"),  # parallelism; what a job reads, keeps
     ("flags",),                # command-line checks (engine names come from dp)
     ("launch",),               # starting ranks
     ("trace",),                # traced runs of the engines

@@ -1,0 +1,13 @@
+"""Context parallelism: the sequence split over the ranks of a group, attention by ring.
+
+split.py: which chunks of the sequence a rank holds (the causal load balance) and their
+positions; ring_attention.py: exact attention with key/value blocks passed around the ring,
+forward and backward; gpt.py: a GPT whose attention runs as ring attention.
+"""
+
+from .gpt import ContextParallelGPT
+from .ring_attention import RingAttention, block_attention, merge, pair_kind, ring_attention
+from .split import check_sequence, chunks_of, positions, shard, unshard
+
+__all__ = ["ContextParallelGPT", "RingAttention", "block_attention", "check_sequence", "chunks_of",
+           "merge", "pair_kind", "positions", "ring_attention", "shard", "unshard"]
