@@ -27,6 +27,7 @@ import torch
 
 from .. import comms
 from ..errors import MicroDDPError
+from ..pipeline.activations import hold
 from . import split
 
 KV_TAG, DKV_TAG = 53, 54  # the two streams that share a ring link in the backward pass
@@ -70,6 +71,7 @@ def _pass_on(t: torch.Tensor, group, tag: int) -> tuple[torch.Tensor, list]:
     """Post the send of t to the next rank and the receive of the previous rank's t."""
     p, r = split.size(group), split.rank(group)
     buf = torch.empty_like(t)
+    hold(buf)  # a message buffer is activation memory while it lives (ActivationMeter)
     handles = [comms.isend(t, group=group, tag=tag, group_dst=(r + 1) % p),
                comms.irecv(buf, group=group, tag=tag, group_src=(r - 1) % p)]
     return buf, handles
