@@ -13,8 +13,16 @@ import torch
 import torch.nn.functional as F
 
 import microddp as mdp
-from microddp.cp import ContextParallelGPT, block_attention, merge, pair_kind, positions
-from microddp.cp import ring_attention, shard, unshard
+from microddp.cp import (
+    ContextParallelGPT,
+    block_attention,
+    merge,
+    pair_kind,
+    positions,
+    ring_attention,
+    shard,
+    unshard,
+)
 from microddp.cp.split import chunks_of
 from microddp.gpt import GPT, GPTConfig
 from microddp.pipeline.activations import ActivationMeter
