@@ -88,6 +88,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale):
+        """P steps of the ring: each block's attention merged into the running output."""
         p, r = split.size(group), split.rank(group)
         halves = len(_chunks(r, p))
         qs = q.chunk(halves, -2)
@@ -115,6 +116,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        """dq here; dk, dv carried around the ring beside their block back to its owner."""
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         p, r = split.size(group), split.rank(group)
