@@ -3,7 +3,8 @@
 Ring attention's outputs and the gradients of q, k and v, gathered from every rank, equal PyTorch's
 scaled_dot_product_attention on the whole sequence at CP = 1, 2, 3 (4 slow), causal and full.
 A small GPT trained 3 SGD steps (momentum 0.9) with ContextParallelGPT has one process's losses,
-first-step gradients and parameters at CP = 2 (3 slow). The zigzag split gives every rank the same
+first-step gradients and parameters at CP = 2 (3 slow), and on 2 data-parallel replicas x CP 2
+over sub-groups (slow). The zigzag split gives every rank the same
 number of blocks at every step of a causal ring; a sequence that 2 * CP does not divide is refused.
 """
 
@@ -99,16 +100,16 @@ def _config() -> GPTConfig:
     return GPTConfig(vocab_size=64, block_size=24, n_layer=2, n_head=4, d_model=32)
 
 
-def _data():
+def _data(rows: int = 3):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 64, (3, 24), generator=g), torch.randint(0, 64, (3, 24), generator=g))
-            for _ in range(STEPS)]
+    return [(torch.randint(0, 64, (rows, 24), generator=g),
+             torch.randint(0, 64, (rows, 24), generator=g)) for _ in range(STEPS)]
 
 
-def _train(model, step_loss, finish=lambda: None):
+def _train(model, step_loss, finish=lambda: None, rows: int = 3):
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, first = [], None
-    for x, y in _data():
+    for x, y in _data(rows):
         opt.zero_grad()
         losses.append(step_loss(x, y))
         finish()
@@ -123,14 +124,14 @@ def _fresh() -> GPT:
     return GPT(_config())
 
 
-def _reference():
+def _reference(rows: int = 3):
     model = _fresh()
 
     def step(x, y):
         loss = model.loss(x, y)
         loss.backward()
         return loss.item()
-    return _train(model, step)
+    return _train(model, step, rows=rows)
 
 
 def _cp_rank(world):
@@ -157,3 +158,46 @@ def test_cp_gpt_trains_like_one_process(p):
         for name in want_state:
             torch.testing.assert_close(state[name], want_state[name], **TOL,
                                        msg=f"cp={p} rank {r}: {name}")
+
+
+
+def _dp_cp_rank(world, dp, cp_size):
+    # Rank r: replica r // cp_size, place r % cp_size in its replica's context-parallel group.
+    torch.set_num_threads(1)
+    cp_groups = [mdp.comms.new_group(list(range(i * cp_size, (i + 1) * cp_size))) for i in range(dp)]
+    dp_groups = [mdp.comms.new_group(list(range(j, dp * cp_size, cp_size))) for j in range(cp_size)]
+    replica, place = divmod(world.rank, cp_size)
+    model = _fresh()
+    cp = ContextParallelGPT(model, cp_groups[replica])
+    assert (cp.p, cp.rank) == (cp_size, place)
+
+    def step(x, y):
+        rows = x.shape[0] // dp  # this replica's share of the global batch
+        mine = slice(replica * rows, (replica + 1) * rows)
+        share = cp.loss(x[mine], y[mine])
+        share.backward()
+        loss = torch.tensor(cp.global_loss(share))
+        mdp.comms.all_reduce_mean(loss, dp_groups[place])
+        return loss.item()
+
+    def finish():
+        cp.finish_grads()  # the replica's gradient, summed over its tokens' ranks
+        for p in model.parameters():
+            mdp.comms.all_reduce_mean(p.grad, dp_groups[place])
+    return _train(model, step, finish, rows=2 * dp)
+
+
+@pytest.mark.slow  # 4 ranks: the composition, on top of the CP 2 proof above
+def test_dp_times_cp_trains_like_one_process():
+    # 2 replicas x CP 2 over sub-groups (in replica 1 group ranks are not global ranks).
+    want_losses, want_grads, want_state = _reference(rows=4)
+    ranks = mdp.spawn(_dp_cp_rank, 4, (2, 2), backend="gloo", timeout=300)
+    for r, (losses, grads, state) in enumerate(ranks):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL,
+                                   msg=f"dp 2 x cp 2 rank {r}: losses")
+        for name in want_state:
+            if name in want_grads:
+                torch.testing.assert_close(grads[name], want_grads[name], **TOL,
+                                           msg=f"dp 2 x cp 2 rank {r}: grad {name}")
+            torch.testing.assert_close(state[name], want_state[name], **TOL,
+                                       msg=f"dp 2 x cp 2 rank {r}: {name}")
