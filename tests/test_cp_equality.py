@@ -1,7 +1,8 @@
 """Context parallelism (microddp.cp) reproduces one process.
 
 Ring attention's outputs and the gradients of q, k and v, gathered from every rank, equal PyTorch's
-scaled_dot_product_attention on the whole sequence at CP = 1, 2, 3 (4 slow), causal and full.
+scaled_dot_product_attention on the whole sequence at CP = 1, 2, 3 (4 slow), causal and full, and
+each rank sends the hops the ring promises (counting()).
 A small GPT trained 3 SGD steps (momentum 0.9) with ContextParallelGPT has one process's losses,
 first-step gradients and parameters at CP = 2 (3 slow), and on 2 data-parallel replicas x CP 2
 over sub-groups (slow). The zigzag split gives every rank the same
@@ -18,7 +19,15 @@ import torch.nn.functional as F
 
 import microddp as mdp
 from microddp import MicroDDPError
-from microddp.cp import ContextParallelGPT, pair_kind, positions, ring_attention, shard, unshard
+from microddp.cp import (
+    ContextParallelGPT,
+    counting,
+    pair_kind,
+    positions,
+    ring_attention,
+    shard,
+    unshard,
+)
 from microddp.cp.split import check_sequence, chunks_of
 from microddp.gpt import GPT, GPTConfig
 
@@ -37,9 +46,10 @@ def _attention_rank(world, cases):
     for causal in cases:
         q, k, v, dout = _qkv_dout()
         mine = [shard(t, 2).clone().requires_grad_() for t in (q, k, v)]
-        y = ring_attention(*mine, causal=causal)
-        y.backward(shard(dout, 2))
-        out.append((y.detach(), [t.grad for t in mine]))
+        with counting() as hops:
+            y = ring_attention(*mine, causal=causal)
+            y.backward(shard(dout, 2))
+        out.append((y.detach(), [t.grad for t in mine], hops))
     return out
 
 
@@ -55,14 +65,30 @@ def _check_attention(ranks, cases):
             torch.testing.assert_close(grad, t.grad, **TOL, msg=f"causal={causal}: d{name}")
 
 
+def _check_hops(ranks, p):
+    # Forward: the K/V block (2 x B x H x S/p x D floats) goes P-1 hops; backward: P-1 again,
+    # and its dK/dV P hops (the last one home to the block's owner).
+    b, h, s, d = SHAPE
+    block = 2 * b * h * (s // p) * d * 4
+    want = [("kv", block, "forward")] * (p - 1)
+    for step in range(p):
+        want += [("kv", block, "backward")] * (step < p - 1) + [("dkv", block, "backward")]
+    for r, out in enumerate(ranks):
+        for case in out:
+            assert case[2] == (want if p > 1 else []), f"rank {r}: {case[2]}"
+
+
 def test_ring_attention_of_one_rank_is_sdpa():
-    _check_attention([_attention_rank(None, (True, False))], (True, False))
+    ranks = [_attention_rank(None, (True, False))]
+    _check_attention(ranks, (True, False))
+    _check_hops(ranks, 1)
 
 
 @pytest.mark.parametrize("p", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(p):
     ranks = mdp.spawn(_attention_rank, p, ((True, False),), backend="gloo", timeout=180)
     _check_attention(ranks, (True, False))
+    _check_hops(ranks, p)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])

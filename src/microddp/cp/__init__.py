@@ -6,8 +6,15 @@ forward and backward; gpt.py: a GPT whose attention runs as ring attention.
 """
 
 from .gpt import ContextParallelGPT
-from .ring_attention import RingAttention, block_attention, merge, pair_kind, ring_attention
+from .ring_attention import (
+    RingAttention,
+    block_attention,
+    counting,
+    merge,
+    pair_kind,
+    ring_attention,
+)
 from .split import check_sequence, chunks_of, positions, shard, unshard
 
 __all__ = ["ContextParallelGPT", "RingAttention", "block_attention", "check_sequence", "chunks_of",
-           "merge", "pair_kind", "positions", "ring_attention", "shard", "unshard"]
+           "counting", "merge", "pair_kind", "positions", "ring_attention", "shard", "unshard"]

@@ -22,6 +22,8 @@ computes the same number of blocks at every step.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -31,6 +33,18 @@ from ..pipeline.activations import hold
 from . import split
 
 KV_TAG, DKV_TAG = 53, 54  # the two streams that share a ring link in the backward pass
+_ledgers: list[list[tuple[str, int, str]]] = []
+
+
+@contextmanager
+def counting() -> Iterator[list[tuple[str, int, str]]]:
+    """Every hop this rank sends inside the block, in order: ("kv" or "dkv", bytes, phase)."""
+    hops: list[tuple[str, int, str]] = []
+    _ledgers.append(hops)
+    try:
+        yield hops
+    finally:
+        _ledgers.remove(hops)
 
 
 def pair_kind(a: int, b: int, causal: bool) -> str | None:
@@ -67,9 +81,11 @@ def merge(out, lse, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
     return out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1), new
 
 
-def _pass_on(t: torch.Tensor, group, tag: int) -> tuple[torch.Tensor, list]:
+def _pass_on(t: torch.Tensor, group, tag: int, phase: str) -> tuple[torch.Tensor, list]:
     """Post the send of t to the next rank and the receive of the previous rank's t."""
     p, r = split.size(group), split.rank(group)
+    for hops in _ledgers:
+        hops.append(("kv" if tag == KV_TAG else "dkv", t.numel() * t.element_size(), phase))
     buf = torch.empty_like(t)
     hold(buf)  # a message buffer is activation memory while it lives (ActivationMeter)
     handles = [comms.isend(t, group=group, tag=tag, group_dst=(r + 1) % p),
@@ -98,7 +114,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(p):
             src = (r - step) % p
             if step < p - 1:  # posted before the compute, so the hop hides behind it
-                nxt, handles = _pass_on(kv, group, KV_TAG)
+                nxt, handles = _pass_on(kv, group, KV_TAG, "forward")
             ks, vs = kv[0].chunk(halves, -2), kv[1].chunk(halves, -2)
             for i, a in enumerate(_chunks(r, p)):
                 for j, b in enumerate(_chunks(src, p)):
@@ -132,7 +148,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(p):
             src = (r - step) % p
             if step < p - 1:
-                nxt, kv_handles = _pass_on(kv, group, KV_TAG)
+                nxt, kv_handles = _pass_on(kv, group, KV_TAG, "backward")
             ks, vs = kv[0].chunk(halves, -2), kv[1].chunk(halves, -2)
             dkv = torch.zeros_like(kv)
             dks, dvs = dkv[0].chunk(halves, -2), dkv[1].chunk(halves, -2)
@@ -150,7 +166,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(acc_handles)
                 dkv += incoming
             if p > 1:  # on to the next rank; after the last step, to the block's owner
-                incoming, acc_handles = _pass_on(dkv, group, DKV_TAG)
+                incoming, acc_handles = _pass_on(dkv, group, DKV_TAG, "backward")
             if step < p - 1:
                 _wait(kv_handles)
                 kv = nxt
