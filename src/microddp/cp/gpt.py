@@ -6,8 +6,8 @@ position embedding reads the tokens' global positions. The loss of a rank is its
 the whole batch's mean (summed cross-entropy over the global token count), so the gradients of the
 ranks sum to one process's: `finish_grads` all-reduces them (sum) over the group, in one flat
 buffer. Parameters are replicated, so the same optimizer step on every rank keeps them equal.
-The wrapped model's own modules do the work (no copy of its code): a model saved from here is
-the GPT itself.
+The wrapped model's own modules do the work (no copy of its code), so `cp.model.state_dict()`
+is the GPT's, the same keys as one process's.
 
 Dropout is refused: its masks would have to be drawn for the whole sequence and sliced, and the
 attention-probability mask cannot be applied to blocks merged by the online softmax exactly.
