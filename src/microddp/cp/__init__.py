@@ -1,12 +1,12 @@
 """Context parallelism: the sequence split over the ranks of a group, attention by ring.
 
 split.py: which chunks of the sequence a rank holds (the causal load balance) and their
-positions; ring_attention.py: exact attention with key/value blocks passed around the ring,
+positions; ring.py: ring attention, exact attention with key/value blocks passed around the ring,
 forward and backward; gpt.py: a GPT whose attention runs as ring attention.
 """
 
 from .gpt import ContextParallelGPT
-from .ring_attention import (
+from .ring import (
     RingAttention,
     block_attention,
     counting,

@@ -23,7 +23,7 @@ from .. import comms
 from ..errors import MicroDDPError
 from ..gpt import GPT
 from . import split
-from .ring_attention import ring_attention
+from .ring import ring_attention
 
 
 class ContextParallelGPT(nn.Module):

@@ -5,7 +5,7 @@ With causal attention a query attends only to keys at or before it. Split the se
 contiguous runs and the last rank would attend to everything while the first attends to its own
 run alone: the ring would wait for the slowest rank at every step. Taking one chunk from the
 start and its mirror from the end gives every rank the same amount of work at every step of the
-ring (ring_attention.py skips the blocks the mask empties).
+ring (ring.py skips the blocks the mask empties).
 
 A rank's tokens are not contiguous, so their positions are not arange(S/P): `positions` gives the
 global position of every local token, for the position embedding and for the mask. A sequence that
