@@ -20,7 +20,7 @@ import torch.distributed as dist
 import microddp as mdp
 from killed_rank import survivors
 from microddp.backend import MicroDDPProcessGroup
-from microddp.transport import shm as transport
+from microddp.shm import segment as transport
 
 SLOT, SMALL = 1024, 256  # bytes: small thresholds, so small tensors cross every path
 TIMEOUT = timedelta(seconds=60)
