@@ -26,7 +26,7 @@ LAYERS = [
     ("backend",),              # torch.distributed's "microddp" backend over the collectives
     ("monitor",),              # hang and desync reports over the world and collectives
     ("comms",),                # the typed API over collectives and monitor: ops, handle, mesh
-    ("dp", "pipeline", "zero", "ps", "tp", "data", "checkpoint"),  # parallelism; what a job reads, keeps
+    ("dp", "pipeline", "zero", "ps", "tp", "cp", "data", "checkpoint"),  # parallelism; what a job reads, keeps
     ("flags",),                # command-line checks (engine names come from dp)
     ("launch",),               # starting ranks
     ("trace",),                # traced runs of the engines

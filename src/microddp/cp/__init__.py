@@ -1,0 +1,20 @@
+"""Context parallelism: the sequence split over the ranks of a group, attention by ring.
+
+split.py: which chunks of the sequence a rank holds (the causal load balance) and their
+positions; ring.py: ring attention, exact attention with key/value blocks passed around the ring,
+forward and backward; gpt.py: a GPT whose attention runs as ring attention.
+"""
+
+from .gpt import ContextParallelGPT
+from .ring import (
+    RingAttention,
+    block_attention,
+    counting,
+    merge,
+    pair_kind,
+    ring_attention,
+)
+from .split import check_sequence, chunks_of, positions, shard, unshard
+
+__all__ = ["ContextParallelGPT", "RingAttention", "block_attention", "check_sequence", "chunks_of",
+           "counting", "merge", "pair_kind", "positions", "ring_attention", "shard", "unshard"]

@@ -1,0 +1,87 @@
+"""A GPT trained with context parallelism: every rank holds the whole model and two chunks of
+every sequence (split.py); attention runs as ring attention, everything else token by token.
+
+Every layer but attention treats each token alone, so it runs unchanged on a rank's chunks once the
+position embedding reads the tokens' global positions. The loss of a rank is its tokens' share of
+the whole batch's mean (summed cross-entropy over the global token count), so the gradients of the
+ranks sum to one process's: `finish_grads` all-reduces them (sum) over the group, in one flat
+buffer. Parameters are replicated, so the same optimizer step on every rank keeps them equal.
+The wrapped model's own modules do the work (no copy of its code), so `cp.model.state_dict()`
+is the GPT's, the same keys as one process's.
+
+Dropout is refused: its masks would have to be drawn for the whole sequence and sliced, and the
+attention-probability mask cannot be applied to blocks merged by the online softmax exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comms
+from ..errors import MicroDDPError
+from ..gpt import GPT
+from . import split
+from .ring import ring_attention
+
+
+class ContextParallelGPT(nn.Module):
+    """`model` (a GPT) over the context-parallel `group`; `loss(idx, targets)` takes the whole
+    (B, S) batch, the same on every rank, and returns this rank's share of its mean loss."""
+
+    def __init__(self, model: GPT, group=None) -> None:
+        super().__init__()
+        if model.cfg.dropout:
+            raise MicroDDPError(f"context parallelism needs GPTConfig dropout 0, got "
+                                f"{model.cfg.dropout}: ring attention merges blocks exactly only "
+                                f"without dropout")
+        self.model, self.group = model, group
+        self.p, self.rank = split.size(group), split.rank(group)
+
+    def _attention(self, block, x: torch.Tensor) -> torch.Tensor:
+        attn = block.attn
+        b, s, width = x.shape
+        heads = width // attn.head_dim
+        q, k, v = (f(x).view(b, s, heads, attn.head_dim).transpose(1, 2)
+                   for f in (attn.q, attn.k, attn.v))
+        y = ring_attention(q, k, v, self.group, causal=True)
+        return attn.proj(y.transpose(1, 2).reshape(b, s, width))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """The (B, L, vocab) logits of this rank's (B, L) tokens (split.shard of the batch)."""
+        m = self.model
+        length = idx.shape[1] * self.p
+        m.check_input(torch.empty(idx.shape[0], length, dtype=torch.long, device="meta"))
+        pos = split.positions(length, self.rank, self.p, idx.device)
+        x = m.wte(idx) + m.wpe(pos)
+        for block in m.blocks:
+            x = x + self._attention(block, block.ln1(x))
+            x = x + block.mlp(block.ln2(x))
+        return m.head(m.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the mean next-token cross-entropy of the whole (B, S) batch."""
+        split.check_sequence(idx.shape[1], self.p)
+        logits = self(split.shard(idx, 1, self.group))
+        mine = split.shard(targets, 1, self.group)
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1),
+                                reduction="sum")
+        return total / targets.numel()
+
+    def global_loss(self, share: torch.Tensor) -> float:
+        """The whole batch's mean loss, from every rank's share (a collective)."""
+        t = share.detach().clone()
+        if self.p > 1:
+            comms.all_reduce(t, "sum", self.group)
+        return t.item()
+
+    def finish_grads(self) -> None:
+        """Sum the ranks' gradients (each saw only its tokens), so each holds one process's."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.p == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comms.all_reduce(flat, "sum", self.group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
