@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # docs/architecture.md draws this picture.
 LAYERS = [
     ("errors", "outputs", "model", "spans", "timing"),   # shared by everything
+    ("gpt",),                  # the transformer and its text (no distributed code)
     ("world",),                # bootstrap: the process group, rendezvous, hosts, arg checks
     ("transport",),            # how two ranks move bytes
     ("shm",),                  # same-host shared memory: segment, attach, group, lane, agreement
@@ -25,7 +26,7 @@ LAYERS = [
     ("backend",),              # torch.distributed's "microddp" backend over the collectives
     ("monitor",),              # hang and desync reports over the world and collectives
     ("comms",),                # the typed API over collectives and monitor: ops, handle, mesh
-    ("dp", "pipeline", "zero", "ps", "data", "checkpoint"),  # parallelism; what a job reads, keeps
+    ("dp", "pipeline", "zero", "ps", "tp", "data", "checkpoint"),  # parallelism; what a job reads, keeps
     ("flags",),                # command-line checks (engine names come from dp)
     ("launch",),               # starting ranks
     ("trace",),                # traced runs of the engines
