@@ -24,7 +24,7 @@ DATASETS = ("digits", "synthetic", "text")
 # from about this many bytes of it: an epoch of a small GPT stays a matter of seconds.
 TEXT_BLOCK = 32
 TEXT_BYTES = 160_000
-TEXT_VAL_WINDOWS = 1024  # the validation text's first windows: evaluating every epoch stays quick
+TEXT_VAL_WINDOWS = 512  # the validation text's first windows: evaluating every epoch stays quick
 # The test split must not move when the user changes --seed: one fixed split for every run.
 SPLIT_SEED = 0
 

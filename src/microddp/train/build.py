@@ -50,7 +50,10 @@ def gpt_config(cfg: TrainConfig, block: int, vocab: int):
     from ..gpt import GPTConfig
 
     return GPTConfig(vocab_size=vocab, block_size=block, n_layer=cfg.depth, n_head=cfg.heads,
-                     d_model=cfg.hidden)
+                     d_model=cfg.hidden,
+                     # Untied: ZeRO's sharding plan takes each parameter once, and a tied head
+                     # is the embedding twice (a known gap of zero/plan.py, not of the GPT).
+                     tie_embeddings=False)
 
 
 def wrap(module: nn.Module, engine: str, world: World) -> nn.Module:
