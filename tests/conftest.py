@@ -1,7 +1,10 @@
 """Shared test set-up: every multi-process test goes through microddp.launch.spawn, which has a
 deadline and kills its ranks, so a bug fails a test instead of hanging CI."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch._dynamo  # noqa: F401
@@ -15,6 +18,11 @@ from shm_leftovers import dev_shm_clean  # noqa: F401 (a fixture the shared-memo
 
 # Ranks in tests must fail fast rather than wait PyTorch's default half hour.
 os.environ.setdefault("MICRODDP_TIMEOUT", "60")
+# A hang's Flight Recorder dumps go to the run folder, else runs/hang-DATE in the working
+# directory (monitor/flight.py): the planted hangs of the tests write theirs outside the clone.
+_RUNS = tempfile.mkdtemp(prefix="microddp-test-runs-")
+os.environ.setdefault("MICRODDP_RUN_DIR", _RUNS)
+atexit.register(shutil.rmtree, _RUNS, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

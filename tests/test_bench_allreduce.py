@@ -159,3 +159,17 @@ def test_back_to_back_reports_time_per_call(tmp_path, capsys):
     assert "5 calls in a row after each barrier, time per call" in out.splitlines()[0]
     doc = json.loads((tmp_path / "allreduce_2ranks.json").read_text())
     assert doc["back_to_back"] == 5 and doc["rows"][0]["shm_s"] > 0
+    # the default call against itself without its check, timed in the same rounds
+    row = doc["rows"][0]
+    assert row["shm_check_vs_unchecked"] > 0 and "shm-nocheck_s" not in row
+    assert len(re.findall(r"^\s+shm check\s+shm / shm without its check \(same rounds\)\s+"
+                          r"[\d.]+\s+[\d.]+-[\d.]+$", out, re.M)) == 1
+
+
+def test_the_shm_check_row_is_shm_against_shm_without_its_check():
+    times = {"shm": [3e-3] * 10, "shm-nocheck": [2e-3] * 10, "gloo": [4e-3] * 10}
+    report = table([{"bytes": 4096, "times": times}], ["shm"], CostModel(1e-3, 0.0, 0.0), 2)
+    rec = report["records"][0]
+    assert rec["shm_check_vs_unchecked"] == 1.5 and rec["shm_vs_gloo"] == 0.75
+    assert report["lines"][-1].split()[:2] == ["shm", "check"]
+    assert report["lines"][-1].split()[-2] == "1.50"

@@ -110,3 +110,24 @@ def test_debug_hang():
     assert f"rank 1: all_reduce (float32[5] sum) called from mismatch at debug_hang.py:{line}" in mismatch
     assert ("replica drift at step 10: parameter 'net.2.bias' differs between rank 0 and "
             "rank(s) 1") in drift
+
+
+@pytest.mark.slow
+def test_flight_recorder_skip(tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "fr-skip"
+    out = _run("flight_recorder.py", "skip", str(run))
+    line = _line_of("flight_recorder.py", "mdp.comms.all_reduce(grads)")
+    assert f"rank 0 is in all_reduce #3 (float32[1024] sum) called from job at flight_recorder.py:{line}" in out
+    assert f"Flight Recorder dumps in {run / 'flight_recorder'}" in out
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                         str(run / "flight_recorder")], capture_output=True, text=True, timeout=120)
+    text = fr.stdout + fr.stderr
+    assert "Not all ranks joining collective, sequence number: 3" in text
+    assert "missing ranks: {1}" in text and f"flight_recorder.py:{line}" in text
+    # after the job, the status files say where each rank last was
+    status = subprocess.run([sys.executable, "-m", "microddp", "status", str(run)],
+                            capture_output=True, text=True, timeout=120).stdout
+    assert re.search(r"^0\s+3\s+all_reduce #3", status, re.M), status

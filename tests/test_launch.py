@@ -29,7 +29,7 @@ def test_workers_get_torchrun_environment_and_prefixed_output(tmp_path):
 def test_torchrun_variables_and_one_run_id_per_job(tmp_path):
     from microddp.launch.procs import AgentStore, worker_env
 
-    agent = AgentStore(store=None, addr="127.0.0.1", port=1234)
+    agent = AgentStore(store=None, addr="127.0.0.1", port=1234, secret="s" * 32, secure_port=1235)
     env = worker_env({}, 1, 4, agent, 0, 0, run_id="job-a")
     assert {k: env[k] for k in ("GROUP_WORLD_SIZE", "ROLE_NAME", "GROUP_RANK", "ROLE_RANK",
                                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_RUN_ID")} == {

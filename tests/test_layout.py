@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ("errors", "outputs", "model", "spans", "timing"),   # shared by everything
     ("gpt",),                  # the transformer and its text (no distributed code)
-    ("world",),                # bootstrap: the process group, rendezvous, hosts, arg checks
+    ("world",),                # bootstrap: the process group, rendezvous, hosts, the store
     ("transport",),            # how two ranks move bytes
     ("shm",),                  # same-host shared memory: segment, attach, group, lane, agreement
     ("collectives",),          # algorithms over transport

@@ -189,8 +189,9 @@ def test_a_plain_script_that_hangs_gets_the_report_first(tmp_path):
         f"hang.py:{_line('LINE-STUCK')}",
         f"    rank 1 is in save_checkpoint_slowly at hang.py:{_line('LINE-SLEEP')} (not in a "
         "collective; last collective all_reduce #1)"]
-    assert summary[4].startswith("  fix: ")
-    assert summary[5] == "microddp run: rank 0's output. Its last lines:"  # the traceback: after
+    assert summary[4].startswith("    Flight Recorder dumps in ")  # monitor/flight.py
+    assert summary[5].startswith("  fix: ")
+    assert summary[6] == "microddp run: rank 0's output. Its last lines:"  # the traceback: after
 
 
 BACKEND_FIRST = """

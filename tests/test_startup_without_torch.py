@@ -62,11 +62,11 @@ def test_an_argument_error_imports_no_torch(argv):
 
 
 def test_the_launchers_modules_import_no_torch_before_its_store():
-    # `microddp run`'s parent hosts the workers' TCPStore (torch's, as under torchrun), the one
-    # thing of torch it needs (procs.AgentStore.start imports it): the rest is torch-free.
+    # `microddp run`'s parent hosts the workers' store (procs.AgentStore.start imports it, and
+    # torch with comms): the rest is torch-free.
     code = ("from microddp.commands import run\n"
             "from microddp.launch import run as launch_run, hosts, procs\n"
-            "env = procs.worker_env({}, 0, 2, procs.AgentStore(None, '127.0.0.1', 1), "
+            "env = procs.worker_env({}, 0, 2, procs.AgentStore(None, '127.0.0.1', 1, 's' * 32), "
             "run_id=procs.new_run_id())\n"
             "assert env['MASTER_PORT'] == '1'\n")
     assert _torch_modules(code) == "[]"

@@ -69,7 +69,7 @@ def test_each_run_gets_a_new_dated_folder_and_an_interrupted_one_leaves_none(tmp
     assert cli.main(small) == 0 and cli.main(small) == 0
     runs = sorted((tmp_path / "runs").iterdir())
     assert len(runs) == 2 and all(r.name.startswith("trace-2") for r in runs)
-    assert all({p.name for p in r.iterdir()} == {"trace.json", "timeline.png", "metrics.jsonl"}
+    assert all({p.name for p in r.iterdir()} == {"trace.json", "timeline.png", "metrics.jsonl", "hta"}
                for r in runs)
     assert f"wrote {runs[1].relative_to(tmp_path) / 'trace.json'}, " in capsys.readouterr().out
 

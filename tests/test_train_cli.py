@@ -217,6 +217,6 @@ def test_done_lists_every_file_the_run_wrote(tmp_path, capsys):
     run = tmp_path / "run"
     assert done[0].endswith(
         f"wrote {run / 'model.pt'}, {run / 'metrics.jsonl'}, {run / 'curves.png'}, "
-        f"{run / 'trace.json'}, {run / 'timeline.png'}, {run / 'checkpoints'}/")
+        f"{run / 'trace.json'}, {run / 'timeline.png'}, {run / 'hta'}/, {run / 'checkpoints'}/")
     assert {p.name for p in run.iterdir()} == {"model.pt", "metrics.jsonl", "curves.png",
-                                               "trace.json", "timeline.png", "checkpoints"}
+                                               "trace.json", "timeline.png", "hta", "checkpoints"}

@@ -158,7 +158,8 @@ def on_files(files: Files, config) -> Files:
 def navigation(pages: list[str], modules: list[str]) -> list:
     """The site's sections from its page names: Course, Library, Reference, Lab notebook."""
     written = [p for p in pages if p != "index.md" and not p.startswith("reference/")]
-    notebook = sorted(p for p in written if "notebook" in p)
+    # the lab notebook and the measured pages: how figures were obtained, out of the course
+    notebook = sorted(p for p in written if "notebook" in p or p.startswith("measured/"))
     course = sorted(p for p in written if CHAPTER.match(p) and p not in notebook)
     library = sorted(p for p in written if p not in course and p not in notebook)
     packages: dict[str, list] = {}

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import MicroDDPError
+from .transport.objects import broadcast_value, gather_values
 from .world.world import World, distributed
 
 FORMAT = 1
@@ -278,18 +279,14 @@ def gather_rng_states(world: World) -> list[dict] | None:
     mine = rng_state()
     if not distributed():
         return [mine]
-    out: list | None = [None] * world.world_size if world.rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return out
+    return gather_values(mine, dst=0)  # tensors and JSON, never pickle
 
 
 def broadcast_choice(value, world: World):
     """Rank 0's `value` on every rank, so all ranks act on the same decision."""
     if not distributed():
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_value(value, src=0)
 
 
 def save_from_rank0(make_state: Callable[[], dict], folder: str | Path, step: int,

@@ -35,6 +35,8 @@ import torch.distributed as dist
 
 from ..collectives.route import OPS, carries, gives_gloos_bits
 from ..errors import MicroDDPError
+from ..shm import checked as shm_checked
+from ..shm.agreement import Check
 from ..shm.collectives import flat_data, open_shared
 from ..shm.group import SharedGroup
 from ..world.args import op_name
@@ -90,6 +92,21 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         self.calls[name, "gloo"] += 1
         return self.gloo
 
+    def _check(self, name: str, tensor, **more) -> Check:
+        """The agreement a shared-memory call makes in its first synchronisation
+        (shm/checked.py): the ranks must all call `name`, alike."""
+        return shm_checked.check(self.shared.agreement, False, name,
+                                 shm_checked.tensor_fields(tensor, **more))
+
+    def _to_gloo_agreed(self, name: str, tensor, **more) -> dist.Backend:
+        """gloo, for a call shared memory does not carry, once every rank has agreed (in order
+        with the group's shared-memory calls) that they all called `name` alike: gloo aborts
+        the process on a size mismatch, or returns reinterpreted bytes."""
+        if self.shared is not None:
+            shm_checked.agree_in_order(self._lane, self.shared.agreement, False, name,
+                                       shm_checked.tensor_fields(tensor, **more), None)
+        return self._to_gloo(name)
+
     def _run(self, name: str, body: Callable[[SharedGroup], None], result: list) -> LaneWork:
         self.calls[name, "shm"] += 1
         group = self.shared
@@ -106,13 +123,17 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         """dist.all_reduce; DDP's buckets come here."""
         opts = opts or dist.AllreduceOptions()
         op = _op(opts.reduceOp)
-        if not self._takes(tensors, op):
-            return self._to_gloo("allreduce").allreduce(tensors, opts)
+        takes = self._takes(tensors, op)
+        fields = {"op": str(op), "shared_memory": takes, "tensors": len(tensors)}
+        if not takes:
+            return self._to_gloo_agreed("allreduce", _first(tensors), **fields).allreduce(
+                tensors, opts)
         flat = flat_data(tensors[0])
         size = self.size()
+        check = self._check("allreduce", tensors[0], **fields)
 
         def body(g: SharedGroup) -> None:
-            g.all_reduce(flat, op)
+            g.all_reduce(flat, op, check)
             if op == "avg":
                 flat.div_(size)
 
@@ -121,33 +142,46 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """dist.broadcast; DDP's construction sends rank 0's parameters and buffers here."""
         opts = opts or dist.BroadcastOptions()
-        if opts.rootTensor != 0 or not self._takes(tensors):
-            return self._to_gloo("broadcast").broadcast(tensors, opts)
+        takes = opts.rootTensor == 0 and self._takes(tensors)
+        fields = {"src": opts.rootRank, "shared_memory": takes, "tensors": len(tensors)}
+        if not takes:
+            return self._to_gloo_agreed("broadcast", _first(tensors), **fields).broadcast(
+                tensors, opts)
         flat, root = flat_data(tensors[0]), opts.rootRank
-        return self._run("broadcast", lambda g: g.broadcast(flat, root), tensors)
+        check = self._check("broadcast", tensors[0], **fields)
+        return self._run("broadcast", lambda g: g.broadcast(flat, root, check), tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts=None) -> dist.Work:
         """dist.all_gather; DDP's check that every rank has the same parameter shapes too."""
         opts = opts or dist.AllgatherOptions()
-        if not (self._takes(inputs) and len(output_lists) == 1
-                and _alike(output_lists[0], inputs[0], self.size())):
-            return self._to_gloo("allgather").allgather(output_lists, inputs, opts)
+        takes = (self._takes(inputs) and len(output_lists) == 1
+                 and _alike(output_lists[0], inputs[0], self.size()))
+        fields = {"shared_memory": takes, "tensors": len(inputs)}
+        if not takes:
+            return self._to_gloo_agreed("allgather", _first(inputs), **fields).allgather(
+                output_lists, inputs, opts)
         outputs, flat = [flat_data(t) for t in output_lists[0]], flat_data(inputs[0])
-        return self._run("allgather", lambda g: g.all_gather(outputs, flat), output_lists)
+        check = self._check("allgather", inputs[0], **fields)
+        return self._run("allgather", lambda g: g.all_gather(outputs, flat, check),
+                         output_lists)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts=None) -> dist.Work:
         """dist.reduce_scatter (a list of inputs per rank)."""
         opts = opts or dist.ReduceScatterOptions()
         op = _op(opts.reduceOp)
-        if not (self._takes(outputs, op) and len(input_lists) == 1
-                and _alike(input_lists[0], outputs[0], self.size())):
-            return self._to_gloo("reduce_scatter").reduce_scatter(outputs, input_lists, opts)
+        takes = (self._takes(outputs, op) and len(input_lists) == 1
+                 and _alike(input_lists[0], outputs[0], self.size()))
+        fields = {"op": str(op), "shared_memory": takes, "tensors": len(outputs)}
+        if not takes:
+            return self._to_gloo_agreed("reduce_scatter", _first(outputs), **fields
+                                        ).reduce_scatter(outputs, input_lists, opts)
         flat, inputs, size = flat_data(outputs[0]), [flat_data(t) for t in input_lists[0]], self.size()
+        check = self._check("reduce_scatter", outputs[0], **fields)
 
         def body(g: SharedGroup) -> None:
-            g.reduce_scatter(flat, inputs, op)
+            g.reduce_scatter(flat, inputs, op, check)
             if op == "avg":
                 flat.div_(size)
 
@@ -163,9 +197,11 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
         gloo = self.gloo.barrier(opts)
         token = torch.zeros(1, dtype=torch.int32)
 
+        check = self._check("barrier", None)
+
         def body(g: SharedGroup) -> None:
             gloo.wait()
-            g.all_reduce(token, "max")
+            g.all_reduce(token, "max", check)
 
         return self._run("barrier", body, [])
 
@@ -187,6 +223,11 @@ def _op(reduce_op) -> str | None:
         return op_name(reduce_op)
     except MicroDDPError:
         return None
+
+
+def _first(tensors: list[torch.Tensor]):
+    """The call's tensor the ranks compare (None for an empty list)."""
+    return tensors[0] if tensors else None
 
 
 def _alike(tensors: list[torch.Tensor], like: torch.Tensor, size: int) -> bool:

@@ -87,6 +87,14 @@ def table(rows: list[dict], algos: list[str], model: CostModel, p: int,
             rec.update({"check_vs_ring": ratio, "check_vs_ring_interval": [lo, hi]})
             lines.append(f"{'':>9}  {'check cost':<10} {'ring+check / ring (both timed above)':>45} "
                          f"{ratio:>11.2f}  {lo:>7.2f}-{hi:.2f}")
+        if "shm-nocheck" in times and "shm" in algos:
+            # The same for the default call: shm against shm without its check, same rounds.
+            ratio, (lo, hi) = compare(times["shm"], times["shm-nocheck"])
+            rec.update({"shm_check_vs_unchecked": ratio,
+                        "shm_check_vs_unchecked_interval": [lo, hi]})
+            lines.append(f"{'':>9}  {'shm check':<10} "
+                         f"{'shm / shm without its check (same rounds)':>45} "
+                         f"{ratio:>11.2f}  {lo:>7.2f}-{hi:.2f}")
         records.append(rec)
     return {"lines": lines, "records": records}
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..errors import MicroDDPError
 from ..shm.group import SharedGroup
+from ..transport.objects import all_gather_values
 from ..transport.peers import Flat, Peers, bounds, scratch
 from ..world.hosts import host_id
 from ..world.world import distributed, group_timeout, uses_nccl
@@ -240,9 +241,7 @@ def discover() -> Hierarchy:
     kept per process group. Collective the first time."""
     world = dist.group.WORLD
     if world not in _found:
-        hosts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, host_id())
-        _found[world] = Hierarchy(hosts)
+        _found[world] = Hierarchy(all_gather_values(host_id()))
     return _found[world]
 
 
@@ -262,8 +261,7 @@ def choose(group=None) -> Hierarchy | None:
     setting = os.environ.get(SETTING, "auto")
     if setting not in ("auto", "0", "1"):
         raise MicroDDPError(f"{SETTING}={setting!r}; use 0 (flat), 1 or auto (the default)")
-    seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (host_id(), setting))
+    seen = all_gather_values([host_id(), setting])
     if len({s for _, s in seen}) > 1:
         raise MicroDDPError(f"{SETTING} differs between ranks ({sorted({s for _, s in seen})}); "
                             "set it alike on every host, or not at all")

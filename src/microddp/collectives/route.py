@@ -12,8 +12,8 @@ it, but a float sum or product on 3+ ranks does, so by default that case stays o
 
 `intra_host_path` is the same choice for the hierarchical all-reduce's steps inside a host
 (collectives/hierarchical.py), which DDP may take across hosts (chosen once, when it is
-built). microddp.comms imports this module: `all_reduce` asks `all_reduce_path`, `init` and
-`new_group` call `prepare`, `shutdown` calls `close`.
+built). microddp.comms imports this module: `all_reduce` asks `all_reduce_path`, every
+call's agreement is `agree_call`, `init` and `new_group` call `prepare`, `shutdown` `close`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from collections.abc import Callable
 
 import torch
 
+from ..shm import checked as shm_checked
 from ..shm import collectives as shm
 from ..shm.group import DTYPES, SharedGroup
+from ..transport.peers import Peers
+from .agreement import agree
 
 OPS = frozenset({"sum", "avg", "product", "min", "max"})
 ORDERED = frozenset({"sum", "avg", "product"})  # float results that depend on the order
@@ -68,7 +71,8 @@ def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | Non
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
     """comms.all_reduce over shared memory (the monitor logs it as all_reduce): torch's
-    contract, a Work when async_op, else None once done."""
+    contract, a Work when async_op, else None once done. `op` "avg" sums (comms divides);
+    the ranks' calls are checked in the call's own synchronisation (shm_checked.py)."""
     return shm.all_reduce_unversioned(tensor, op, group, async_op)
 
 
@@ -86,6 +90,27 @@ def intra_host_path(tensor: torch.Tensor, op: str, group) -> SharedGroup | None:
         return None
     state = shm.shared(group)
     return state.group if state is not None else None
+
+
+def agree_call(where: str, group, problem: Exception | None, tensor=None, **more) -> None:
+    """Before a comms call that goes through the group's backend: raise the same
+    MicroDDPError on every rank unless all passed alike `tensor`'s shape, dtype and device and
+    `more` (this rank's `problem`, found by its own checks, is shared first). Through the
+    group's shared memory, in order with its calls there, where it has some; else the
+    butterfly of agree.py through gloo. Not on NCCL, and not for all_reduce off shared
+    memory: there the agreement is a round of messages the caller waits for before the call
+    starts, in front of every DDP bucket (whose shapes DDP checked when it was built), and an
+    asynchronous call would no longer overlap anything."""
+    fields = (shm_checked.all_reduce_fields(tensor, more["op"]) if where == "all_reduce"
+              else shm_checked.tensor_fields(tensor, **more))
+    if shm.agree_in_order(group, where, fields, problem):
+        return
+    peers = Peers(group)
+    if peers.nccl or where in ("all_reduce", "barrier"):  # a barrier's round is the barrier
+        if problem is not None:
+            raise problem
+        return
+    agree.agree(peers, where, torch.device("cpu"), problem, **fields)
 
 
 def prepare(group) -> None:

@@ -23,6 +23,7 @@ COMMANDS = {
     "bench": ("microddp.commands.bench", "benchmarks against PyTorch: allreduce, ddp, scaling, pipeline, zero, async"),
     "trace": ("microddp.commands.trace", "record and summarise a timeline of DDP steps"),
     "predict": ("microddp.commands.predict", "predict step time and scaling with a cost model"),
+    "status": ("microddp.commands.status", "where every rank of a running job is, and who is waited for"),
     "exercise": ("microddp.commands.exercise", "course exercises: write a key function, check it on real ranks"),
 }
 

@@ -1,4 +1,4 @@
-"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|pipeline|zero|async`."""
+"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|pipeline|zero|async|tp`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ examples:
   microddp bench pipeline --compute sleep   # GPipe, 1F1B, interleaved, zero-bubble
   microddp bench zero                # DP, ZeRO-1/2/3, torch's ZeRO and FSDP2 on 2 and 4 ranks
   microddp bench async               # sync dp vs a parameter server: S=0, backup, SSP, async
+  microddp bench tp                  # tensor parallelism vs torch's parallelize_module, TP 2
 each benchmark has its own --help.
 """
 
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "zero": ("microddp.bench.zero", "memory per rank and step time: DP, ZeRO-1/2/3 vs torch's"),
     "async": ("microddp.bench.sync_async",
               "sync dp vs a parameter server: backup workers, SSP, async, a straggler"),
+    "tp": ("microddp.bench.tp", "tensor (+ sequence) parallelism vs torch's parallelize_module"),
 }
 # add_arguments needs the words after `bench` to pick the benchmark, whose own run() is called
 NESTED = True

@@ -1,8 +1,9 @@
 """Trace a few DDP steps on N ranks (or read a trace.json): where does the time go?
 
 Writes trace.json (open it in https://ui.perfetto.dev or chrome://tracing: one track per rank
-for compute, one for communication), timeline.png and per-step rows in metrics.jsonl into a new
-folder runs/trace-DATE-TIME (or --out), and prints per-step compute, communication, exposed
+for compute, one for communication), timeline.png, per-step rows in metrics.jsonl and hta/ (one
+profiler-format trace per rank, for HolisticTraceAnalysis) into a new folder
+runs/trace-DATE-TIME (or --out), and prints per-step compute, communication, exposed
 communication and overlap.
 """
 
@@ -107,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
               f"{args.nproc} rank(s), engine {args.engine}, batch {args.batch} per rank")
         summary = steps.record(str(out), args.nproc, kwargs, args.timeout)
     _summarise(summary["trace_json"], redraw=False)
+    print(f"per-rank traces for HolisticTraceAnalysis in {out / 'hta'} "
+          f"(TraceAnalysis(trace_dir=\"{out / 'hta'}\", include_last_profiler_step=True))")
     print(outputs.wrote([summary["trace_json"], summary["timeline_png"], out / "metrics.jsonl"])
           + " (open trace.json in https://ui.perfetto.dev)")
     return 0

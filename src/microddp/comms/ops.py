@@ -20,10 +20,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..collectives.route import all_reduce_path
+from ..collectives.route import agree_call, all_reduce_path
 from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
-from ..world.args import REDUCE_OPS, check_list, check_op_dtype, op_name, peer, root
+from ..world.args import (
+    REDUCE_OPS,
+    check_list,
+    check_op_dtype,
+    check_tensor,
+    op_name,
+    peer,
+    root,
+)
 from ..world.world import (
     World,
     distributed,
@@ -79,26 +87,57 @@ def _divide(tensor: torch.Tensor, n: int) -> Callable[[], None]:
 _CHECKED: set[tuple[str, torch.dtype]] = set()
 
 
+def _problem(check: Callable[[], object]) -> MicroDDPError | None:
+    """The error `check()` raises (this rank's own complaint about its arguments), or None:
+    kept to tell the other ranks (route's agree) before raising it, so they raise too."""
+    try:
+        check()
+    except MicroDDPError as e:
+        return e
+    return None
+
+
+def _agree(where: str, group, problem: MicroDDPError | None, tensor, **more) -> None:
+    """Before a call goes to the group's backend: the same MicroDDPError on every rank unless
+    every rank passed alike arguments (collectives/route.py's agree_call)."""
+    agree_call(where, group, problem, tensor, **more)
+    if problem is not None:
+        raise problem
+
+
+def _all_reduce_problem(tensor, op) -> tuple[str, MicroDDPError | None]:
+    """The op's name and this rank's problem with all_reduce's arguments, if any."""
+    try:
+        check_tensor(tensor, "all_reduce")
+        name = op if isinstance(op, str) and op in REDUCE_OPS else op_name(op)
+        if (name, tensor.dtype) not in _CHECKED:
+            check_op_dtype(name, tensor)
+            _CHECKED.add((name, tensor.dtype))
+        return name, None
+    except MicroDDPError as e:
+        return str(op), e
+
+
 def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
                async_op: bool = False) -> Handle | None:
     """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
-    name = op if isinstance(op, str) and op in REDUCE_OPS else op_name(op)
-    if (name, tensor.dtype) not in _CHECKED:
-        check_op_dtype(name, tensor)
-        _CHECKED.add((name, tensor.dtype))
-    if not distributed():
-        return _done(async_op, result=[tensor])
-    if _outside(group):
+    name, problem = _all_reduce_problem(tensor, op)
+    if not distributed() or _outside(group):
+        if problem is not None:
+            raise problem
+        if not distributed():
+            return _done(async_op, result=[tensor])
         return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
     finish = _divide(tensor, group_size(group)) if name == "avg" else None
-    fast = all_reduce_path(tensor, name, group)
+    fast = all_reduce_path(tensor, name, group) if problem is None else None
     if fast is not None:  # shared memory between the ranks of this host (collectives/route.py)
-        work = fast(tensor, "sum" if name == "avg" else name, group, async_op)
+        work = fast(tensor, name, group, async_op)  # checked in its own synchronisation
         if work is None and not async_op:  # done already, on this thread: no handle to make
             if finish is not None:
                 finish()
             return None
         return _result(work, async_op, finish)
+    _agree("all_reduce", group, problem, tensor, op=name)
     return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
                    async_op, finish)
 
@@ -115,10 +154,15 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
     if _outside(group):
         return dist.broadcast(tensor, group=group, async_op=async_op,
                               **_skipped_root("src", src, group_src))
-    src = root(src, group_src, group, "src")
+    got: list[int] = []
+    problem = _problem(lambda: (check_tensor(tensor, "broadcast"),
+                                got.append(root(src, group_src, group, "src"))))
     if not distributed():
+        if problem is not None:
+            raise problem
         return _done(async_op, result=[tensor])
-    return _result(dist.broadcast(tensor, src, group, async_op=True), async_op)
+    _agree("broadcast", group, problem, tensor, src=got[0] if got else src)
+    return _result(dist.broadcast(tensor, got[0], group, async_op=True), async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -126,22 +170,42 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     """tensor_list[i] becomes rank i's tensor, on every rank."""
     if _outside(group):
         return dist.all_gather(tensor_list, tensor, group, async_op)
-    check_list(tensor_list, group, "tensor_list", tensor)
+    problem = _problem(lambda: (check_tensor(tensor, "all_gather", written=False),
+                                check_list(tensor_list, group, "tensor_list", tensor, True)))
     if not distributed():
+        if problem is not None:
+            raise problem
         return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
+    _agree("all_gather", group, problem, tensor)
     return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
+
+
+def _op_problem(op, tensor, where: str) -> tuple[str, MicroDDPError | None]:
+    """The op's name for a call that takes one, and this rank's problem with it or `tensor`."""
+    try:
+        check_tensor(tensor, where)
+        name = op_name(op)
+        check_op_dtype(name, tensor)
+        return name, None
+    except MicroDDPError as e:
+        return str(op), e
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op = "sum",
                    group=None, async_op: bool = False) -> Handle | None:
     """Rank i ends with op over ranks of input_list[i]."""
-    name = op_name(op)
-    check_op_dtype(name, output)
+    name, problem = _op_problem(op, output, "reduce_scatter")
     if _outside(group):
+        if problem is not None:
+            raise problem
         return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
-    check_list(input_list, group, "input_list", output)
+    problem = problem or _problem(
+        lambda: check_list(input_list, group, "input_list", output))
     if not distributed():
+        if problem is not None:
+            raise problem
         return _done(async_op, lambda: output.copy_(input_list[0]), [output])
+    _agree("reduce_scatter", group, problem, output, op=name)
     finish = _divide(output, group_size(group)) if name == "avg" else None
     work = dist.reduce_scatter(output, list(input_list), REDUCE_OPS[name], group, async_op=True)
     return _result(work, async_op, finish)
@@ -151,14 +215,20 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Op = "sum", group=N
            async_op: bool = False, group_dst: int | None = None) -> Handle | None:
     """Only rank `dst` (or torch's `group_dst`; rank 0 without either) receives op over
     ranks; other ranks' tensors are left unspecified."""
-    name = op_name(op)
-    check_op_dtype(name, tensor)
+    name, problem = _op_problem(op, tensor, "reduce")
     if _outside(group):
+        if problem is not None:
+            raise problem
         return dist.reduce(tensor, op=REDUCE_OPS[name], group=group, async_op=async_op,
                            **_skipped_root("dst", dst, group_dst))
-    dst = root(dst, group_dst, group, "dst")
+    got: list[int] = []
+    problem = problem or _problem(lambda: got.append(root(dst, group_dst, group, "dst")))
     if not distributed():
+        if problem is not None:
+            raise problem
         return _done(async_op, result=[tensor])
+    _agree("reduce", group, problem, tensor, op=name, dst=got[0] if got else dst)
+    dst = got[0]
     is_dst = dist.get_rank() == dst
     finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
     return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
@@ -172,13 +242,22 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
     if _outside(group):
         return dist.scatter(tensor, None, group=group, async_op=async_op,
                             **_skipped_root("src", src, group_src))
-    src = root(src, group_src, group, "src")
-    is_src = not distributed() or dist.get_rank() == src
-    if is_src:
-        check_list(scatter_list, group, "scatter_list", tensor)
+    got: list[int] = []
+
+    def check() -> None:
+        check_tensor(tensor, "scatter")
+        got.append(root(src, group_src, group, "src"))
+        if not distributed() or dist.get_rank() == got[0]:
+            check_list(scatter_list, group, "scatter_list", tensor)
+
+    problem = _problem(check)
     if not distributed():
+        if problem is not None:
+            raise problem
         return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
-    work = dist.scatter(tensor, list(scatter_list) if is_src else None, src, group,
+    _agree("scatter", group, problem, tensor, src=got[0] if got else src)
+    is_src = dist.get_rank() == got[0]
+    work = dist.scatter(tensor, list(scatter_list) if is_src else None, got[0], group,
                         async_op=True)
     return _result(work, async_op)
 
@@ -191,13 +270,22 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
     if _outside(group):
         return dist.gather(tensor, None, group=group, async_op=async_op,
                            **_skipped_root("dst", dst, group_dst))
-    dst = root(dst, group_dst, group, "dst")
-    is_dst = not distributed() or dist.get_rank() == dst
-    if is_dst:
-        check_list(gather_list, group, "gather_list", tensor)
+    got: list[int] = []
+
+    def check() -> None:
+        check_tensor(tensor, "gather", written=False)
+        got.append(root(dst, group_dst, group, "dst"))
+        if not distributed() or dist.get_rank() == got[0]:
+            check_list(gather_list, group, "gather_list", tensor, True)
+
+    problem = _problem(check)
     if not distributed():
+        if problem is not None:
+            raise problem
         return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
-    work = dist.gather(tensor, gather_list if is_dst else None, dst, group, async_op=True)
+    _agree("gather", group, problem, tensor, dst=got[0] if got else dst)
+    is_dst = dist.get_rank() == got[0]
+    work = dist.gather(tensor, gather_list if is_dst else None, got[0], group, async_op=True)
     return _result(work, async_op)
 
 
@@ -207,6 +295,7 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
         return _done(async_op)
     if _outside(group):
         return dist.barrier(group, async_op)
+    _agree("barrier", group, None, None)  # a rank at another collective: an error, not a hang
     return _result(dist.barrier(group, async_op=True), async_op)
 
 
@@ -214,6 +303,7 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Blocking send to global rank `dst` (or torch's `group_dst`); returns once the data
     may be reused."""
+    check_tensor(tensor, "send", written=False)
     if _outside(group):  # torch's isend skips it; its send would fail looking up `dst`
         peer(dst, None, None, "send")
         dist.isend(tensor, dst, group, tag, group_dst=group_dst)
@@ -225,6 +315,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Blocking receive into `tensor` from global rank `src` (or `group_src`; any rank if
     neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch."""
+    check_tensor(tensor, "recv")
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
     return dist.recv(tensor, peer(src, group_src, group, "recv"), group, tag)
@@ -233,6 +324,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
           group_dst: int | None = None) -> Handle | None:
     """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`)."""
+    check_tensor(tensor, "isend", written=False)
     if _outside(group):
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
     work = dist.isend(tensor, _sender_to(dst, group_dst, group, "isend"), group, tag)
@@ -242,6 +334,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
           group_src: int | None = None) -> Handle | None:
     """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`)."""
+    check_tensor(tensor, "irecv")
     if _outside(group):
         return dist.irecv(tensor, src, group, tag, group_src=group_src)
     work = dist.irecv(tensor, peer(src, group_src, group, "irecv"), group, tag)

@@ -13,6 +13,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..comms import distributed
 from ..errors import MicroDDPError
+from ..transport.objects import all_gather_values
 from .buckets import MiB, plan_buckets
 
 BROADCAST_BUCKET_BYTES = 250 * MiB  # PyTorch's broadcast_bucket_size
@@ -70,8 +71,9 @@ def verify_same_model(module: nn.Module, group=None, buffers: bool = True) -> No
     if not distributed():
         return
     mine = describe(module, buffers)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    # JSON turns tuples into lists; back to tuples, so every rank's entries compare and print alike
+    everyone = [[tuple(tuple(x) if isinstance(x, list) else x for x in e) for e in desc]
+                for desc in all_gather_values(mine, group=group)]
     problem = first_difference(everyone)
     if problem:
         raise MicroDDPError(

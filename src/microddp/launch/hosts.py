@@ -43,6 +43,15 @@ def torchrun_argv(script: str, script_args: Sequence[str], *, nproc: int, nnodes
             *script_args]
 
 
+def _warn_without_secret(addr: str, port: int) -> None:
+    from ..world.secret import job_secret  # noqa: PLC0415 (reads the file: errors are ours)
+
+    if job_secret() is None:
+        print(f"microddp run: warning: no job secret (MICRODDP_SECRET or MICRODDP_SECRET_FILE), "
+              f"so anyone who reaches {addr}:{port} can join this job's rendezvous; see "
+              "docs/security.md", file=sys.stderr, flush=True)
+
+
 def launch_hosts(script: str, script_args: Sequence[str], *,
                  join_timeout: float = DEFAULT_JOIN_TIMEOUT_S, **kw) -> int:
     """Wait until every host answers the roll call (rollcall.py: one clear line, not a silent
@@ -52,6 +61,7 @@ def launch_hosts(script: str, script_args: Sequence[str], *,
     if join_timeout <= 0:
         raise MicroDDPError(f"--join-timeout must be positive, got {join_timeout:g} seconds")
     if kw["nnodes"] > 1:
+        _warn_without_secret(kw["master_addr"], kw.get("master_port") or DEFAULT_PORT)
         roll_call(kw["master_addr"], kw.get("master_port") or DEFAULT_PORT, kw["nnodes"],
                   kw["node_rank"], join_timeout)
     sys.stdout.flush()

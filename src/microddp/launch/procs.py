@@ -1,5 +1,9 @@
 """What every launcher needs: a rendezvous store on a free loopback port, torchrun's
 environment for each worker, and a way to stop workers so that none outlives its launcher.
+
+The job's secret is a fresh random one per job (or MICRODDP_SECRET / MICRODDP_SECRET_FILE when
+the user gives one), handed to the workers in their environment, which only the same user (and
+root) can read.
 """
 
 from __future__ import annotations
@@ -20,26 +24,35 @@ from ..errors import MicroDDPError
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from ..world.store_server import StoreServer
+
 LOOPBACK = "127.0.0.1"
 
 
 @dataclass
 class AgentStore:
-    """A TCPStore the launcher hosts; workers join it as clients, as under torchrun.
+    """The stores the launcher hosts; workers join them as clients, as under torchrun.
 
-    Binding our own loopback socket to port 0 and handing it to the store means the port is
+    Two, both on loopback: torch's TCPStore at MASTER_PORT, for a plain PyTorch script's
+    `init_process_group()` (torch's env:// reads only that), and microddp's own at
+    MICRODDP_STORE_PORT, which `microddp.init` uses and which lets in only a process that proves
+    the job's secret: loopback keeps the network out, the secret keeps out the machine's other
+    users too. Binding our own socket to port 0 and handing it to the store means the port is
     chosen by the kernel and held from that moment on: no window in which another process can
-    take it, and nothing listens beyond this machine.
+    take it.
     """
 
-    store: dist.TCPStore
+    store: dist.TCPStore | None
     addr: str
     port: int
+    secret: str
+    server: StoreServer | None = None
+    secure_port: int = 0
 
     @classmethod
     def start(cls, port: int = 0, addr: str = LOOPBACK,
               timeout: float | timedelta | None = None) -> AgentStore:
-        """A TCPStore server on `addr:port` (0 picks a free port), for the workers to meet at."""
+        """Both stores on `addr` (`port` for torch's; 0 picks a free one), for the workers."""
         if not 0 <= port <= 65535:
             raise MicroDDPError(f"port must be between 0 and 65535, got {port}; 0 picks a free "
                                 "one")
@@ -48,6 +61,8 @@ class AgentStore:
         import torch.distributed as dist
 
         from ..world.rendezvous import bind
+        from ..world.secret import job_secret, new_secret
+        from ..world.store_server import StoreServer
         from ..world.world import _as_timedelta
 
         sock = bind(addr, port)
@@ -55,7 +70,15 @@ class AgentStore:
         store = dist.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,
                               timeout=_as_timedelta(timeout), master_listen_fd=sock.fileno())
         sock.detach()  # the store owns and closes the descriptor
-        return cls(store, addr, port)
+        secret = job_secret() or new_secret()
+        server = StoreServer(bind(addr, 0), secret)
+        return cls(store, addr, port, secret, server, server.port)
+
+    def close(self) -> None:
+        """Stop serving: the job is over."""
+        if self.server is not None:
+            self.server.close()
+        self.store = None  # torch's server closes with its last reference
 
 
 def new_run_id() -> str:
@@ -77,7 +100,8 @@ def worker_env(base: dict, rank: int, world_size: int, store: AgentStore,
         MASTER_ADDR=store.addr, MASTER_PORT=str(store.port),
         TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(restart),
         TORCHELASTIC_MAX_RESTARTS=str(max_restarts), TORCHELASTIC_RUN_ID=run_id,
-        PYTHONUNBUFFERED="1",
+        PYTHONUNBUFFERED="1", MICRODDP_SECRET=store.secret, MICRODDP_AGENT_STORE="secret",
+        MICRODDP_STORE_PORT=str(store.secure_port),
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default, if not set
     # Like torchrun: N busy workers on a few cores must not each start a full thread pool.

@@ -9,7 +9,9 @@ served by host 0 for the few seconds it lasts:
   machine answers there (no route, no host on the link), rather than at the deadline;
 - at `--join-timeout`, every host that came stops with one line naming the node rank(s) that
   never came and what to check.
-Then the store closes and torchrun takes the same port for its own rendezvous.
+Then the store closes and torchrun takes the same port for its own rendezvous. With a job
+secret (MICRODDP_SECRET or MICRODDP_SECRET_FILE on every host) the roll call's store is
+microddp's own, which lets in only the hosts that prove it.
 """
 
 from __future__ import annotations
@@ -95,11 +97,25 @@ def roll_call(master_addr: str, port: int, nnodes: int, node_rank: int,
     import torch.distributed as dist
 
     from ..world.rendezvous import bind
+    from ..world.secret import job_secret
 
     addr = _resolve(master_addr)
     deadline = time.monotonic() + timeout_s
     wait = timedelta(seconds=timeout_s)
-    if node_rank == 0:
+    secret = job_secret()
+    server = None
+    if secret is not None:
+        from ..world.store_client import AuthStore
+        from ..world.store_server import StoreServer
+
+        if node_rank == 0:
+            _own_address(addr, port)
+            server = StoreServer(bind(addr, port), secret, name="microddp roll call")
+        else:
+            _reach(addr, port, deadline)
+        left = max(1.0, deadline - time.monotonic())
+        store = AuthStore(addr, port, secret, timedelta(seconds=left))
+    elif node_rank == 0:
         _own_address(addr, port)
         sock = bind(addr, port)
         store = dist.TCPStore(addr, port, nnodes, is_master=True, timeout=wait,
@@ -119,6 +135,8 @@ def roll_call(master_addr: str, port: int, nnodes: int, node_rank: int,
             _poll(store, [f"{_PREFIX}seen/{r}" for r in came], time.monotonic() + 60.0)
     finally:
         del store
+        if server is not None:
+            server.close()
     if missing:
         raise MicroDDPError(_missing_line(missing, nnodes, master_addr, port, timeout_s))
 

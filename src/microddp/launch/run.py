@@ -164,7 +164,7 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
         tree.stop(pids, grace=1)
         for w in workers:
             w.reader.join(timeout=2)
-        del agent
+        agent.close()
 
 
 def _report(first: _Worker, workers: list[_Worker]) -> None:

@@ -235,7 +235,7 @@ def _run(fn: Callable, world_size: int, args: tuple, timeout: float, backend: st
         for fd in (lifeline.read_fd, lifeline.write_fd):
             if fd >= 0:
                 os.close(fd)
-        del agent
+        agent.close()
 
 
 def _collect(procs, results, world_size: int, timeout: float) -> list[Any]:

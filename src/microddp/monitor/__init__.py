@@ -12,6 +12,10 @@ Logged: torch.distributed's collectives (so mdp.comms, DDP and user calls), mdp.
 shared-memory all-reduce (as all_reduce: collectives/route.py) and microddp's own
 (microddp.collectives.ring_all_reduce, ...: called through the module, see patch.py).
 
+A hang also leaves each rank's Flight Recorder dump (flight.py, for torch's torchfrtrace) in
+the run folder, and a monitored job with a run folder keeps a live status file per rank there
+(live.py, for `microddp status RUN`).
+
 PyTorch's own tools for the same questions are TORCH_DISTRIBUTED_DEBUG=DETAIL (collective
 fingerprints) and, on NCCL, the flight recorder; this package gives the same answers on any
 backend, in one report a person can read.
@@ -27,15 +31,18 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MicroDDPError
+from ..world.store_client import python_store
 from ..world.world import distributed, get_world
 from . import patch
 from .default import interrupt_pays, stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum
+from .flight import set_run_dir
 from .hang import Monitor, format_report
+from .live import set_step
 from .log import note
 
 __all__ = ["enable", "disable", "active", "check_replicas", "DriftCheck", "checksum",
-           "Monitor", "format_report", "wanted", "stall_seconds", "note"]
+           "Monitor", "format_report", "wanted", "stall_seconds", "note", "set_run_dir", "set_step"]
 
 _generation = itertools.count()  # every rank enables the same number of times: fresh keys each
 _exit_hook = False
@@ -70,7 +77,7 @@ def enable(timeout: float | timedelta = 60.0, debug: bool = False, store=None,
     disable()
     if store is None:
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = python_store(dist.distributed_c10d._get_default_store())
         except (AttributeError, RuntimeError, ValueError):
             raise MicroDDPError("no rendezvous store found; call microddp.init() first or "
                                 "pass store=") from None

@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from . import flight, live
 from .log import CollectiveLog, Entry, main_thread_where
 
 POLL_S = 0.1  # at a few ranks; more ranks poll the shared store less often (see Monitor)
@@ -41,7 +42,9 @@ class Monitor:
         self.answer_s = max(answer_s, 3 * self.poll_s)
         self.log = CollectiveLog(log_size)
         self.report: str | None = None
+        self.dumped: list = []  # the Flight Recorder dumps this rank wrote (flight.py)
         self._answered = False
+        self._beaten = -1e9
         self._stalled: Entry | None = None
         self._report_lock = threading.Lock()
         self._stop = threading.Event()
@@ -83,12 +86,46 @@ class Monitor:
     def _answer(self) -> None:
         if not self._answered:
             self._answered = True
+            self._dump()
             self.store.set(self.key("status", self.rank), json.dumps(self.status()))
 
+    def _dump(self) -> None:
+        """Write this rank's Flight Recorder dump into the folder the reporter chose. A dump
+        that cannot be written costs a line on stderr, never the report."""
+        try:
+            folder = self.store.get(self.key("fr_dir")).decode()
+            self.dumped = flight.write(self.log.entries(), self.rank, self.timeout_s, folder)
+        except Exception as e:  # noqa: BLE001 (a full disk, a read-only folder: say it, go on)
+            print(f"[rank {self.rank}] microddp monitor: no Flight Recorder dump ({e})",
+                  file=sys.stderr, flush=True)
+
+    def _claim_folder(self) -> None:
+        """Name the dumps' folder for every rank, before raising the flag (the first to
+        claim wins if two ranks notice the stall at once)."""
+        key = self.key("fr_dir")
+        try:
+            self.store.compare_set(key, "", flight.choose_folder())
+        except (AttributeError, RuntimeError):  # a store without compare_set
+            if not self.store.check([key]):
+                self.store.set(key, flight.choose_folder())
+
     # -- the watchdog: notice stalls (async ops, NCCL) and answer other ranks' requests -------
+    def _beat(self) -> None:
+        """Rewrite this rank's status file (live.py) if the job has a run folder."""
+        folder = flight.run_dir()
+        now = time.monotonic()
+        if folder is None or now - self._beaten < live.EVERY_S:
+            return
+        self._beaten = now
+        try:
+            live.write(folder, live.snapshot(self.rank, self.world_size, self.log))
+        except OSError:  # a full disk or a read-only folder: the live view goes stale, no more
+            pass
+
     def _watch(self) -> None:
         failures = 0
         while not self._stop.wait(self.poll_s):
+            self._beat()
             try:
                 if not self._answered and self.store.check([self.key("request")]):
                     self._answer()
@@ -131,16 +168,21 @@ class Monitor:
             if self.report is not None:
                 return self.report
             self._stalled = stalled
+            self._claim_folder()
             first = self.store.add(self.key("request"), 1) == 1
             self._answer()
             if first:
                 statuses = self._statuses()
                 self.report = format_report(self.rank, stalled, statuses, self.world_size,
-                                            self.timeout_s if own else None, why)
+                                            self.timeout_s if own else None, why,
+                                            self._dump_folder())
                 self.store.set(self.key("report"), self.report)
             else:
                 self.report = self._fetch_report()
             return self.report
+
+    def _dump_folder(self) -> str | None:
+        return str(self.dumped[0].parent) if self.dumped else None
 
     def _statuses(self) -> dict[int, dict]:
         keys = {r: self.key("status", r) for r in range(self.world_size)}
@@ -165,7 +207,8 @@ def _ranks(rs: list[int]) -> str:
 
 
 def format_report(rank: int, stalled: Entry | None, statuses: dict[int, dict],
-                  world_size: int, timeout_s: float | None, why: str) -> str:
+                  world_size: int, timeout_s: float | None, why: str,
+                  dumps: str | None = None) -> str:
     """One paragraph: which ranks are where, grouped; ranks that did not answer named too.
     `timeout_s`: the monitor's threshold, when that is what ran out; None when the backend
     gave up first (its own timeout, which `why` gives in its words)."""
@@ -194,6 +237,8 @@ def format_report(rank: int, stalled: Entry | None, statuses: dict[int, dict],
     if silent:
         lines.append(f"  {_ranks(silent)} did not answer (exited, crashed, or frozen outside "
                      "Python)")
+    if dumps:
+        lines.append(f"  Flight Recorder dumps in {dumps} (read them with: torchfrtrace {dumps})")
     lines.append("fix: every rank must call the same collectives in the same order; look at "
                  "the rank that is elsewhere")
     return "\n".join(lines)

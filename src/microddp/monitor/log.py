@@ -141,11 +141,12 @@ class Entry:
     """
 
     __slots__ = ("seq", "group", "op", "started", "done", "failed", "work", "escapable",
-                 "ends_itself", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
+                 "ends_itself", "record", "_sketch", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
 
     def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
                  frame: FrameType | None = None) -> None:
         self.seq, self.group, self.op = seq, group, op
+        self.record = 0  # this rank's count of logged calls over all groups (a dump's record_id)
         self.started = time.monotonic()
         self.done: float | None = None
         self.failed = False  # its async Work completed with an error (see in_flight)
@@ -155,11 +156,14 @@ class Entry:
         # The backend ends this wait on its own at the process group's timeout (a blocking
         # gloo call): after the report, the watchdog leaves the ending to it.
         self.ends_itself = False
+        self._sketch: tuple | None = None  # (count or None, dtype, shape) kept as a call ends
         self._shape: str | None = None
         self._detail: str | None = None
         self._caller: str | None = None
         self._location: Location | None = None
-        self._call = call  # (describe(args, kwargs) -> (shape, detail), args, kwargs)
+        # (describe(args, kwargs) -> (shape, detail), args, kwargs[, pick(args, kwargs) ->
+        # the tensor or list that describe names])
+        self._call = call
         self._frame = frame  # the caller's frame, while the call runs
 
     @property
@@ -190,7 +194,24 @@ class Entry:
         if self._shape is not None:
             return  # described already
         call = self._call  # one read: the calling thread may let go of it meanwhile
+        if call is None and self._sketch is not None:  # ended: its sketch says the shape
+            count, dtype, shape = self._sketch
+            inner = f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
+            self._shape, self._detail = (inner if count is None else f"{count}x{inner}"), ""
+            return
         self._shape, self._detail = call[0](call[1], call[2]) if call is not None else ("", "")
+
+    def sketch(self) -> None:
+        """Keep the dtype and shape of the call's tensor as raw values (a dump names them
+        later; formatting them now would cost the call's caller)."""
+        call = self._call
+        if call is None or len(call) < 4 or self._shape is not None:
+            return
+        x = call[3](call[1], call[2])
+        if isinstance(x, torch.Tensor):
+            self._sketch = (None, x.dtype, tuple(x.shape))
+        elif isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+            self._sketch = (len(x), x[0].dtype, tuple(x[0].shape))
 
     def locate_caller(self) -> None:
         """Note the caller's line now (in words later): an async call's caller moves on."""
@@ -198,6 +219,12 @@ class Entry:
         if frame is not None and self._location is None:
             self._location = locate(frame, user=True)
         self._frame = None
+
+    def location(self) -> Location:
+        """The caller's frames (see locate), if they were noted; () if not."""
+        if self._location is None and self._frame is not None:
+            self.locate_caller()
+        return self._location or ()
 
     def settle(self) -> None:
         """Work out shape, detail and caller now, and let go of the call's arguments."""
@@ -261,6 +288,7 @@ class CollectiveLog:
         self.open: dict[Entry, None] = {}  # in call order; a dict: ending one is O(1)
         self._size = size
         self._seq: dict[str, int] = {}
+        self._records = 0
         self._lock = threading.Lock()
 
     def begin(self, group: str, op: str, call: tuple | None = None,
@@ -270,6 +298,8 @@ class CollectiveLog:
             seq = self._seq.get(group, 0) + 1
             self._seq[group] = seq
             entry = Entry(seq, group, op, call, frame)
+            entry.record = self._records
+            self._records += 1
             self.recent.append(entry)
             self.open[entry] = None
             if len(self.open) > self._size:
@@ -279,8 +309,11 @@ class CollectiveLog:
             return entry
 
     def end(self, entry: Entry) -> None:
-        """Record that the collective of `entry` finished, and let go of its tensors."""
+        """Record that the collective of `entry` finished, and let go of its tensors (after
+        noting what it was and where it came from, for a Flight Recorder dump: flight.py)."""
         entry.done = time.monotonic()
+        entry.locate_caller()
+        entry.sketch()
         entry.release()
         self.open.pop(entry, None)  # one step under the GIL (identity hash): no lock needed
 
@@ -288,6 +321,13 @@ class CollectiveLog:
         for e in list(self.open):  # in place: a concurrent end() must not be undone
             if not e.in_flight():
                 self.open.pop(e, None)
+
+    def entries(self) -> list[Entry]:
+        """The recent calls and every one still open, in call order (a dump's ring buffer)."""
+        with self._lock:
+            both = {e: None for e in self.recent}
+            both.update(self.open)
+        return sorted(both, key=lambda e: e.record)
 
     def oldest_open(self) -> Entry | None:
         """The longest-waiting collective still in flight (completed async ones are dropped)."""

@@ -164,6 +164,9 @@ class _Signature:
         self.defaults = {k: p.default for k, p in params.items() if k in _DETAIL_ARGS
                          and p.default is not inspect.Parameter.empty}
         self.group_at = self.names.index("group") if "group" in params else -1
+        # the argument describe() names (the first of _TENSOR_ARGS the function takes)
+        self.tensor_name = next((k for k in _TENSOR_ARGS if k in params), None)
+        self.tensor_at = self.names.index(self.tensor_name) if self.tensor_name else -1
         self.async_at = self.names.index("async_op") if "async_op" in params else -1
 
     def group(self, args: tuple, kwargs: dict) -> Any:
@@ -179,6 +182,11 @@ class _Signature:
         a.update(zip(self.names, args, strict=False))
         a.update(kwargs)
         return a
+
+    def pick(self, args: tuple, kwargs: dict) -> Any:
+        """The argument describe() names, found by position: cheap enough for every call."""
+        i = self.tensor_at
+        return args[i] if 0 <= i < len(args) else kwargs.get(self.tensor_name)
 
     def describe(self, args: tuple, kwargs: dict) -> tuple[str, str]:
         """(shape, detail) of a call: what a report and the debug comparison name."""
@@ -266,7 +274,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         # The arguments and the caller's frame, held while the call runs: described only if
         # a report (or debug mode) asks, not on every call.
         entry = mon.log.begin("world" if group is None else group_name(group), name,
-                              (sig.describe, args, kwargs), sys._getframe(1))
+                              (sig.describe, args, kwargs, sig.pick), sys._getframe(1))
         if mon.interrupt or mon.debug:
             return interrupting(mon, entry, group, args, kwargs)
         # A gloo op fails by itself at the process group's timeout (async or not): after the

@@ -19,6 +19,8 @@ ordering is shm/segment.py's: numbers first, then the counter, then the bell.
 from __future__ import annotations
 
 import array
+from collections.abc import Callable
+from typing import NamedTuple
 
 from .segment import LINE_WORDS, Flags, Segment
 
@@ -35,6 +37,14 @@ def area_words(size: int) -> int:
     """Words of the segment an agreement needs: a counter line per rank, then two sets of
     per-rank numbers."""
     return size * LINE_WORDS + 2 * size * STRIDE
+
+
+class Check(NamedTuple):
+    """A call's agreement, made in its first synchronisation (shm_group.py): this rank's
+    numbers (agree.encode's), and what raises, on every rank, when the ranks' numbers differ
+    (`refuse(seq)`, seq being the agreement's sequence number: agree.read_in_memory)."""
+    mine: array.array
+    refuse: Callable[[int], None]
 
 
 class SharedAgreement:
@@ -84,16 +94,34 @@ class SharedAgreement:
                 return False
         return True
 
-    def result(self, seq: int, mine: array.array, what: str) -> list[int] | None:
+    def result(self, seq: int, mine: array.array, what: str,
+               yielding: bool = False) -> list[int] | None:
         """Once every rank has posted agreement `seq`: None if every rank's numbers equal
         `mine` (compared in C, the common case), else the maximum of each number over all
-        ranks (a butterfly's result, for agree.judge)."""
-        self.told.wait(seq, self.timeout_s, what)
+        ranks (a butterfly's result, for agree.judge). `yielding`: Flags.wait's."""
+        self.told.wait(seq, self.timeout_s, what, yielding)
         at = self.lines[seq & 1]
         if all(self.words[a:a + WORDS] == mine for a in at):
             return None
         rows = [self.words[a:a + WORDS].tolist() for a in at]
         return [max(column) for column in zip(*rows, strict=True)]
+
+    def meet(self, mine: array.array, what: str, yielding: bool) -> int | None:
+        """post `mine` (with zeros as EXTRA), wait for every rank's post, and compare: None
+        if every rank posted these very numbers, else the agreement's sequence number (for
+        `result`). A shared-memory call's first synchronisation (shm_group.py): kept to a few
+        Python steps, as `agrees` is, since it sits in front of every default all-reduce."""
+        seq = self.seq = self.seq + 1
+        lines, words = self.lines[seq & 1], self.words
+        at = lines[self.rank]
+        words[at:at + WORDS] = mine
+        words[at + WORDS] = words[at + WORDS + 1] = 0
+        self.told.post(seq)
+        self.told.wait(seq, self.timeout_s, what, yielding)
+        for r in self.others:
+            if words[lines[r]:lines[r] + WORDS] != mine:
+                return seq
+        return None
 
     def extra(self, seq: int, rank: int) -> tuple[int, int]:
         """The EXTRA words `rank` posted with agreement `seq` (read after `result`)."""

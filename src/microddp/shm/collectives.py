@@ -26,6 +26,7 @@ from ..errors import MicroDDPError
 from ..transport.peers import written
 from ..world import args as comms_args
 from ..world.world import group_rank, group_size
+from . import checked as shm_checked
 from .attach import attach, wanted
 from .group import DTYPES, SharedGroup, segment_bytes, sizes
 from .lane import Lane, ShmWork
@@ -170,16 +171,31 @@ def _run(state: _State, body: Callable[[SharedGroup], None], result: list, async
     return state.lane.submit(task, result, async_op)
 
 
+def _refused(state: _State, group, where: str, fields: dict, problem: MicroDDPError) -> None:
+    """Tell the other ranks, waiting in their first synchronisation, that this rank refuses
+    its arguments (so they raise too), then raise `problem`."""
+    shm_checked.agree_in_order(state.lane, state.group.agreement, group, where, fields, problem)
+    raise problem  # agree_in_order raised it: a defence
+
+
 def shm_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
                    async_op: bool = False) -> ShmWork | None:
     """In place: op (sum, avg, product, min, max) over the group's `tensor`s."""
     where = "shm_all_reduce"
-    name = comms_args.op_name(op)
-    _check(tensor, where)
-    comms_args.check_op_dtype(name, tensor)
-    if name not in ("sum", "avg", "product", "min", "max"):
-        raise MicroDDPError(f"{where}: op {name!r} is not supported; use comms.all_reduce")
     state = _required(group, where)
+    name, problem = str(op), None
+    try:
+        name = comms_args.op_name(op)
+        _check(tensor, where)
+        comms_args.check_op_dtype(name, tensor)
+        if name not in ("sum", "avg", "product", "min", "max"):
+            raise MicroDDPError(f"{where}: op {name!r} is not supported; use comms.all_reduce")
+    except MicroDDPError as e:
+        problem = e
+    fields = shm_checked.tensor_fields(tensor, op=name)
+    if problem is not None:
+        _refused(state, group, where, fields, problem)
+    check = shm_checked.check(state.group.agreement, group, where, fields)
     flat = flat_data(tensor)
 
     def finish() -> None:
@@ -187,35 +203,58 @@ def shm_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None,
             flat.div_(state.group.size)
         written(tensor)
 
-    return _run(state, lambda g: g.all_reduce(flat, name), [tensor], async_op, finish)
+    return _run(state, lambda g: g.all_reduce(flat, name, check), [tensor], async_op, finish)
 
 
-def _all_reduce_here(group: SharedGroup, flat: torch.Tensor, op: str) -> None:
+def _all_reduce_here(group: SharedGroup, flat: torch.Tensor, op: str, check) -> None:
     """A blocking all-reduce on the caller's thread (the lane's `run_now`), which spins."""
     group.yielding = False
-    group.all_reduce(flat, op)
+    group.all_reduce(flat, op, check)
 
 
 def all_reduce_unversioned(tensor: torch.Tensor, op: str, group, async_op: bool) -> ShmWork | None:
     """shm_all_reduce as microddp.comms calls it (route.py), after its own checks: like
     torch's collectives, it leaves autograd's version counter alone, and "avg" is its caller's
-    division."""
+    division (summed here). Checked against the other ranks' calls as comms.all_reduce."""
     state = shared(group)
     flat = flat_data(tensor)
-    if not async_op and state.lane.run_now(_all_reduce_here, state.group, flat, op):
+    check = (shm_checked.all_reduce_check(state.group.agreement, group, tensor, op)
+             if shm_checked.CHECKING else None)
+    fold = "sum" if op == "avg" else op
+    if not async_op and state.lane.run_now(_all_reduce_here, state.group, flat, fold, check):
         return None
-    return _run(state, lambda g: g.all_reduce(flat, op), [tensor], async_op)
+    return _run(state, lambda g: g.all_reduce(flat, fold, check), [tensor], async_op)
+
+
+def agree_in_order(group, where: str, fields: dict, problem: MicroDDPError | None) -> bool:
+    """For a call on `group` that does not go through shared memory: agree with the other
+    ranks through the group's segment, in order with its shared-memory calls, and raise on
+    every rank if they differ (or this rank's `problem`). False, having done nothing, where
+    the group does not use shared memory."""
+    state = shared(group)
+    if state is None:
+        return False
+    shm_checked.agree_in_order(state.lane, state.group.agreement, group, where, fields, problem)
+    return True
 
 
 def shm_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: str = "sum",
                        group=None, async_op: bool = False) -> ShmWork | None:
     """Group rank i ends with op over ranks of their input_list[i]."""
     where = "shm_reduce_scatter"
-    name = comms_args.op_name(op)
-    _check(output, where, "output")
-    comms_args.check_op_dtype(name, output)
     state = _required(group, where)
-    _check_list(input_list, "input_list", output, "output", state.group.size, where)
+    name, problem = str(op), None
+    try:
+        name = comms_args.op_name(op)
+        _check(output, where, "output")
+        comms_args.check_op_dtype(name, output)
+        _check_list(input_list, "input_list", output, "output", state.group.size, where)
+    except MicroDDPError as e:
+        problem = e
+    fields = shm_checked.tensor_fields(output, op=name)
+    if problem is not None:
+        _refused(state, group, where, fields, problem)
+    check = shm_checked.check(state.group.agreement, group, where, fields)
     flat, inputs = flat_data(output), [flat_data(t) for t in input_list]
 
     def finish() -> None:
@@ -223,25 +262,36 @@ def shm_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op:
             flat.div_(state.group.size)
         written(output)
 
-    return _run(state, lambda g: g.reduce_scatter(flat, inputs, name), [output], async_op,
-                finish)
+    return _run(state, lambda g: g.reduce_scatter(flat, inputs, name, check), [output],
+                async_op, finish)
 
 
 def shm_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
                    async_op: bool = False) -> ShmWork | None:
     """tensor_list[i] becomes group rank i's `tensor`, on every rank."""
     where = "shm_all_gather"
-    _check(tensor, where)
     state = _required(group, where)
-    _check_list(tensor_list, "tensor_list", tensor, "tensor", state.group.size, where)
+    problem = None
+    try:
+        _check(tensor, where)
+        _check_list(tensor_list, "tensor_list", tensor, "tensor", state.group.size, where)
+        if _shares_memory(tensor_list):
+            raise MicroDDPError(f"{where}: the tensors of tensor_list share memory, so they "
+                                "cannot each hold a rank's tensor; pass tensors of their own")
+    except MicroDDPError as e:
+        problem = e
+    fields = shm_checked.tensor_fields(tensor)
+    if problem is not None:
+        _refused(state, group, where, fields, problem)
+    check = shm_checked.check(state.group.agreement, group, where, fields)
     outputs = [flat_data(t) for t in tensor_list]
 
     def finish() -> None:
         for t in tensor_list:
             written(t)
 
-    return _run(state, lambda g: g.all_gather(outputs, flat_data(tensor)), list(tensor_list),
-                async_op, finish)
+    return _run(state, lambda g: g.all_gather(outputs, flat_data(tensor), check),
+                list(tensor_list), async_op, finish)
 
 
 def shm_broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
@@ -249,13 +299,28 @@ def shm_broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
     """Every rank's `tensor` becomes that of global rank `src` (or group rank `group_src`;
     rank 0 if neither)."""
     where = "shm_broadcast"
-    _check(tensor, where)
-    root = comms_args.root(src, group_src, group, "src")
     state = _required(group, where)
-    g_src = root if group is None else dist.get_group_rank(group, root)
+    problem, root, g_src = None, src, 0
+    try:
+        _check(tensor, where)
+        root = comms_args.root(src, group_src, group, "src")
+        g_src = root if group is None else dist.get_group_rank(group, root)
+    except MicroDDPError as e:
+        problem = e
+    fields = shm_checked.tensor_fields(tensor, src=root)
+    if problem is not None:
+        _refused(state, group, where, fields, problem)
+    check = shm_checked.check(state.group.agreement, group, where, fields)
     flat = flat_data(tensor)
-    return _run(state, lambda g: g.broadcast(flat, g_src), [tensor], async_op,
+    return _run(state, lambda g: g.broadcast(flat, g_src, check), [tensor], async_op,
                 lambda: written(tensor))
+
+
+def _shares_memory(tensors: list[torch.Tensor]) -> bool:
+    """Whether two of `tensors` (each contiguous) overlap in memory."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                   for t in tensors if t.numel())
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
 
 
 for _fn in (shm_all_reduce, shm_reduce_scatter, shm_all_gather, shm_broadcast):

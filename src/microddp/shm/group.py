@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import MicroDDPError
-from .agreement import SharedAgreement, area_words
+from .agreement import Check, SharedAgreement, area_words
 from .segment import LINE_WORDS, Flags, Segment
 
 # Per rank and parity: a larger message goes in chunks of this. Each chunk costs a
@@ -164,6 +164,34 @@ class SharedGroup:
             self.failed = str(e)
             raise
 
+    def _meet(self, seq: int, what: str, check: Check | None) -> None:
+        """A call's first synchronisation: the `arrive` barrier or, for a checked call, the
+        metadata agreement itself (shm_agree.py), whose post follows this rank's writes as
+        arrive's would: the check costs no synchronisation of its own. On a mismatch no rank
+        goes on: the step is given back (a rank whose call never took one, a ring or a rank
+        that refused its own arguments, is then in step with this one) and `check.refuse`
+        raises the agreement's error."""
+        if check is None:
+            self._barrier(self.arrive, seq, what)
+            return
+        differs = self._differs(what, check)
+        if differs is not None:
+            self.seq = seq - 1
+            check.refuse(differs)
+
+    def _differs(self, what: str, check: Check) -> int | None:
+        try:
+            return self.agreement.meet(check.mine, what, self.yielding)
+        except MicroDDPError as e:
+            self.failed = str(e)
+            raise
+
+    def agree_only(self, what: str, check: Check | None) -> None:
+        """A checked call with nothing to move (an empty tensor): the agreement alone."""
+        differs = self._differs(what, check) if check is not None else None
+        if differs is not None:
+            check.refuse(differs)
+
     def _step(self) -> int:
         """The next step's sequence number, unless an earlier step failed."""
         if self.failed is not None:
@@ -176,17 +204,19 @@ class SharedGroup:
         seq = self._step()
         return seq, self.views(dtype)[seq & 1]
 
-    def all_reduce(self, flat: torch.Tensor, op: str) -> None:
-        """`flat` reduced over the group with `op`, in place: one synchronisation for small tensors, reduce-scatter then gather for large ones, in slot-sized pieces."""
+    def all_reduce(self, flat: torch.Tensor, op: str, check: Check | None = None) -> None:
+        """`flat` reduced over the group with `op`, in place: one synchronisation for small
+        tensors, reduce-scatter then gather for large ones, in slot-sized pieces. `check`:
+        the call's agreement, made in its first piece's synchronisation (`_meet`)."""
         cap = self.slot // flat.element_size()
         total = flat.numel()
         if total <= cap:  # one piece: no slicing (most calls)
-            self._all_reduce_piece(flat, op)
+            self._all_reduce_piece(flat, op, check)
             return
         for start in range(0, total, cap):
-            self._all_reduce_piece(flat[start:start + cap], op)
+            self._all_reduce_piece(flat[start:start + cap], op, check if start == 0 else None)
 
-    def _all_reduce_piece(self, piece: torch.Tensor, op: str) -> None:
+    def _all_reduce_piece(self, piece: torch.Tensor, op: str, check: Check | None) -> None:
         # Small or large by the piece's size, not the whole tensor's: on 2 ranks every piece
         # of a tensor larger than a slot is "small" (one synchronisation, no copy out), which
         # the large path would spend a second synchronisation and a copy out on.
@@ -194,7 +224,7 @@ class SharedGroup:
         m = piece.numel()
         cut = self.cut(piece.dtype, m)[seq & 1]
         cut.inputs[self.rank].copy_(piece)
-        self._barrier(self.arrive, seq, "all_reduce")
+        self._meet(seq, "all_reduce", check)
         if m * piece.element_size() <= self.small:
             fold_into(op, cut.inputs, piece, self.rank)
             return
@@ -203,41 +233,49 @@ class SharedGroup:
         self._barrier(self.reduced, seq, "all_reduce")
         piece.copy_(cut.result)
 
-    def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor], op: str) -> None:
+    def reduce_scatter(self, out: torch.Tensor, inputs: list[torch.Tensor], op: str,
+                       check: Check | None = None) -> None:
         """out = op over ranks of their inputs[rank]; all flat, of out's length."""
         n, r = self.size, self.rank
         k = out.numel()
+        if k == 0:
+            self.agree_only("reduce_scatter", check)
         cap = max(1, self.slot // (out.element_size() * n))
         for start in range(0, k, cap):
             c = min(cap, k - start)
             seq, slots = self._next(out.dtype)
             torch.stack([t[start:start + c] for t in inputs], out=slots[r][:n * c].view(n, c))
-            self._barrier(self.arrive, seq, "reduce_scatter")
+            self._meet(seq, "reduce_scatter", check if start == 0 else None)
             fold(op, [s[r * c:(r + 1) * c] for s in slots[:n]], out[start:start + c])
 
-    def all_gather(self, outputs: list[torch.Tensor], flat: torch.Tensor) -> None:
+    def all_gather(self, outputs: list[torch.Tensor], flat: torch.Tensor,
+                   check: Check | None = None) -> None:
         """Every rank's `flat` into `outputs`, through the slots, in pieces of at most a slot."""
         r = self.rank
         k = flat.numel()
+        if k == 0:
+            self.agree_only("all_gather", check)
         cap = self.slot // flat.element_size()
         for start in range(0, k, cap):
             c = min(cap, k - start)
             seq, slots = self._next(flat.dtype)
             slots[r][:c].copy_(flat[start:start + c])
-            self._barrier(self.arrive, seq, "all_gather")
+            self._meet(seq, "all_gather", check if start == 0 else None)
             for j, o in enumerate(outputs):
                 o[start:start + c].copy_(slots[j][:c])
 
-    def broadcast(self, flat: torch.Tensor, src: int) -> None:
+    def broadcast(self, flat: torch.Tensor, src: int, check: Check | None = None) -> None:
         """Every rank's `flat` becomes group rank `src`'s."""
         k = flat.numel()
+        if k == 0:
+            self.agree_only("broadcast", check)
         cap = self.slot // flat.element_size()
         for start in range(0, k, cap):
             c = min(cap, k - start)
             seq, slots = self._next(flat.dtype)
             if self.rank == src:
                 slots[src][:c].copy_(flat[start:start + c])
-            self._barrier(self.arrive, seq, "broadcast")
+            self._meet(seq, "broadcast", check if start == 0 else None)
             if self.rank != src:
                 flat[start:start + c].copy_(slots[src][:c])
 

@@ -183,6 +183,13 @@ class Lane:
         finally:
             self._running.release()
 
+    def drain(self) -> None:
+        """Return once the calls queued before this one have run: a caller about to agree
+        through the group's segment on its own thread (a ring, a tree) must not overtake a
+        queued call, which agrees there too (shm_checked.py)."""
+        if self._pending:
+            self.submit(lambda yielding: None, [], async_op=False)
+
     def submit(self, task: Task, result: list, async_op: bool) -> ShmWork | None:
         """Run `task`: now, on this thread, if it blocks and nothing is queued (None once it
         is done); else behind the queued ones (a ShmWork if `async_op`, else None once done)."""

@@ -14,13 +14,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from .. import outputs
 from ..errors import MicroDDPError
 from ..spans import Recorder, Span, kind, step_stats
 from ..spans import stop as stop_recording
+from ..transport.objects import broadcast_value, gather_values
 from ..world.world import World, distributed, get_world
+from . import kineto
 
 TID_MAIN, TID_COMM = 0, 1
 FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "wait_s",
@@ -42,9 +42,11 @@ def gather(rec: Recorder | None, world: World | None = None) -> dict[int, list[S
     mine = to_wall(rec) if rec is not None else []
     if not distributed():
         return {0: mine}
-    out: list[Any] | None = [None] * world.world_size if world.rank == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return {r: spans for r, spans in enumerate(out)} if out is not None else None
+    rows = [[s.name, s.start, s.end, s.track, s.step, {k: _jsonable(v) for k, v in s.args.items()}]
+            for s in mine]
+    out = gather_values(rows, dst=0)  # JSON, never pickle: see transport/objects.py
+    return {r: [Span(*row) for row in spans] for r, spans in enumerate(out)} \
+        if out is not None else None
 
 
 def _jsonable(v: Any) -> Any:
@@ -237,20 +239,22 @@ def _replace_trace_rows(path: Path, rows: list[dict]) -> None:
 
 def write(by_rank: dict[int, list[Span]], run_dir: str | os.PathLike,
           metrics: bool = True) -> dict:
-    """Write trace.json and timeline.png (and this run's per-step rows in metrics.jsonl, in
-    place of an earlier trace's); return the summary.
+    """Write trace.json, timeline.png, hta/ (one profiler-format trace per rank: kineto.py)
+    and this run's per-step rows in metrics.jsonl (in place of an earlier trace's); return the
+    summary.
 
     The summary is flat: medians in ms, overlap_pct, the number of steps and the paths.
     """
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     outputs.write_text(out / "trace.json", json.dumps(chrome_trace(by_rank)))
+    kineto.write(by_rank, out)  # per-rank profiler-format traces for HTA, beside it
     plot_timeline(by_rank, out / "timeline.png")
     rows = per_step(by_rank)
     if metrics:
         _replace_trace_rows(out / "metrics.jsonl", rows)
     return {**in_ms(summarize(rows)), "trace_json": str(out / "trace.json"),
-            "timeline_png": str(out / "timeline.png")}
+            "timeline_png": str(out / "timeline.png"), "hta_dir": str(out / kineto.FOLDER)}
 
 
 def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
@@ -266,7 +270,5 @@ def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
         raise MicroDDPError("tracing was never started on this rank; call microddp.spans.start() "
                             "before the first step")
     by_rank = gather(rec, world)
-    result = [write(by_rank, run_dir) if by_rank is not None else None]
-    if distributed():
-        dist.broadcast_object_list(result, src=0)
-    return result[0]
+    result = write(by_rank, run_dir) if by_rank is not None else None
+    return broadcast_value(result, src=0) if distributed() else result

@@ -106,6 +106,9 @@ def traced_steps(world: World, run_dir: str, **kwargs) -> dict:
 
 
 def _run_job(world: World, run_dir: str, kwargs: dict) -> dict:
+    from ..monitor import flight
+
+    flight.set_run_dir(run_dir)  # a hang's Flight Recorder dumps go with the trace
     return traced_steps(world, run_dir, **kwargs)
 
 

@@ -98,6 +98,9 @@ def worker(cfg: TrainConfig) -> int:
         error = broadcast_choice(error, world)
         if error:
             raise MicroDDPError(error)
+        from ..monitor import flight
+
+        flight.set_run_dir(cfg.out)  # a hang's Flight Recorder dumps go with the run's files
         train(world, cfg)
     finally:
         comms.shutdown()

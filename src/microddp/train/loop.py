@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from .. import checkpoint, monitor, outputs, spans
 from ..data import ShardedBatchSampler, load_dataset
 from ..errors import MicroDDPError
 from ..trace import report as trace_report
+from ..transport.objects import all_gather_values
 from ..world.world import World, distributed
 from . import resume, sharded, strategies
 from .build import Hook, Precision, build_model
@@ -157,6 +157,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
                     meter.add(loss_sum, len(y))
             strategy.step()
             step += 1
+            monitor.set_step(step)  # for `microddp status` (monitor/live.py)
             trained += total
             spans.next_step()
             if drift is not None:
@@ -211,8 +212,7 @@ def _memory_per_rank(strategy: Strategy, world: World) -> list[dict]:
     mine = {"rank": world.rank, **strategy.memory()}
     if not distributed():
         return [mine]
-    out: list = [None] * world.world_size
-    dist.all_gather_object(out, mine)
+    out = all_gather_values(mine)
     return out if world.rank == 0 else []
 
 
@@ -237,7 +237,8 @@ def _finish(world: World, cfg: TrainConfig, strategy: Strategy, out: Path, rep: 
             rep.say("no curves.png: matplotlib is not installed (pip install 'microddp[train]')")
         ckpts = cfg.ckpt_dir if cfg.ckpt_dir.is_dir() and any(cfg.ckpt_dir.iterdir()) else None
         files = [out / "model.pt", rep.metrics_path, png,
-                 *((stats["trace_json"], stats["timeline_png"]) if stats else ()),
+                 *((stats["trace_json"], stats["timeline_png"], f"{stats['hta_dir']}/")
+                   if stats else ()),
                  f"{ckpts}/" if ckpts else None]
         rep.say(f"done: test accuracy {100 * evaluated['accuracy']:.2f}% after {step} steps; "
                 + outputs.wrote(files))

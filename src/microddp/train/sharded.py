@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .. import checkpoint, outputs
 from ..errors import MicroDDPError
+from ..transport.objects import all_gather_values
 from ..world.world import World, distributed
 
 FORMAT = 1
@@ -117,9 +118,7 @@ def _barrier() -> None:
 def _gather(value, world: World) -> list:
     if not distributed():
         return [value]
-    out = [None] * world.world_size
-    dist.all_gather_object(out, value)
-    return out
+    return all_gather_values(value)
 
 
 def read(folder: str | Path, map_location: torch.device | str = "cpu") -> dict:

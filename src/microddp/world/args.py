@@ -54,7 +54,38 @@ def check_op_dtype(name: str, tensor: torch.Tensor) -> None:
         raise MicroDDPError(f"op {name!r} is not defined for complex tensors; use 'sum' or 'avg'")
 
 
-def check_list(tensors, group, what: str, like: torch.Tensor) -> None:
+def overlapping(tensor: torch.Tensor) -> bool:
+    """Whether two elements may share memory: taken from the smallest stride up, each
+    dimension must step past everything the smaller ones span. (A few exotic layouts that do
+    not overlap fail this test too; they get the error and a clone() fixes them.)"""
+    if tensor.numel() <= 1:
+        return False  # nothing to share memory with
+    reach = 0  # the furthest offset the smaller dimensions reach
+    for stride, size in sorted((st, n) for n, st in zip(tensor.shape, tensor.stride(),
+                                                        strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def check_tensor(tensor, what: str, name: str = "tensor", written: bool = True) -> None:
+    """Refuse what a collective cannot take: a non-tensor, a sparse tensor, and, where the
+    result is `written` into it in place, one whose elements share memory (an expand()ed or
+    overlapping view: gloo writes it wrong, or hangs a rank, or corrupts the heap)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise MicroDDPError(f"{what}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise MicroDDPError(f"{what}: {name} is a {tensor.layout} tensor; collectives work on "
+                            f"dense tensors: pass {name}.to_dense()")
+    if written and not tensor.is_contiguous() and overlapping(tensor):
+        raise MicroDDPError(
+            f"{what}: {name} {tuple(tensor.shape)} has elements that share memory (an "
+            f"expand()ed or as_strided view, strides {tuple(tensor.stride())}), so it cannot "
+            f"hold a result in place; pass a tensor of its own, e.g. {name}.clone()")
+
+
+def check_list(tensors, group, what: str, like: torch.Tensor, written: bool = False) -> None:
     """One tensor per rank, each of `like`'s dtype and device and, except on NCCL (which takes
     uneven sizes), of its shape: gloo's reduce_scatter aborts the process on a wrong shape."""
     n = group_size(group)
@@ -64,8 +95,7 @@ def check_list(tensors, group, what: str, like: torch.Tensor) -> None:
         raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
     even = not (distributed() and like.is_cuda and uses_nccl(group))
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise MicroDDPError(f"{what}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(t, what, f"{what}[{i}]", written)
         if t.dtype != like.dtype or t.device != like.device or (even and t.shape != like.shape):
             raise MicroDDPError(
                 f"{what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the tensor is "

@@ -1,14 +1,14 @@
 """How ranks find each other: the rendezvous store that `init` hands to init_process_group.
 
 Rank 0 hosts a TCPStore on exactly the address given (loopback stays loopback); the others,
-or every rank under a launcher that hosts the store itself, connect to it.
+or every rank under a launcher that hosts the store itself, connect to it. When the job has a
+secret (MICRODDP_SECRET, MICRODDP_SECRET_FILE, always under `microddp run`), the store is
+microddp's own, which lets in only processes that prove it (secure_store.py).
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from ..errors import MicroDDPError
 from .hosts import is_loopback
+from .listen import bind
+from .secret import job_secret
 
 
 def env_int(name: str, default: int | None) -> int | None:
@@ -27,25 +29,6 @@ def env_int(name: str, default: int | None) -> int | None:
         return int(raw)
     except ValueError:
         raise MicroDDPError(f"environment variable {name}={raw!r} is not a whole number") from None
-
-
-def bind(addr: str, port: int) -> socket.socket:
-    """Listen on exactly `addr:port` (not every interface), with a clear error if it is taken."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((addr, port))
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise MicroDDPError(
-                f"port {port} on {addr} is already in use; pick another MASTER_PORT "
-                "(or let `microddp run` choose a free one)"
-            ) from None
-        raise MicroDDPError(f"cannot listen on {addr}:{port}: {e.strerror}") from None
-    sock.listen(512)
-    return sock
 
 
 def make_store(
@@ -62,6 +45,11 @@ def make_store(
     agent_store = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
                    and (addr, str(port)) == (os.environ.get("MASTER_ADDR"),
                                              os.environ.get("MASTER_PORT")))
+    secret = job_secret()
+    if secret is not None:
+        from .secure_store import secure_store  # noqa: PLC0415 (only for a job with a secret)
+
+        return secure_store(addr, port, rank, secret, timeout, agent_store)
     if rank != 0 or agent_store:
         try:
             return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)

@@ -62,12 +62,12 @@ class CountingAllReduce(Sent):
         return dist.all_reduce(flat, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def shared_memory(tensor: torch.Tensor) -> bool:
+def shared_memory(tensor: torch.Tensor, group=None) -> bool:
     """Whether this bucket's collectives go through the host's shared memory: the world's
     ranks all share this host and may use it (decided once, collectively, on the first
     call: every rank asks at the same point, its first bucket), and it carries this tensor's
     dtype and device; else they go through the backend (gloo, NCCL), one call per rank."""
-    return intra_host_path(tensor, "sum", None) is not None
+    return intra_host_path(tensor, "sum", group) is not None
 
 
 class _Then:
@@ -97,41 +97,43 @@ def _padded(view: torch.Tensor, cap: int) -> torch.Tensor:
 
 
 def reduce_to_owners(bucket: Bucket, own: torch.Tensor, rest: torch.Tensor, rank: int,
-                     sent: Sent) -> list:
+                     sent: Sent, group=None) -> list:
     """Start summing the bucket's gradients (packed by flat.pack into `own`, this rank's part,
     and `rest`, the others') over ranks, each rank's part into that rank's `own` only: one
     shared-memory reduce-scatter on one host, else one reduce per rank that owns any. Returns
-    the handles; once waited, `own` holds this rank's sum (`rest` is left unspecified)."""
+    the handles; once waited, `own` holds this rank's sum (`rest` is left unspecified).
+    `group`: the process group (ranks are its group ranks), the world's by default."""
     handles = []
-    if shared_memory(own):
+    if shared_memory(own, group):
         cap = max(bucket.sizes)
         inputs = [_padded(part(bucket, r, rank, own, rest), cap)
                   for r in range(bucket.world_size)]
         out = inputs[rank]
         # Looked up at the call, not bound at import: the hang monitor wraps it while it runs.
-        work = shm.shm_reduce_scatter(out, inputs, op="sum", async_op=True)
+        work = shm.shm_reduce_scatter(out, inputs, op="sum", group=group, async_op=True)
         handles.append(work if out is own else _Then(work, lambda: own.copy_(out[:own.numel()])))
         sent.add_bytes((bucket.world_size - 1) * cap * own.element_size())
         return handles
     for r, size in enumerate(bucket.sizes):
         if size:
             handles.append(comms.reduce(part(bucket, r, rank, own, rest), op="sum",
-                                        group_dst=r, async_op=True))
+                                        group=group, group_dst=r, async_op=True))
     sent.add_bytes((bucket.numel - bucket.sizes[rank]) * own.element_size())
     return handles
 
 
-def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) -> list:
+def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent,
+                     group=None) -> list:
     """Start filling `flat` (the bucket's parameters end to end, this rank's own elements
     already in place) with every rank's elements: one shared-memory all-gather on one host,
     else one broadcast from each rank that owns any. Every rank issues the same calls in the
-    same order. Returns the handles to wait."""
+    same order (ranks of `group`, the world's by default). Returns the handles to wait."""
     handles = []
     parts = [flat.narrow(0, bucket.start(r), size) for r, size in enumerate(bucket.sizes)]
-    if shared_memory(flat):
+    if shared_memory(flat, group):
         cap = max(bucket.sizes)
         outs = [p if p.numel() == cap else p.new_empty(cap) for p in parts]
-        work = shm.shm_all_gather(outs, _padded(parts[rank], cap), async_op=True)
+        work = shm.shm_all_gather(outs, _padded(parts[rank], cap), group=group, async_op=True)
         short = [(p, o) for p, o in zip(parts, outs, strict=True) if o is not p]
 
         def unpad() -> None:
@@ -142,9 +144,30 @@ def broadcast_shards(bucket: Bucket, flat: torch.Tensor, rank: int, sent: Sent) 
         return handles
     for r, size in enumerate(bucket.sizes):
         if size:
-            handles.append(comms.broadcast(parts[r], group_src=r, async_op=True))
+            handles.append(comms.broadcast(parts[r], group=group, group_src=r, async_op=True))
     sent.add_bytes((bucket.world_size - 1) * bucket.sizes[rank] * flat.element_size())
     return handles
+
+
+def all_gather_slots(outs: list[torch.Tensor], send: torch.Tensor, group=None) -> None:
+    """outs[r] becomes rank r's equal-sized `send` (fully_shard's units): one shared-memory
+    all-gather on one host, else the backend's."""
+    if shared_memory(send, group):
+        shm.shm_all_gather(outs, send, group=group)
+    else:
+        comms.all_gather(outs, send, group=group)
+
+
+def reduce_scatter_slots(out: torch.Tensor, ins: list[torch.Tensor], group=None):
+    """Make `out` the sum over ranks of their ins[rank] (fully_shard's units): one
+    shared-memory reduce-scatter on one host, started and returned as a handle; else the
+    backend's, done before returning None (gloo's reduce-scatter has no future to free its
+    input by, and holding every unit's input until the end of backward would hold the whole
+    gradient)."""
+    if shared_memory(out, group):
+        return shm.shm_reduce_scatter(out, ins, op="sum", group=group, async_op=True)
+    comms.reduce_scatter(out, ins, op="sum", group=group)
+    return None
 
 
 def free_when_sent(handles: Sequence, buffer: torch.Tensor) -> torch.futures.Future:

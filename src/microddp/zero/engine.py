@@ -101,6 +101,10 @@ class Zero(nn.Module):
         self.optimizer = self.shards.optimizer
         self.sent = Sent()
         self._in_no_sync = False
+        # ZeRO-2/3 keep the averaged gradients in the shards, which only zero_grad() on this
+        # wrapper clears: `_stepped` says a step used them and they were not cleared since;
+        # `_stale` that a backward then added more to them (see _on_backward, step).
+        self._stepped = self._stale = False
         self._memory: dict[str, int] = {}
         self.sharder = None
         on_reduced = None
@@ -109,6 +113,7 @@ class Zero(nn.Module):
             on_reduced = self.sharder.after_reduce
         self.reducer = GradReducer(self.plan, params, self.shards, self.sent, on_reduced,
                                    keep_grads=stage == 1)
+        self.reducer.on_start = self._on_backward
         self._hooks = self.reducer.attach_hooks()
         if self.sharder is not None:
             self.reducer.on_end = self.sharder.free_all
@@ -155,6 +160,14 @@ class Zero(nn.Module):
             if self.sharder is not None:
                 self.sharder.keep = self._in_no_sync
 
+    def _on_backward(self) -> None:
+        """A synchronized backward starts: if the shards still hold gradients a step already
+        applied, the loop cleared gradients some other way (model.zero_grad() on the inner
+        module, its own optimizer's zero_grad()), which cannot reach the shards."""
+        if self.stage > 1 and self._stepped and any(s.grad is not None
+                                                    for s in self.shards.params):
+            self._stale = True
+
     def step(self) -> None:
         """Step the shards (their gradients were averaged during backward), and (stages 1
         and 2) broadcast the updated elements into every rank's full parameters."""
@@ -162,12 +175,21 @@ class Zero(nn.Module):
             raise MicroDDPError("step() was called inside no_sync(): the gradients are not "
                                 "averaged yet; run the last micro-step's forward and backward "
                                 "after the block, then call step()")
+        if self._stale:
+            # Every rank gets here at the same step (the same calls on every rank), so all
+            # refuse together and no collective is left waiting.
+            raise MicroDDPError(
+                f"ZeRO-{self.stage} keeps the averaged gradients in this rank's shards, and "
+                "those of the previous step were never cleared: step() would apply the sum of "
+                "both; call zero_grad() on the Zero wrapper after each step (the inner "
+                "module's zero_grad() or another optimizer's cannot reach the shards)")
         self._memory = self.measure_now()
         with spans.span("shard step", track="optim"):
             self.optimizer.step()
         if self.stage < 3:
             self._gather_params()
         self.sent.end_step()
+        self._stepped = True
 
     def _gather_params(self) -> None:
         """Every rank's updated elements into every rank's flat parameter buffers: all the
@@ -190,6 +212,7 @@ class Zero(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shard gradients and any full gradients still held."""
         self.shards.zero_grad()
+        self._stepped = self._stale = False
         self.module.zero_grad(set_to_none=set_to_none)
 
     @contextmanager

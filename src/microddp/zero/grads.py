@@ -39,6 +39,7 @@ class GradReducer:
         self.on_reduced = on_reduced  # ZeRO-3 frees a layer once its gradients are sent
         self.sync = True  # False inside no_sync(): gradients accumulate locally
         self.on_end: Callable[[], None] | None = None  # ZeRO-3 frees what is still gathered
+        self.on_start: Callable[[], None] | None = None  # a synchronized backward begins
         self._bucket_of = {p: b.index for b in plan.buckets for p in b.params}
         self._pending: list[tuple[Bucket, list, torch.futures.Future, torch.Tensor | None]] = []
         self._in_flight: list[torch.Tensor] = []
@@ -114,6 +115,8 @@ class GradReducer:
                 return
             if not self._queued:
                 self._queued = True
+                if self.on_start is not None:
+                    self.on_start()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             b = self._bucket_of[i]
             self._ready[b] += 1

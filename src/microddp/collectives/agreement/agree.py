@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import array
 import operator
+import sys
 import zlib
 from collections.abc import Callable
 
 import torch
 
 from ...errors import MicroDDPError
+from ...shm import checked as shm_checked
 from ...shm import collectives as shm
 from ...shm.agreement import SharedAgreement
 from ...transport.peers import Peers, wait_all
@@ -157,7 +159,10 @@ def shared_agreement(peers: Peers) -> SharedAgreement | None:
     if peers.nccl:
         return None
     state = shm.shared(peers.group)
-    return None if state is None else state.group.agreement
+    if state is None:
+        return None
+    state.lane.drain()  # its queued calls agree here too, before this one
+    return state.group.agreement
 
 
 def _agree_in_memory(peers: Peers, box: SharedAgreement, mine: array.array, where: str,
@@ -311,3 +316,6 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
         agreed = peers.global_rank(root) if check and root_problem is None else group_root
     agree(peers, where, home(tensor, peers), problem, check, **fields, **{root_name: agreed})
     return peers, root, name, items
+
+
+shm_checked.use(sys.modules[__name__])  # shared-memory calls agree as agree() does (shm_checked.py)

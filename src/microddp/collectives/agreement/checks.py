@@ -80,18 +80,8 @@ def try_layout(tensor: torch.Tensor, where: str, name: str = "tensor",
 
 
 def _overlapping(tensor: torch.Tensor) -> bool:
-    """Whether two elements may share memory: taken from the smallest stride up, each
-    dimension must step past everything the smaller ones span. (A few exotic layouts that do
-    not overlap fail this test too; they get the error and a clone() fixes them.)"""
-    if tensor.numel() <= 1:
-        return False  # nothing to share memory with
-    reach = 0  # the furthest offset the smaller dimensions reach
-    for stride, size in sorted((st, n) for n, st in zip(tensor.shape, tensor.stride(),
-                                                        strict=True) if n > 1):
-        if stride <= reach:
-            return True
-        reach += stride * (size - 1)
-    return False
+    """Whether two elements may share memory (world.args.overlapping)."""
+    return comms_args.overlapping(tensor)
 
 
 def check_tensor(tensor, where: str, name: str = "tensor") -> torch.Tensor:
