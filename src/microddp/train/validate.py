@@ -12,7 +12,16 @@ from ..dp.engine_names import ENGINES
 from ..errors import MicroDDPError
 from ..flags import at_least, positive
 from . import strategies
-from .config import AMP, MODELS, OPTIMIZERS, SCHEDULES, STRATEGIES, TrainConfig, max_sensible_nproc, stages
+from .config import (
+    AMP,
+    MODELS,
+    OPTIMIZERS,
+    SCHEDULES,
+    STRATEGIES,
+    TrainConfig,
+    max_sensible_nproc,
+    stages,
+)
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
