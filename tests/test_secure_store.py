@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from launch_helpers import microddp, write
 from microddp import MicroDDPError
-from microddp.comms import secret as sec
-from microddp.comms import store_client, store_server
+from microddp.world import secret as sec
+from microddp.world import store_client, store_server
 from microddp.world.rendezvous import bind
 from microddp.world.store_client import AuthStore
 from microddp.world.store_server import StoreServer

@@ -72,7 +72,7 @@ def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | Non
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
     """comms.all_reduce over shared memory (the monitor logs it as all_reduce): torch's
     contract, a Work when async_op, else None once done. `op` "avg" sums (comms divides);
-    the ranks' calls are checked in the call's own synchronisation (shm_checked.py)."""
+    the ranks' calls are checked in the call's own synchronisation (shm/checked.py)."""
     return shm.all_reduce_unversioned(tensor, op, group, async_op)
 
 

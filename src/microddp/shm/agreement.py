@@ -40,7 +40,7 @@ def area_words(size: int) -> int:
 
 
 class Check(NamedTuple):
-    """A call's agreement, made in its first synchronisation (shm_group.py): this rank's
+    """A call's agreement, made in its first synchronisation (group.py): this rank's
     numbers (agree.encode's), and what raises, on every rank, when the ranks' numbers differ
     (`refuse(seq)`, seq being the agreement's sequence number: agree.read_in_memory)."""
     mine: array.array
@@ -109,7 +109,7 @@ class SharedAgreement:
     def meet(self, mine: array.array, what: str, yielding: bool) -> int | None:
         """post `mine` (with zeros as EXTRA), wait for every rank's post, and compare: None
         if every rank posted these very numbers, else the agreement's sequence number (for
-        `result`). A shared-memory call's first synchronisation (shm_group.py): kept to a few
+        `result`). A shared-memory call's first synchronisation (group.py): kept to a few
         Python steps, as `agrees` is, since it sits in front of every default all-reduce."""
         seq = self.seq = self.seq + 1
         lines, words = self.lines[seq & 1], self.words

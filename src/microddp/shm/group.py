@@ -166,7 +166,7 @@ class SharedGroup:
 
     def _meet(self, seq: int, what: str, check: Check | None) -> None:
         """A call's first synchronisation: the `arrive` barrier or, for a checked call, the
-        metadata agreement itself (shm_agree.py), whose post follows this rank's writes as
+        metadata agreement itself (agreement.py), whose post follows this rank's writes as
         arrive's would: the check costs no synchronisation of its own. On a mismatch no rank
         goes on: the step is given back (a rank whose call never took one, a ring or a rank
         that refused its own arguments, is then in step with this one) and `check.refuse`

@@ -186,7 +186,7 @@ class Lane:
     def drain(self) -> None:
         """Return once the calls queued before this one have run: a caller about to agree
         through the group's segment on its own thread (a ring, a tree) must not overtake a
-        queued call, which agrees there too (shm_checked.py)."""
+        queued call, which agrees there too (checked.py)."""
         if self._pending:
             self.submit(lambda yielding: None, [], async_op=False)
 

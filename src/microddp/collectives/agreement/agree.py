@@ -318,4 +318,4 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
     return peers, root, name, items
 
 
-shm_checked.use(sys.modules[__name__])  # shared-memory calls agree as agree() does (shm_checked.py)
+shm_checked.use(sys.modules[__name__])  # shared-memory calls agree as agree() does (shm/checked.py)
