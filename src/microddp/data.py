@@ -19,7 +19,12 @@ from torch import nn
 from .errors import MicroDDPError
 from .world.world import World
 
-DATASETS = ("digits", "synthetic")
+DATASETS = ("digits", "synthetic", "text")
+# --dataset text: windows of this many bytes of the standard library's source (gpt/text.py),
+# from about this many bytes of it: an epoch of a small GPT stays a matter of seconds.
+TEXT_BLOCK = 32
+TEXT_BYTES = 160_000
+TEXT_VAL_WINDOWS = 512  # the validation text's first windows: evaluating every epoch stays quick
 # The test split must not move when the user changes --seed: one fixed split for every run.
 SPLIT_SEED = 0
 
@@ -99,12 +104,30 @@ def synthetic(n: int = 2560, in_features: int = 64, n_classes: int = 10) -> Data
     return Dataset("synthetic", train, test, in_features, n_classes)
 
 
+def text(block: int = TEXT_BLOCK, limit_bytes: int = TEXT_BYTES) -> Dataset:
+    """Byte-level text for the GPT: non-overlapping windows of `block` bytes of the standard
+    library's source, each labelled with the next byte of every position (gpt/text.py holds
+    the fixed train/validation split by file; here the test split is that validation text)."""
+    from .gpt.text import stdlib_text
+
+    def windows(data: torch.Tensor) -> Split:
+        n = (len(data) - 1) // block
+        rows = data[:n * block + 1].long()
+        return Split(rows[:-1].view(n, block), rows[1:].unfold(0, block, block)[:n].clone())
+
+    train, val = stdlib_text(limit_bytes)
+    val = val[:TEXT_VAL_WINDOWS * block + 1]
+    return Dataset("text", windows(train), windows(val), block, 256)
+
+
 def load_dataset(name: str) -> Dataset:
     """The data set called `name` (one of DATASETS)."""
     if name == "digits":
         return digits()
     if name == "synthetic":
         return synthetic()
+    if name == "text":
+        return text()
     raise MicroDDPError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
@@ -282,9 +305,11 @@ def evaluate(module: nn.Module, split: Split, world: World | None = None,
         lo, hi = b * batch_size, min((b + 1) * batch_size, len(split))
         x, y = split.x[lo:hi].to(device), split.y[lo:hi].to(device)
         logits = module(x).float()
+        if logits.dim() == 3:  # a sequence model: every position is a sample (a next token)
+            logits, y = logits.flatten(0, 1), y.flatten()
         loss_sums[b] = F.cross_entropy(logits, y, reduction="none").double().sum()
         counts[0] += (logits.argmax(dim=1) == y).sum()
-        counts[1] += hi - lo
+        counts[1] += len(y)
     module.train(was_training)
     totals = torch.cat([loss_sums, counts])
     comms.all_reduce(totals, "sum")

@@ -58,7 +58,8 @@ def stdlib_text(limit_bytes: int | None = None,
     files = _sources(limit_bytes)
     key = hashlib.sha256("\n".join(f"{f.name}:{f.stat().st_size}" for f in files).encode())
     where = (cache or cache_dir()) / f"stdlib-py{sysconfig.get_python_version()}-{key.hexdigest()[:12]}"
-    parts = {"train": where.with_suffix(".train.bin"), "val": where.with_suffix(".val.bin")}
+    # Not with_suffix: the name's "3.12-..." has a dot, which with_suffix would cut the key at.
+    parts = {s: where.with_name(f"{where.name}.{s}.bin") for s in ("train", "val")}
     if not all(p.exists() for p in parts.values()):
         chunks: dict[str, list[bytes]] = {"train": [], "val": []}
         for i, f in enumerate(files):

@@ -15,12 +15,13 @@ from .strategies.registry import PIPELINES, STRATEGIES
 # torch, the data sets and the parameter server's settings are imported where a check needs
 # them, not above: `microddp train --help` builds this parser and must not wait for torch.
 
+MODELS = ("mlp", "gpt")
 OPTIMIZERS = ("sgd", "adam")  # the names; train/build.py maps each to its class (torch)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 AMP = ("bf16", "fp16")
 DEFAULT_LR = {"sgd": 0.05, "adam": 2e-3}
 # Settings that change the numbers a checkpoint holds: a resume must keep them.
-RESUME_KEYS = ("dataset", "batch_size", "accumulate", "optimizer", "lr", "seed", "amp",
+RESUME_KEYS = ("model", "heads", "dataset", "batch_size", "accumulate", "optimizer", "lr", "seed", "amp",
                "hidden", "depth", "strategy")
 
 
@@ -29,6 +30,9 @@ class TrainConfig:
     """Everything a run depends on; `microddp train --help` documents each field."""
 
     nproc: int = 2
+    model: str = "mlp"  # gpt: microddp.gpt.GPT on --dataset text (implied)
+    tp: int = 1  # tensor-parallel ranks per replica (--model gpt); replicas = nproc / tp
+    heads: int = 4  # --model gpt: attention heads (d_model is --hidden, layers --depth)
     epochs: int = 8
     batch_size: int = 64
     lr: float | None = None  # None: DEFAULT_LR of the optimizer
@@ -61,6 +65,11 @@ class TrainConfig:
     staleness: str = "0"  # async: the bound S, a whole number or "inf"
     staleness_lr: bool = False  # async: divide each gradient's step by its staleness
     backup_workers: int = 0  # async, staleness 0: each update takes the first N-b gradients
+
+    def __post_init__(self) -> None:
+        # The GPT reads text: --model gpt without a --dataset means --dataset text.
+        if self.model == "gpt" and self.dataset == "digits":
+            self.dataset = "text"
 
     @property
     def learning_rate(self) -> float:
@@ -105,6 +114,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     a = p.add_argument
     a("-n", "--nproc", type=int, default=d.nproc, help=f"local ranks to start (default {d.nproc})")
+    a("--model", default=d.model,
+      help=f"{' | '.join(MODELS)} (mlp: FullMLP on --dataset digits/synthetic; gpt: a small "
+           f"GPT on --dataset text, bytes of Python's own source; default {d.model})")
+    a("--tp", type=int, default=d.tp,
+      help="--model gpt: tensor-parallel ranks per replica, inside --strategy dp; "
+           f"replicas = nproc / tp (default {d.tp})")
+    a("--heads", type=int, default=d.heads,
+      help=f"--model gpt: attention heads; --hidden is the width, --depth the blocks "
+           f"(default {d.heads})")
     a("--epochs", type=int, default=d.epochs, help=f"passes over the data (default {d.epochs})")
     a("--batch-size", type=int, default=d.batch_size,
       help=f"global batch per micro-step, split over ranks (default {d.batch_size})")
@@ -129,7 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="micro-batches a pipeline cuts each replica's batch into "
            "(default: one per stage, two per stage for interleaved)")
     a("--dataset", default=d.dataset,
-      help=f"digits (real, bundled) | synthetic (default {d.dataset})")
+      help=f"digits (real, bundled) | synthetic | text (--model gpt's, implied by it; "
+           f"default {d.dataset})")
     a("--accumulate", type=int, default=d.accumulate,
       help=f"micro-steps per optimizer step, with no_sync (default {d.accumulate})")
     a("--amp", default=None,

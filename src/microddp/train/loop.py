@@ -191,9 +191,10 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
             break
         evaluated = strategy.evaluate(test_set)
         rate = meter.fresh / max(epoch_time, 1e-9)
+        val = {"val_loss": evaluated["loss"]} if cfg.model == "gpt" else {}  # held-out text
         rep.epoch_summary(epoch, cfg.epochs, meter.epoch_mean(), evaluated["accuracy"], rate,
-                          epoch_time)
-        rep.log({"kind": "epoch", "step": step, "epoch": epoch + 1,
+                          epoch_time, val.get("val_loss"))
+        rep.log({"kind": "epoch", "step": step, "epoch": epoch + 1, **val,
                  "train_loss": meter.epoch_mean(), "test_loss": evaluated["loss"],
                  "test_accuracy": evaluated["accuracy"], "samples_per_s": rate})
         if not cfg.checkpoint_every:
@@ -228,6 +229,7 @@ def _finish(world: World, cfg: TrainConfig, strategy: Strategy, out: Path, rep: 
         tmp.replace(out / "model.pt")
         rep.log({"kind": "final", "step": step, "test_accuracy": evaluated["accuracy"],
                  "test_loss": evaluated["loss"], "samples_per_s": samples_per_s,
+                 **({"val_loss": evaluated["loss"]} if cfg.model == "gpt" else {}),
                  "strategy": cfg.strategy, "memory": memory,
                  **({"trace": stats} if stats else {})})
         png = plot_curves(rep.metrics_path, out / "curves.png") if cfg.plot else None
@@ -242,6 +244,10 @@ def _finish(world: World, cfg: TrainConfig, strategy: Strategy, out: Path, rep: 
                 + outputs.wrote(files))
         if stats:
             rep.say(trace_report.format_summary(stats))
+        if cfg.model == "gpt":  # the learner sees what the model learnt to write
+            from .sample import sample
+
+            rep.say("sample: " + repr(sample(cfg, full)))
     held = full if full is not None else strategy.replica_state() or {}
     params = {k: v.detach().cpu().clone() for k, v in held.items()}
     return Result(step, evaluated["accuracy"],

@@ -125,9 +125,10 @@ class Reporter:
                  f"step {step}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s")
 
     def epoch_summary(self, epoch: int, epochs: int, train_loss: float, acc: float,
-                      samples_per_s: float, seconds: float) -> None:
-        """Print an epoch's training loss, test accuracy and throughput."""
-        self.say(f"epoch {epoch + 1}/{epochs}: train loss {train_loss:.4f}  "
+                      samples_per_s: float, seconds: float, val_loss: float | None = None) -> None:
+        """Print an epoch's training loss, test accuracy (and validation loss) and throughput."""
+        val = f"val loss {val_loss:.4f}  " if val_loss is not None else ""
+        self.say(f"epoch {epoch + 1}/{epochs}: train loss {train_loss:.4f}  {val}"
                  f"test accuracy {100 * acc:.2f}%  {samples_per_s:,.0f} samples/s  "
                  f"({seconds:.1f} s)")
 

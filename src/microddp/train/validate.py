@@ -12,7 +12,16 @@ from ..dp.engine_names import ENGINES
 from ..errors import MicroDDPError
 from ..flags import at_least, positive
 from . import strategies
-from .config import AMP, OPTIMIZERS, SCHEDULES, STRATEGIES, TrainConfig, max_sensible_nproc, stages
+from .config import (
+    AMP,
+    MODELS,
+    OPTIMIZERS,
+    SCHEDULES,
+    STRATEGIES,
+    TrainConfig,
+    max_sensible_nproc,
+    stages,
+)
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
@@ -21,6 +30,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
 
     from ..data import DATASETS
 
+    _choice(cfg.model, MODELS, "model")
     _choice(cfg.dataset, DATASETS, "dataset")
     if cfg.dataset == "digits" and importlib.util.find_spec("sklearn") is None:
         raise MicroDDPError("the digits data set ships with scikit-learn, which is not "
@@ -54,8 +64,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                             f"least {MIN_MONITOR_TIMEOUT_S:g} s, or 0 to turn the monitor off")
     if cfg.seed > MAX_SEED:  # NumPy's generators take 32 bits, torch's 64
         raise MicroDDPError(f"--seed must be at most {MAX_SEED} (2**32 - 1), got {cfg.seed}")
+    at_least(1, tp=cfg.tp, heads=cfg.heads)
     _check_size(cfg)
     n = cfg.nproc if world_size is None else world_size
+    _check_model(cfg, n)
     if world_size is None:
         limit = max_sensible_nproc()
         if not 1 <= n <= limit:
@@ -75,9 +87,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.drift_every and not entry.replicas:
         raise MicroDDPError(f"--drift-every compares whole replicas of the model, which "
                             f"--strategy {cfg.strategy} does not keep on every rank; drop it")
-    replicas = n // stages(cfg, n)
+    replicas = n // (stages(cfg, n) * cfg.tp)
     if not entry.own_loop and cfg.batch_size % replicas:
         what = (f"{n} ranks" if replicas == n else
+                f"{replicas} replicas ({n} ranks / --tp {cfg.tp})" if cfg.tp > 1 else
                 f"{replicas} replicas ({n} ranks / {stages(cfg, n)} stages)")
         raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch and must split "
                             f"evenly over {what}; use a multiple of {replicas}")
@@ -93,9 +106,17 @@ MAX_SEED = 2**32 - 1
 def _check_size(cfg: TrainConfig) -> None:
     """A model that cannot fit in this host's memory is refused before a rank allocates it
     (--hidden 10000000 asked the allocator for 400 TB, and every rank died of it)."""
+    if cfg.model == "gpt":  # --depth blocks of attention (4 d^2) and MLP (8 d^2), embeddings
+        params = cfg.depth * 12 * cfg.hidden ** 2 + (256 + 32) * cfg.hidden
+        _refuse_size(cfg, params)
+        return
     widest_input = 64  # digits' 8x8 pixels; the synthetic set is narrower
     params = widest_input * cfg.hidden + max(cfg.depth - 1, 0) * cfg.hidden ** 2 \
         + cfg.hidden * 10 if cfg.depth else widest_input * 10
+    _refuse_size(cfg, params)
+
+
+def _refuse_size(cfg: TrainConfig, params: int) -> None:
     need = 4 * params * 2  # float32 parameters and their gradients, before any optimizer
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -105,6 +126,51 @@ def _check_size(cfg: TrainConfig) -> None:
         raise MicroDDPError(f"--hidden {cfg.hidden} with --depth {cfg.depth} is a model of "
                             f"{params:.3g} parameters, {need / 2**30:.3g} GiB with its gradients, "
                             f"more than this host's {have / 2**30:.3g} GiB; use a smaller --hidden")
+
+
+GPT_STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+
+
+def _check_model(cfg: TrainConfig, n: int) -> None:
+    """--model, --dataset and --tp go together: the MLP reads digits or synthetic data and has
+    no layer to split; the GPT reads text, under dp or ZeRO, split --tp ways inside dp."""
+    if cfg.model == "mlp":
+        if cfg.tp != 1:
+            raise MicroDDPError(f"--tp {cfg.tp} splits a transformer's attention heads and MLP, "
+                                "which --model mlp has none of; add --model gpt")
+        if cfg.dataset == "text":
+            raise MicroDDPError("--dataset text is bytes for a language model: add --model gpt")
+        return
+    if cfg.dataset != "text":
+        raise MicroDDPError(f"--model gpt reads --dataset text (bytes of Python's source), "
+                            f"not {cfg.dataset}; drop --dataset")
+    if cfg.strategy not in GPT_STRATEGIES:
+        raise MicroDDPError(f"--model gpt trains with --strategy {' | '.join(GPT_STRATEGIES)}; "
+                            f"{cfg.strategy} is not wired to the GPT yet (its stage split / "
+                            "parameter server take the MLP)")
+    from ..gpt import GPTConfig
+    from ..tp.gpt import check_split
+
+    GPTConfig(n_head=cfg.heads, d_model=cfg.hidden, n_layer=max(cfg.depth, 1))
+    if cfg.depth < 1:
+        raise MicroDDPError("--model gpt needs --depth of at least 1 block")
+    if cfg.tp == 1:
+        return
+    if n % cfg.tp:
+        raise MicroDDPError(f"--tp {cfg.tp} must divide --nproc {n}: each replica is --tp ranks "
+                            f"and replicas = nproc / tp")
+    check_split(GPTConfig(n_head=cfg.heads, d_model=cfg.hidden), cfg.tp)
+    if cfg.strategy != "dp":
+        raise MicroDDPError(f"--tp {cfg.tp} runs inside --strategy dp; ZeRO over the "
+                            f"data-parallel ranks of a tensor-parallel mesh is not built yet")
+    if cfg.engine != TrainConfig.engine:
+        raise MicroDDPError(f"--tp {cfg.tp} averages gradients over its own data-parallel "
+                            f"groups, not through --engine {cfg.engine}; drop --engine")
+    if cfg.resume:
+        raise MicroDDPError(f"--resume of a --tp {cfg.tp} run is not built yet (its checkpoints "
+                            "are one shard per rank); start a new run")
+    if cfg.amp:
+        raise MicroDDPError(f"--amp with --tp {cfg.tp} is not supported yet; drop --amp")
 
 
 def _choice(value, allowed: tuple, what: str) -> None:

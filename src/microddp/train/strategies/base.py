@@ -69,7 +69,7 @@ class Strategy:
             if self.slow > 1:
                 with spans.span("straggle"):
                     straggle_after_forward(time.perf_counter() - t0, self.slow)
-            loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
+            loss_sum = sample_loss_sum(logits, y)
             with spans.span("backward"):
                 self.precision.backward(loss_sum * scale)
         return loss_sum
@@ -126,3 +126,13 @@ class Strategy:
         """Fill this rank's part of the model and optimizer state from a sharded checkpoint
         saved with any layout."""
         raise NotImplementedError
+
+
+def sample_loss_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The batch's loss summed over its samples. A sequence model's sample is a window: its
+    loss is the mean over the window's positions, so the loop's per-sample mean is the
+    per-token mean (every window has the same length)."""
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                               reduction="sum") / y.shape[1]
+    return F.cross_entropy(logits.float(), y, reduction="sum")

@@ -91,5 +91,9 @@ def check(cfg: TrainConfig, n: int) -> None:
 
 
 def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
-    """This rank's replica under the chosen engine."""
+    """This rank's replica under the chosen engine (with --tp, its tensor-parallel share)."""
+    if cfg.tp > 1:
+        from .tensor import make as tensor_parallel
+
+        return tensor_parallel(cfg, world, module, precision)
     return DataParallel(cfg, world, module, precision)
