@@ -54,9 +54,13 @@ def test_a_marked_block_says_why_and_its_commands_parse(where, lang, mark, body)
     assert mark.startswith(MARKS) and len(mark.split(":", 1)[1].strip()) > 5, \
         f"{where}: mark a block with <!-- fragment: why --> or <!-- not run by the tests: why -->"
     if mark.startswith("not run") and lang == "bash":
+        made: set[Path] = set()  # as for an unmarked block: a file an earlier line writes
         for line in command_lines(body):
             if line.split()[0] != "python" or "course/" in line:
-                check_parses(line)
+                check_parses(line, made)
+            words = line.split()
+            if "--out" in words:
+                made.add(Path(words[words.index("--out") + 1]))
 
 
 @pytest.mark.parametrize("where,lang,mark,body", [b for b in RUNNABLE if b[1] == "bash"],

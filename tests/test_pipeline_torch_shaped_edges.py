@@ -137,7 +137,7 @@ def test_metadata_messages_live_where_the_backend_moves_them(monkeypatch):
 
     stage = pipeline.PipelineStage(fresh_model(), 0, 1, "cuda:1")  # no CUDA call is made
     assert stage_module._meta_device(stage) == torch.device("cpu")  # no group: gloo's side
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(stage_module, "distributed", lambda group=None: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     assert stage_module._meta_device(stage) == torch.device("cuda", 1)
 

@@ -29,6 +29,7 @@ _LAZY = {
     "backend": ("microddp.backend", None),  # importing it registers torch's "microddp" backend
     "bench": ("microddp.bench", None),
     "collectives": ("microddp.collectives", None),
+    "cp": ("microddp.cp", None),
     "data": ("microddp.data", None),
     "dp": ("microddp.dp", None),
     "gpt": ("microddp.gpt", None),

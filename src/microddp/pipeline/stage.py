@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from .. import comms
+from ..comms import distributed
 from ..errors import MicroDDPError
+from ..world.world import uses_nccl
 
 # dtypes a boundary may carry, by their code in a metadata message
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -151,9 +153,7 @@ def _check_user(stage: PipelineStage, name: str, t: torch.Tensor) -> None:
 
 def _meta_device(stage: PipelineStage) -> torch.device:
     """Where metadata messages live: NCCL moves only GPU tensors, gloo CPU ones."""
-    import torch.distributed as dist
-
-    nccl = dist.is_initialized() and dist.get_backend(stage.group) == "nccl"
+    nccl = distributed() and uses_nccl(stage.group)
     return stage.device if nccl else torch.device("cpu")
 
 
