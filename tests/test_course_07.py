@@ -102,7 +102,7 @@ def test_debug_hang():
     stuck = _line_of("debug_hang.py", 'mdp.comms.all_reduce(loss, "avg")')
     sleep = _line_of("debug_hang.py", "time.sleep(20)")
     assert "did not complete within 3 s" in hang
-    assert f"rank 0 is in all_reduce #3 (float32[1] sum) called from hang at debug_hang.py:{stuck}" in hang
+    assert f"rank 0 is in all_reduce #3 (float32[1] avg) called from hang at debug_hang.py:{stuck}" in hang
     assert (f"rank 1 is in save_checkpoint at debug_hang.py:{sleep} (not in a collective; "
             "last collective all_reduce #2)") in hang
     line = _line_of("debug_hang.py", "mdp.comms.all_reduce(grads)")

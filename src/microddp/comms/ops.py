@@ -300,7 +300,8 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
         return _done(async_op)
     if _outside(group):
         return dist.barrier(group, async_op)
-    _agree("barrier", group, None, None)  # a rank at another collective: an error, not a hang
+    # No agreement first: its wait, outside the monitored call, would hide a stalled peer
+    # from the hang report (a rank at another collective is named by the report instead).
     return _result(dist.barrier(group, async_op=True), async_op)
 
 
