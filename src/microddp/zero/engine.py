@@ -27,7 +27,8 @@ from torch import nn
 
 from .. import comms
 from .. import spans as trace
-from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
+from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB, check_bucket_cap
+from ..dp.sync import verify_same_model
 from ..errors import MicroDDPError
 from .comm import Sent, broadcast_shards, trace_when_done
 from .flat import flat_views
@@ -68,8 +69,15 @@ class Zero(nn.Module):
             raise MicroDDPError("LBFGS needs the whole gradient at once (a line search over "
                                 "all parameters), so it cannot step a shard; use an element-wise "
                                 "optimizer such as SGD, Adam or AdamW")
+        check_bucket_cap(bucket_cap_mb)
         self.module, self.stage = module, stage
         self.world_size, self.rank = comms.group_size(), comms.group_rank()
+        # One rank with another layer size, a frozen parameter, stage, optimizer or bucket
+        # size would train on with diverging losses (or abort inside gloo): refuse it here.
+        optimizer = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        verify_same_model(module, wrapper="Zero", settings={
+            "stage": stage, "optimizer": optimizer, "optimizer options": dict(sorted(
+                defaults.items())), "bucket_cap_mb": bucket_cap_mb})
         self._sync_initial_state()
         params, groups, options = trainable_groups(module, param_groups)
         if not params:
