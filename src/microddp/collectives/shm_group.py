@@ -50,13 +50,25 @@ def sizes(size: int) -> tuple[int, int]:
     """(slot, small) bytes for a group of `size` ranks: the defaults above, or
     MICRODDP_SHM_SLOT_BYTES and MICRODDP_SHM_SMALL_BYTES (the same on every rank; tests use
     them to cross every threshold with small tensors). A slot is whole 64-byte lines."""
-    slot = int(os.environ.get("MICRODDP_SHM_SLOT_BYTES", SLOT_BYTES)) // 64 * 64
-    small = int(os.environ.get("MICRODDP_SHM_SMALL_BYTES",
-                               slot if size == 2 else SMALL_BYTES))
-    if slot < 64 or small < 0:
-        raise MicroDDPError(f"MICRODDP_SHM_SLOT_BYTES must be at least 64 and "
-                            f"MICRODDP_SHM_SMALL_BYTES at least 0, got {slot} and {small}")
+    slot = _env_bytes("MICRODDP_SHM_SLOT_BYTES", SLOT_BYTES, 64) // 64 * 64
+    small = _env_bytes("MICRODDP_SHM_SMALL_BYTES", slot if size == 2 else SMALL_BYTES, 0)
     return slot, small
+
+
+def _env_bytes(name: str, default: int, least: int) -> int:
+    """A whole number of bytes, at least `least`, from environment variable `name`; the
+    value as the user wrote it in the one-line refusal (not as rounded or parsed)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise MicroDDPError(f"{name} must be a whole number of bytes, at least {least}, "
+                            f"got {raw!r}; unset it for the default ({default})")
+    return value
 FOLDS = {"sum": torch.add, "avg": torch.add, "product": torch.mul,
          "min": torch.minimum, "max": torch.maximum}
 DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
