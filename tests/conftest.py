@@ -28,7 +28,7 @@ atexit.register(shutil.rmtree, _RUNS, ignore_errors=True)
 @pytest.fixture(autouse=True)
 def _fresh_world():
     """Each test starts with no world joined in the pytest process itself."""
-    from microddp.comms import world
+    from microddp import comms
 
     yield
-    world.shutdown()
+    comms.shutdown()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from microddp.transport import shm as transport
+from microddp.shm import segment as transport
 
 # The name's tail of a segment a test plants on purpose (a stale one for the sweep to find):
 # another xdist worker's check must not count it as left behind.

@@ -11,7 +11,7 @@ import torch
 import microddp
 from errors_helpers import message
 from microddp import collectives as C
-from microddp.collectives.agree import _code
+from microddp.collectives.agreement.agree import _code
 
 PAIRS = {  # what rank 0 calls, what the others call
     "ring vs tree": (lambda t: C.ring_all_reduce(t), lambda t: C.tree_all_reduce(t)),
@@ -43,9 +43,9 @@ def _different_calls(world, settled: bool) -> dict:
     return out
 
 
-# Where the ranks share memory (the default here) the checks meet there (shm_agree.py, and the
-# ring's early first step, ring_early.py); with MICRODDP_TRANSPORT=gloo, in gloo messages
-# (agree.py's butterfly, the ring's carried header, ring_carried.py). Both must name it all.
+# Where the ranks share memory (the default here) the checks meet there (shm/agreement.py, and the
+# ring's early first step, agreement/early.py); with MICRODDP_TRANSPORT=gloo, in gloo messages
+# (agree.py's butterfly, the ring's carried header, agreement/carried.py). Both must name it all.
 TRANSPORTS = ["auto", "gloo"]
 
 
@@ -69,9 +69,9 @@ def test_ranks_calling_different_things_all_get_a_clear_error(settled, transport
 
 def _carried_mismatches(world) -> dict:
     """On 2 ranks, once a ring call has settled the connections, the check travels beside the
-    data (ring_carried.py), or goes through shared memory beside the early first step
-    (ring_early.py): every mismatch is still named, on both ranks, including on a tensor whose
-    call is kept (ring_plan.py), and nothing left posted by a refused call lands anywhere."""
+    data (agreement/carried.py), or goes through shared memory beside the early first step
+    (agreement/early.py): every mismatch is still named, on both ranks, including on a tensor whose
+    call is kept (ring/plan.py), and nothing left posted by a refused call lands anywhere."""
     r = world.rank
     C.ring_all_reduce(torch.ones(2))
     kept = torch.ones(6)

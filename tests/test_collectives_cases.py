@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from microddp import collectives as C
-from microddp.collectives.ring_loops import pair_all_reduce_
+from microddp.collectives.ring.loops import pair_all_reduce_
 from microddp.transport.peers import Peers
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,

@@ -44,7 +44,7 @@ def _equal_to_torch(t: torch.Tensor, op: str, group=None, **kw) -> bool:
 
 
 def default_group(world):
-    from microddp.collectives import ring
+    from microddp.collectives.ring import ring
 
     g = torch.Generator().manual_seed(world.rank)
     hows = []  # the message order of each call the ring runs (kept calls included)

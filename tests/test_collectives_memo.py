@@ -1,4 +1,4 @@
-"""Repeat calls of ring_all_reduce with check=False (collectives/ring_plan.py): the second call on
+"""Repeat calls of ring_all_reduce with check=False (collectives/ring/plan.py): the second call on
 the same tensor runs the kept loop without checks or set-up, gives torch.distributed's result
 every time, and falls back to the full path whenever something it depends on changed; with
 check=True the ranks still agree first; nothing is kept past its tensor."""
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import microddp as mdp
 from microddp import MicroDDPError
-from microddp.collectives import ring
-from microddp.collectives.ring_plan import PerTensor, remembered_calls
+from microddp.collectives.ring import ring
+from microddp.collectives.ring.plan import PerTensor, remembered_calls
 from microddp.comms import REDUCE_OPS
 
 

@@ -13,12 +13,11 @@ from microddp import collectives as C
 from microddp.collectives.ring import (
     PAIR_MIN_CHUNK,
     PREPOST_MAX_CHUNK,
-    _batched_ring_all_reduce_,
     planned_ring_all_reduce_,
     posting,
 )
-from microddp.collectives.ring_loops import pair_all_reduce_
-from microddp.collectives.ring_plan import make_plan
+from microddp.collectives.ring.loops import _batched_ring_all_reduce_, pair_all_reduce_
+from microddp.collectives.ring.plan import make_plan
 from microddp.transport.duplex import duplex_enabled
 from microddp.transport.peers import Peers
 
@@ -48,7 +47,7 @@ def _trap(name):
 
 
 def _ring_paths(x: torch.Tensor, p: int, me: int) -> list[torch.Tensor]:
-    """The sum of `x` over 3 ranks by the ring's loops (ring_loops.py picks one by chunk size and
+    """The sum of `x` over 3 ranks by the ring's loops (ring/loops.py picks one by chunk size and
     world size; the plain loop, which it never picks, and the NCCL loop are called
     directly; the pair loop runs on 2 ranks, in _everything)."""
     peers = Peers()

@@ -1,4 +1,4 @@
-"""The ring's plans (views cut once per tensor, see collectives/ring_plan.py), for the plain ring and
+"""The ring's plans (views cut once per tensor, see collectives/ring/plan.py), for the plain ring and
 the preposted one (small chunks, 3 ranks): results stay equal to
 torch.distributed's when a tensor is all-reduced again, changes its contents, or has its memory
 swapped; a plan lives no longer than its tensor; packed copies of strided tensors get none."""
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import microddp as mdp
 from microddp.collectives import ring_all_reduce
 from microddp.collectives.ring import PREPOST_MAX_CHUNK, posting
-from microddp.collectives.ring_plan import cached_plans
+from microddp.collectives.ring.plan import cached_plans
 
 
 def _same_as_torch(t: torch.Tensor, op: str) -> bool:

@@ -23,8 +23,8 @@ def test_the_last_bucket_and_one_followed_by_little_go_at_once():
 
 
 def _steps(world):
-    from microddp.collectives import shm
     from microddp.dp import wrap
+    from microddp.shm import collectives as shm
 
     params, kinds = [], None
     for engine in ("microddp", "torch"):

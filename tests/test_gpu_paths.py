@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
-from microddp.comms import world
 from microddp.transport.peers import Peers
+from microddp.world import world
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from microddp.comms import hosts, preflight, slurm
 from microddp.errors import MicroDDPError
+from microddp.world import hosts, preflight, slurm
 
 
 @pytest.mark.parametrize("text, expected", [

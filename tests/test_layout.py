@@ -19,12 +19,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     ("errors", "outputs", "model", "spans", "timing"),   # shared by everything
     ("gpt",),                  # the transformer and its text (no distributed code)
-    ("upcalls",),              # what comms calls above it: filled by __init__, read by comms
-    ("comms",),                # world, rendezvous, typed ops
+    ("world",),                # bootstrap: the process group, rendezvous, hosts, the store
     ("transport",),            # how two ranks move bytes
+    ("shm",),                  # same-host shared memory: segment, attach, group, lane, agreement
     ("collectives",),          # algorithms over transport
     ("backend",),              # torch.distributed's "microddp" backend over the collectives
-    ("monitor",),              # hang and desync reports over comms and collectives
+    ("monitor",),              # hang and desync reports over the world and collectives
+    ("comms",),                # the typed API over collectives and monitor: ops, handle, mesh
     ("dp", "pipeline", "zero", "ps", "tp", "data", "checkpoint"),  # parallelism; what a job reads, keeps
     ("flags",),                # command-line checks (engine names come from dp)
     ("launch",),               # starting ranks

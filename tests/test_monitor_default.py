@@ -225,8 +225,8 @@ def test_a_wait_the_backend_ends_first_still_names_the_call_and_the_ranks(tmp_pa
     one); the group's timeout (5 s) ends it long before the monitor's threshold (60 s). The
     report names the failed call (it has already left the calls in flight) and says it timed
     out in the backend's words, not within the monitor's 60 s; the rank is placed at the
-    user's line, not in the glue a failed wait goes through (microddp/__init__.py,
-    comms/world.py)."""
+    user's line, not in the glue a failed wait goes through (comms/handle.py,
+    monitor/patch.py)."""
     register = f"model.register_comm_hook(None, {hook!r})" if hook else "pass"
     script = write(tmp_path, "hang.py", BACKEND_FIRST.replace("HOOK", register))
     out = microddp("run", "-n", "2", script, timeout=120)

@@ -9,7 +9,7 @@ import torch
 import microddp as mdp
 from microddp import collectives as C
 from microddp import monitor
-from microddp.collectives import ring
+from microddp.collectives.ring import ring
 
 STALL_S = 2.0
 

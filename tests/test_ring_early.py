@@ -1,5 +1,5 @@
 """The ring's check in shared memory, with its first step sent before the check is read
-(ring_early.py, shm_agree.py, sized_tags.py): on 2 gloo ranks of one host, the default.
+(agreement/early.py, shm/agreement.py, agreement/sized_tags.py): on 2 gloo ranks of one host, the default.
 
 Results equal torch's; the check sends no message of its own (the checked call sends what the
 unchecked one does); every message on a sized tag has exactly the size its tag stands for,
@@ -18,7 +18,9 @@ import torch.distributed as dist
 import microddp
 from errors_helpers import message
 from microddp import collectives as C
-from microddp.collectives import agree, ring, shm_agree, sized_tags
+from microddp.collectives.agreement import agree, sized_tags
+from microddp.collectives.ring import ring
+from microddp.shm import agreement as shm_agree
 from microddp.transport.peers import Peers
 
 N = 3000  # float32 elements: chunks of 6 KB, past any inline bound
@@ -164,11 +166,11 @@ def test_the_mailbox_holds_what_an_agreement_sends():
 
 
 def test_a_post_wakes_a_peer_only_when_it_said_it_sleeps(monkeypatch):
-    """transport/shm.py: a post makes the futex system call only when another rank raised its
+    """shm/segment.py: a post makes the futex system call only when another rank raised its
     asleep flag (set by a wait before its last look, behind a fence); otherwise none."""
     import os
 
-    from microddp.transport import shm
+    from microddp.shm import segment as shm
 
     assert shm._fence_call is not None  # the fence is a libc call here, not a system call
     shm.fence()
@@ -197,7 +199,7 @@ def test_agrees_says_yes_only_when_every_rank_posted_the_same_numbers():
     import array
     import os
 
-    from microddp.transport import shm
+    from microddp.shm import segment as shm
 
     seg = shm.Segment(shm.segment_name(), 8 * shm_agree.area_words(2) + 64, create=True)
     seg.unlink()
@@ -226,7 +228,7 @@ def test_agrees_says_yes_only_when_every_rank_posted_the_same_numbers():
 
 
 def _kept_without_duplex(world) -> list:
-    from microddp.collectives.ring_plan import recall
+    from microddp.collectives.ring.plan import recall
 
     t = torch.ones(N)
     out = []
@@ -239,7 +241,7 @@ def _kept_without_duplex(world) -> list:
 
 def test_repeat_checked_calls_are_kept_on_one_connection_too(monkeypatch):
     """MICRODDP_DUPLEX=0: no early step (it needs a connection per direction), the check in
-    shared memory first, and a repeat call still runs its kept loop (ring_plan.py)."""
+    shared memory first, and a repeat call still runs its kept loop (ring/plan.py)."""
     monkeypatch.setenv("MICRODDP_DUPLEX", "0")
     for out in microddp.launch.spawn(_kept_without_duplex, 2, timeout=60):
         assert out == [False, True, True, True], out

@@ -18,8 +18,10 @@ import torch.distributed as dist
 import microddp
 from errors_helpers import message
 from microddp import collectives as C
-from microddp.collectives import ring, ring_carried, traffic
-from microddp.collectives.agree import INLINE_MAX_CHUNK, PAIR_WORDS, SLOTS
+from microddp.collectives import traffic
+from microddp.collectives.agreement import carried as ring_carried
+from microddp.collectives.agreement.agree import INLINE_MAX_CHUNK, PAIR_WORDS, SLOTS
+from microddp.collectives.ring import ring
 from microddp.comms import REDUCE_OPS
 
 F32_BOUND = 2 * INLINE_MAX_CHUNK // 4  # float32 elements of the largest tensor sent inline

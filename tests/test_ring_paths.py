@@ -1,4 +1,4 @@
-"""ring_all_reduce picks its path by chunk size on gloo (see collectives/ring_loops.py): whole chunks
+"""ring_all_reduce picks its path by chunk size on gloo (see collectives/ring/loops.py): whole chunks
 below a switch, segments from there on (on 2 ranks sharing one connection, MICRODDP_DUPLEX=0,
 the pair loop's, from PAIR_MIN_CHUNK in PAIR_SEGMENT; on more, the pipeline's, from
 PIPELINE_MIN_CHUNK in PIPELINE_SEGMENT). Each path must give torch.distributed's result; a
@@ -23,7 +23,7 @@ SWITCH = {2: (PAIR_MIN_CHUNK, PAIR_SEGMENT), 3: (PIPELINE_MIN_CHUNK, PIPELINE_SE
 
 
 def around_the_switch(world):
-    from microddp.collectives import ring
+    from microddp.collectives.ring import ring
 
     p = world.world_size
     g = torch.Generator().manual_seed(world.rank)
@@ -114,8 +114,8 @@ def test_calibration_chain_follows_each_posting_order(world_size):
 def batched(world):
     """The NCCL loop (`_batched_ring_all_reduce_`), run on gloo's batch_isend_irecv: no GPU
     here, but its steps and its division for avg are the same on either backend."""
-    from microddp.collectives.ring import _batched_ring_all_reduce_
-    from microddp.collectives.ring_plan import make_plan
+    from microddp.collectives.ring.loops import _batched_ring_all_reduce_
+    from microddp.collectives.ring.plan import make_plan
     from microddp.transport.peers import Peers
 
     peers = Peers()
@@ -156,7 +156,7 @@ class Logged:
 
 
 def pipeline_orders(world):
-    from microddp.collectives.ring_loops import pipelined_ring_all_reduce_
+    from microddp.collectives.ring.loops import pipelined_ring_all_reduce_
     from microddp.transport.peers import Peers
 
     p, g = world.world_size, torch.Generator().manual_seed(world.rank)

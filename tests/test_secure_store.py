@@ -12,11 +12,11 @@ import torch.distributed as dist
 
 from launch_helpers import microddp, write
 from microddp import MicroDDPError
-from microddp.comms import secret as sec
-from microddp.comms import store_client, store_server
-from microddp.comms.rendezvous import bind
-from microddp.comms.store_client import AuthStore
-from microddp.comms.store_server import StoreServer
+from microddp.world import secret as sec
+from microddp.world import store_client, store_server
+from microddp.world.rendezvous import bind
+from microddp.world.store_client import AuthStore
+from microddp.world.store_server import StoreServer
 
 SECRET = "0123456789abcdef" * 4
 
@@ -89,7 +89,7 @@ def test_many_hosts_without_a_secret_warn_in_one_line(monkeypatch, capsys):
 
 
 def test_the_calls_torch_does_not_forward_reach_the_store_beneath_its_prefixes(server):
-    from microddp.comms.store_client import python_store
+    from microddp.world.store_client import python_store
 
     ours = _client(server)
     wrapped = dist.PrefixStore("b/", dist.PrefixStore("a/", ours))
@@ -203,7 +203,7 @@ def test_microddp_run_gives_each_job_its_own_secret_and_the_ranks_use_it(tmp_pat
         from datetime import timedelta
         import torch
         import microddp as mdp
-        from microddp.comms.store_client import AuthStore
+        from microddp.world.store_client import AuthStore
         from torch.distributed import distributed_c10d as c10d
         w = mdp.init()
         store = c10d._get_default_store()

@@ -21,9 +21,10 @@ import microddp as mdp
 from killed_rank import survivors
 from microddp import collectives as C
 from microddp import comms
-from microddp.collectives import shm, shm_group
-from microddp.transport import shm as transport
-from microddp.transport import shm_attach
+from microddp.shm import attach as shm_attach
+from microddp.shm import collectives as shm
+from microddp.shm import group as shm_group
+from microddp.shm import segment as transport
 from shm_leftovers import PLANTED
 
 SLOT, SMALL = 1024, 256  # bytes, for the threshold tests

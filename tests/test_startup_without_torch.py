@@ -4,8 +4,8 @@ start need no torch: each `microddp` invocation would otherwise pay a full `impo
 
 Each check runs in a fresh interpreter: in this one, other tests have imported torch already.
 The public names still work after the lazy import: tests/test_public_names.py checks every
-name the docs use, and test_the_hooks_are_in_place_whichever_way_comms_is_imported the two
-that comms calls into (the hang monitor and the shared-memory route).
+name the docs use, and test_the_public_names_are_comms_whichever_way_comms_is_imported that
+microddp.init is comms' (which sets up the hang monitor and the shared-memory route).
 """
 
 import subprocess
@@ -72,16 +72,14 @@ def test_the_launchers_modules_import_no_torch_before_its_store():
     assert _torch_modules(code) == "[]"
 
 
-def test_the_hooks_are_in_place_whichever_way_comms_is_imported():
-    # comms calls the hang monitor and the shared-memory route, which live above it; the
-    # package leaves them in microddp.upcalls when it is imported, before any sub-package.
+def test_the_public_names_are_comms_whichever_way_comms_is_imported():
+    # mdp.init is comms.init (world, shared memory, hang monitor), whichever way it is reached.
     code = ("from microddp.comms import init\n"
-            "from microddp.comms import route, world\n"
-            "from microddp import upcalls\n"
-            "assert route.current() is upcalls.route is not None\n"
-            "assert type(upcalls.watcher).__name__ == '_HangMonitor'\n"
+            "from microddp.comms import session\n"
+            "from microddp.world import world\n"
             "import microddp\n"
-            "assert microddp.init is init and microddp.World is world.World\n")
+            "assert microddp.init is init is session.init\n"
+            "assert microddp.World is world.World\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

@@ -11,8 +11,8 @@ import torch
 
 import microddp as mdp
 from microddp.collectives import ring_reduce_scatter, traffic
-from microddp.collectives.shm import shared
 from microddp.pipeline.activations import ActivationMeter
+from microddp.shm.collectives import shared
 from microddp.tp import TensorParallelGPT, counting
 from tp_helpers import BATCH, SEQ, batches, config, fresh
 

@@ -10,8 +10,9 @@ import microddp
 from microddp.errors import MicroDDPError
 from microddp.train import loop
 from microddp.train.build import Precision
-from microddp.train.config import TrainConfig, validate
+from microddp.train.config import TrainConfig
 from microddp.train.strategies import dp as dp_strategy
+from microddp.train.validate import validate
 
 SMALL = {"dataset": "digits", "hidden": 32, "depth": 1, "plot": False}
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import microddp as mdp
 from microddp import comms
-from microddp.comms import world
+from microddp.world import world
 
 
 def _free_port() -> int:

@@ -1,5 +1,5 @@
 """"Is this a world of one?" has one answer: `microddp.comms.distributed()` (with `group_size`
-and `group_rank` beside it in comms/world.py). Seven modules used to answer it themselves,
+and `group_rank` beside it in world/world.py). Seven modules used to answer it themselves,
 each slightly differently (some asked torch whether the group was still initialised, some
 did not); this test parses every module with ast and fails if one starts again.
 """
@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "microddp"
 # Where the question may be asked of torch directly: the answer itself, and the code that
 # forms, adopts and tears down the group (it must ask torch, since it runs before or after a
 # World exists).
-HOME = {"comms/world.py", "comms/teardown.py"}
+HOME = {"world/world.py", "world/teardown.py"}
 # Known, justified exceptions: none today. Add (path, what) with a reason, never silently.
 JUSTIFIED: set[tuple[str, str]] = set()
 

@@ -8,7 +8,7 @@ import torch
 
 import microddp as mdp
 from microddp import monitor, zero
-from microddp.collectives.shm_lane import ShmWork
+from microddp.shm.lane import ShmWork
 from microddp.zero import comm
 from microddp.zero.flat import pack, part
 

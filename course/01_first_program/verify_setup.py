@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import microddp as mdp
-from microddp.comms.world import backend_available
+from microddp.world.world import backend_available
 
 
 def live_check(world: mdp.World) -> float:

@@ -28,7 +28,7 @@ from microddp.collectives.ring import (
     PIPELINE_SEGMENT,
     planned_ring_all_reduce_,
 )
-from microddp.collectives.ring_plan import make_plan
+from microddp.collectives.ring.plan import make_plan
 from microddp.timing import compare, interleaved
 from microddp.transport.duplex import duplex
 from microddp.transport.peers import Peers

@@ -5,10 +5,8 @@
     model = mdp.DDP(mdp.FullMLP(128, 16))    # torch's DistributedDataParallel, rebuilt
 """
 
-import sys
 from importlib import import_module
 
-from . import upcalls
 from .errors import MicroDDPError
 
 __version__ = "0.1.0"
@@ -17,7 +15,7 @@ __version__ = "0.1.0"
 # command (whose --help, argument errors and launcher need none) starts at once; every
 # `microddp.X` below still works as if imported here.
 _LAZY = {
-    # The world (comms/world.py), re-exported by microddp.comms.
+    # The world (world/world.py) with what comms sets up on it (comms/session.py).
     "comms": ("microddp.comms", None),
     "World": ("microddp.comms", "World"),
     "get_world": ("microddp.comms", "get_world"),
@@ -41,65 +39,14 @@ _LAZY = {
     "tp": ("microddp.tp", None),
     "trace": ("microddp.trace", None),
     "transport": ("microddp.transport", None),
+    "shm": ("microddp.shm", None),
+    "world": ("microddp.world", None),
     "launch": ("microddp.launch", None),
     "commands": ("microddp.commands", None),
     "trace_report": ("microddp.trace.report", None),
     "train": ("microddp.train", None),
     "zero": ("microddp.zero", None),
 }
-
-
-class _HangMonitor:
-    """microddp.monitor as the world's watcher: `init` starts it when it forms a group. The
-    world sits below the monitor, so the monitor is handed to it here (through upcalls/,
-    without importing comms), and imported only once a group forms (`import microddp`
-    stays quick)."""
-
-    def wanted(self, requested: bool | None) -> bool:
-        from .monitor.default import wanted
-
-        return wanted(requested)
-
-    def start(self, timeout_s: float) -> None:
-        from . import monitor
-
-        monitor.enable(timeout=monitor.stall_seconds(timeout_s))
-
-    def stop(self) -> None:
-        monitor = sys.modules.get("microddp.monitor")  # never imported: nothing to stop
-        if monitor is not None:
-            monitor.disable()
-
-    def failed(self, error: RuntimeError) -> BaseException:
-        monitor = sys.modules.get("microddp.monitor")
-        return error if monitor is None else monitor.patch.failed_wait(error)
-
-
-upcalls.watcher = _HangMonitor()
-
-
-class _SameHostRoute:
-    """microddp.collectives' choice of path (shared memory on one host) as comms' route. The
-    collectives sit above comms, so they are handed in here (through upcalls/), and imported
-    only when a group forms or all-reduces, which then hands comms the real route directly."""
-
-    def _real(self):
-        from .collectives import route
-
-        upcalls.route = route.ROUTE
-        return route.ROUTE
-
-    def all_reduce_path(self, tensor, op: str, group):
-        return self._real().all_reduce_path(tensor, op, group)
-
-    def prepare(self, group) -> None:
-        self._real().prepare(group)
-
-    def close(self) -> None:
-        """Nothing to let go: no group has used shared memory yet."""
-
-
-upcalls.route = _SameHostRoute()
 
 
 def __getattr__(name: str):

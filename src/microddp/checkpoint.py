@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comms.world import World, distributed
 from .errors import MicroDDPError
 from .transport.objects import broadcast_value, gather_values
+from .world.world import World, distributed
 
 FORMAT = 1
 REQUIRED = ("format", "model", "optimizer", "step", "epoch", "position", "sampler", "rng",

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comms.world import World
 from .errors import MicroDDPError
+from .world.world import World
 
 DATASETS = ("digits", "synthetic")
 # The test split must not move when the user changes --seed: one fixed split for every run.

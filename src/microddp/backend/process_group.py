@@ -3,9 +3,9 @@
 A Python subclass of `torch.distributed.ProcessGroup`, which torch builds for every group
 made with the `microddp` backend (`__init__.py` registers it). Each group holds two channels:
 
-- shared memory (collectives/shm_group.py, its calls kept in order by a lane,
-  collectives/shm_lane.py), set up when the group forms, only if every rank is on this host
-  (transport/shm_attach.py decides it from the ranks' host identities, never from
+- shared memory (shm/group.py, its calls kept in order by a lane,
+  shm/lane.py), set up when the group forms, only if every rank is on this host
+  (shm/attach.py decides it from the ranks' host identities, never from
   LOCAL_WORLD_SIZE, and MICRODDP_TRANSPORT=auto|shm|gloo forces it);
 - a gloo group, formed from the same store at the same time, registered as this group's
   backend for CPU and CUDA: whatever this class does not override (reduce, gather, scatter,
@@ -33,13 +33,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..collectives import shm_checked
 from ..collectives.route import OPS, carries, gives_gloos_bits
-from ..collectives.shm import flat_data, open_shared
-from ..collectives.shm_agree import Check
-from ..collectives.shm_group import SharedGroup
-from ..comms.args import op_name
 from ..errors import MicroDDPError
+from ..shm import checked as shm_checked
+from ..shm.agreement import Check
+from ..shm.collectives import flat_data, open_shared
+from ..shm.group import SharedGroup
+from ..world.args import op_name
 from .work import LaneWork
 
 BackendType = dist.ProcessGroup.BackendType
@@ -61,7 +61,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
             self._register_backend(torch.device(device), BackendType.GLOO, self.gloo)
         self._set_default_backend(BackendType.GLOO)
         self.calls: Counter[tuple[str, str]] = Counter()
-        # As microddp's own groups set theirs up (collectives/shm.py), under a kind of its own
+        # As microddp's own groups set theirs up (shm/collectives.py), under a kind of its own
         # in the store: a world made again after destroy_process_group reuses the names (and,
         # under torchrun, the store) of the first, and each set-up gets a prefix of its own.
         state = (open_shared(store, "backend", group_name or "world", rank, size,
@@ -94,7 +94,7 @@ class MicroDDPProcessGroup(dist.ProcessGroup):
 
     def _check(self, name: str, tensor, **more) -> Check:
         """The agreement a shared-memory call makes in its first synchronisation
-        (collectives/shm_checked.py): the ranks must all call `name`, alike."""
+        (shm/checked.py): the ranks must all call `name`, alike."""
         return shm_checked.check(self.shared.agreement, False, name,
                                  shm_checked.tensor_fields(tensor, **more))
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..collectives.shm_lane import ShmWork
+from ..shm.lane import ShmWork
 
 
 class LaneWork(dist.Work):

@@ -22,17 +22,18 @@ import torch
 import torch.distributed as dist
 
 from .. import comms, flags, outputs
-from ..collectives import naive_all_reduce, ring_all_reduce, route, shm_checked, tree_all_reduce
+from ..collectives import naive_all_reduce, ring_all_reduce, route, tree_all_reduce
 from ..collectives.cost import CostModel, fit_line, fit_lines
 from ..collectives.ring import (
     planned_ring_all_reduce_,
     posting,
     preposted_ring_all_reduce_,
 )
-from ..collectives.ring_plan import RingPlan
-from ..collectives.shm_group import sizes as shm_sizes
+from ..collectives.ring.plan import RingPlan
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
+from ..shm import checked as shm_checked
+from ..shm.group import sizes as shm_sizes
 from ..timing import interleaved, median, trimmed_mean
 from ..transport.duplex import duplex
 from ..transport.peers import Peers
@@ -255,7 +256,7 @@ def shm_contender(t: torch.Tensor):
 
 def unchecked(call):
     """`call` (comms.all_reduce through shared memory) without the check every rank's call
-    makes in its first synchronisation (collectives/shm_checked.py): what the check costs."""
+    makes in its first synchronisation (shm/checked.py): what the check costs."""
     def run() -> None:
         shm_checked.CHECKING = False
         try:
@@ -285,7 +286,7 @@ def memory_contenders(nbytes: int, p: int) -> dict:
 
 def bound_pieces(nbytes: int, p: int) -> tuple[int, int]:
     """(bytes of a piece, pieces) in which shared memory moves `nbytes` on p ranks: a slot's
-    worth at a time (collectives/shm_group.py)."""
+    worth at a time (shm/group.py)."""
     slot, _ = shm_sizes(p)
     piece = min(nbytes, slot // 4 * 4)
     return piece, -(-nbytes // piece)

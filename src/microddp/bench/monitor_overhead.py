@@ -12,8 +12,7 @@ again, how far apart this machine puts two equal contenders):
   measurement and runs throughout, and only its wrappers go in ("on") or out ("off",
   "off-2") before each timed call, in a fresh random order per round, a barrier before each.
   (Starting a monitor per round, as this benchmark once did, timed a new thread's start-up,
-  which a job pays once: 1.14-1.26x on a small DDP step on a quiet machine, against 1.02 with
-  the thread left running.)
+  which a job pays once.)
 - the watchdog thread: with the wrappers out, the thread running ("on") against no thread
   ("off", "off-2"). Starting or stopping it between calls would time its start-up again, so
   the states come in blocks, in a fresh random order per round of blocks: the thread is

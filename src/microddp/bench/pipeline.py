@@ -27,13 +27,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import flags, outputs, pipeline
-from ..comms.world import World
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..pipeline.activations import ActivationMeter
 from ..pipeline.schedules import place
 from ..pipeline.sleep import Sleeping
 from ..timing import interleaved
+from ..world.world import World
 from . import pipeline_report as report
 
 EPILOG = """\

@@ -18,14 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import flags, outputs
-from .. import spans as trace
-from ..comms.world import World, distributed
+from .. import flags, outputs, spans
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..timing import interleaved
 from ..trace import report as trace_report
+from ..world.world import World, distributed
 
 EPILOG = """\
 examples:
@@ -49,10 +48,10 @@ def _contender(world: World, engine: str, dim: int, depth: int, batch: int):
     gen = torch.Generator().manual_seed(world.rank)
     x = torch.randn(batch, dim, generator=gen).to(world.device)
     y = torch.randint(0, 2, (batch,), generator=gen).to(world.device)
-    rec = trace.Recorder()
+    rec = spans.Recorder()
 
     def step() -> None:
-        with trace.use(rec):
+        with spans.use(rec):
             traced_step(model, opt, x, y)
 
     return step, rec
@@ -64,9 +63,9 @@ def _job(world: World, engines: list[str], dim: int, depth: int, batch: int, rep
     made = {e: _contender(world, e, dim, depth, batch) for e in names}
     sync = dist.barrier if distributed() else None
     times = interleaved({e: m[0] for e, m in made.items()}, repeats, warmup, sync)
-    spans = {e: [s for s in trace_report.to_wall(m[1]) if s.step >= warmup]
-             for e, m in made.items()}
-    return {e: (times[e], spans[e]) for e in names}
+    walled = {e: [s for s in trace_report.to_wall(m[1]) if s.step >= warmup]
+              for e, m in made.items()}
+    return {e: (times[e], walled[e]) for e in names}
 
 
 def measure(n: int, per_rank: int, engines: list[str], dim: int, depth: int, repeats: int,
@@ -83,10 +82,10 @@ def summarize(mode: str, n: int, per_rank: int, runs: list[dict]) -> list[dict]:
         step = statistics.median(t for run in runs for t in run[engine][0])
         by_rank: dict[int, list] = {}
         for k, run in enumerate(runs):  # keep the rounds' steps apart
-            for r, spans in run[engine][1].items():
+            for r, mine in run[engine][1].items():
                 by_rank.setdefault(r, []).extend(
-                    trace.Span(s.name, s.start, s.end, s.track, (k, s.step), s.args)
-                    for s in spans)
+                    spans.Span(s.name, s.start, s.end, s.track, (k, s.step), s.args)
+                    for s in mine)
         split = trace_report.summarize(trace_report.per_step(by_rank))
         # The trace gives shares of a (mean) step; scale them to the median step timed.
         share = step / split["step_s"] if split["step_s"] > 0 else 0.0

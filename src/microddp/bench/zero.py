@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import flags, outputs, zero
-from ..comms.world import World
 from ..errors import MicroDDPError
 from ..model import FullMLP
 from ..timing import compare, interleaved
+from ..world.world import World
 
 EPILOG = """\
 examples:

@@ -98,7 +98,7 @@ class CostModel:
 
     def shm_all_reduce(self, n: float, p: int, slot: float = 4 << 20,
                        small: float | None = None) -> float:
-        """Through shared memory (shm_group.py), where alpha is one synchronisation (a wait
+        """Through shared memory (shm/group.py), where alpha is one synchronisation (a wait
         on the peers' counters), beta the cost of copying a byte, gamma of reducing one. In
         pieces of at most `slot` bytes; a piece up to `small` bytes (default: the slot on 2
         ranks, 64 KiB on more, as shm_group.sizes) takes one synchronisation, one copy in
@@ -127,6 +127,16 @@ class CostModel:
         if p < 1 or nbytes < 0:
             raise MicroDDPError(f"need p >= 1 ranks and nbytes >= 0, got p={p}, nbytes={nbytes}")
         return getattr(self, algorithm)(float(nbytes), p, **options)
+
+
+def ring_all_reduce_bytes(numel: int, p: int, element_size: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `numel` elements on `p` ranks: 2(p - 1)
+    chunks of ceil(numel / p) elements (a reduce-scatter, then an all-gather). The one rule
+    every counter of a ring's traffic uses (the strategies' `sent_per_step`, ZeRO's
+    CountingAllReduce); `bytes_sent` below is its bandwidth term, n / p for ceil."""
+    if p < 2 or numel == 0:
+        return 0
+    return 2 * (p - 1) * -(-numel // p) * element_size
 
 
 def bytes_sent(algorithm: str, n: float, p: int) -> float:

@@ -36,16 +36,16 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from ..comms.hosts import host_id
-from ..comms.world import distributed, group_timeout, uses_nccl
 from ..errors import MicroDDPError
+from ..shm.group import SharedGroup
 from ..transport.objects import all_gather_values
 from ..transport.peers import Flat, Peers, bounds, scratch
-from .agree import agree, describe_tensor, home
-from .checks import try_op, try_tensor
+from ..world.hosts import host_id
+from ..world.world import distributed, group_timeout, uses_nccl
+from .agreement.agree import agree, describe_tensor, home
+from .agreement.checks import try_op, try_tensor
 from .ring import all_gather_flat_, reduce_scatter_flat_
 from .route import intra_host_path
-from .shm_group import SharedGroup
 
 OPS = ("sum", "avg", "product", "min", "max")
 SETTING = "MICRODDP_HIERARCHICAL"  # "auto" (default), "1" (whenever possible), "0" (never)
@@ -237,7 +237,7 @@ _found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # world group -
 
 
 def discover() -> Hierarchy:
-    """The real hosts of the world's ranks (comms.hosts.host_id), gathered from every rank;
+    """The real hosts of the world's ranks (world.hosts.host_id), gathered from every rank;
     kept per process group. Collective the first time."""
     world = dist.group.WORLD
     if world not in _found:

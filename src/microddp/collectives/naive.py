@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..transport.peers import COMBINE, Flat, scratch, wait_all
-from .agree import begin_all_reduce, begin_rooted
+from .agreement.agree import begin_all_reduce, begin_rooted
 
 
 def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *,

@@ -1,31 +1,19 @@
 """Which way a group's all-reduce goes: the one place that chooses.
 
-`all_reduce_path(tensor, op, group)` answers for microddp.comms.all_reduce (and so for
-microddp's DDP, whose buckets go through it): shared memory when every rank of the group is on
-this host (decided once per group, collectively, transport/shm_attach.py), the call is one
-shared memory handles (a dense contiguous CPU tensor of a supported dtype, sum, avg, product,
-min or max), and its result is gloo's, bit for bit; otherwise None, and the call goes to the
-group's backend (gloo, NCCL) as before.
+`all_reduce_path(tensor, op, group)` answers for microddp.comms.all_reduce, and so for
+microddp's DDP, whose buckets go through it: shared memory (shm/collectives.py) when every
+rank of the group is on this host (decided once per group, collectively: shm/attach.py),
+shared memory handles the call (a dense contiguous CPU tensor of a supported dtype; sum, avg,
+product, min or max) and its result is gloo's bit for bit; otherwise None, and the call goes
+to the group's backend (gloo, NCCL). Shared memory adds the ranks' values in rank order: on 2
+ranks that is gloo's result whatever its order, and integers, min and max never depend on
+it, but a float sum or product on 3+ ranks does, so by default that case stays on gloo
+(MICRODDP_TRANSPORT=shm sends it through shared memory too; chapter 4c).
 
-Bit for bit: shared memory adds the ranks' values in one order, rank 0 first. On 2 ranks that
-is x0 + x1, which is gloo's result whatever its order (addition commutes); integers, min and
-max do not depend on the order at all. A float sum or product on 3 or more ranks does: gloo's
-ring starts each chunk's sum at another rank, so its last bits differ from ours (and, after
-Adam's normalisation, a DDP run's parameters by 1e-4 relative in 4 steps, measured). So by
-default that one case stays on gloo, and microddp's DDP stays equal to PyTorch's where it was;
-MICRODDP_TRANSPORT=shm sends it through shared memory too (every rank still gets the same
-bits: the same order everywhere).
-
-Inside a host, the hierarchical all-reduce's reduce-scatter and all-gather go through the
-host's shared memory when `intra_host_path` says so (collectives/hierarchical.py).
-
-Across hosts, microddp's DDP may take the hierarchical all-reduce instead (chosen once, when
-the DDP is built: collectives/hierarchical.py, dp/comm_hooks.py's start_reduction). That one
-is a choice of DDP's, not of this route: its sums run in another order than gloo's, so a
-plain comms.all_reduce never takes it by itself.
-
-comms sits below this layer, so it does not import this module: `ROUTE` is handed to it
-(comms/route.py) by microddp/__init__.py, as the hang monitor is.
+`intra_host_path` is the same choice for the hierarchical all-reduce's steps inside a host
+(collectives/hierarchical.py), which DDP may take across hosts (chosen once, when it is
+built). microddp.comms imports this module: `all_reduce` asks `all_reduce_path`, every
+call's agreement is `agree_call`, `init` and `new_group` call `prepare`, `shutdown` `close`.
 """
 
 from __future__ import annotations
@@ -35,9 +23,11 @@ from collections.abc import Callable
 
 import torch
 
+from ..shm import checked as shm_checked
+from ..shm import collectives as shm
+from ..shm.group import DTYPES, SharedGroup
 from ..transport.peers import Peers
-from . import agree, shm, shm_checked
-from .shm_group import DTYPES, SharedGroup
+from .agreement import agree
 
 OPS = frozenset({"sum", "avg", "product", "min", "max"})
 ORDERED = frozenset({"sum", "avg", "product"})  # float results that depend on the order
@@ -55,7 +45,7 @@ def carries(tensor: torch.Tensor) -> bool:
 def gives_gloos_bits(any_order: bool, op: str, tensor: torch.Tensor) -> bool:
     """Whether shared memory's result is gloo's to the bit: always, but for float sums and
     products where gloo adds in an order of its own (3+ ranks) and `any_order` was not asked
-    for (shm.py's state says which)."""
+    for (shm/collectives.py's state says which)."""
     return any_order or op not in ORDERED or not tensor.is_floating_point()
 
 
@@ -82,7 +72,7 @@ def all_reduce_path(tensor: torch.Tensor, op: str, group=None) -> Callable | Non
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
     """comms.all_reduce over shared memory (the monitor logs it as all_reduce): torch's
     contract, a Work when async_op, else None once done. `op` "avg" sums (comms divides);
-    the ranks' calls are checked in the call's own synchronisation (shm_checked.py)."""
+    the ranks' calls are checked in the call's own synchronisation (shm/checked.py)."""
     return shm.all_reduce_unversioned(tensor, op, group, async_op)
 
 
@@ -123,24 +113,12 @@ def agree_call(where: str, group, problem: Exception | None, tensor=None, **more
     agree.agree(peers, where, torch.device("cpu"), problem, **fields)
 
 
-class Route:
-    """What microddp.comms asks (comms/route.py's protocol)."""
-
-    def all_reduce_path(self, tensor: torch.Tensor, op: str, group) -> Callable | None:
-        """See the module's all_reduce_path."""
-        return all_reduce_path(tensor, op, group)
-
-    def agree(self, where: str, group, problem: Exception | None, tensor=None, **more) -> None:
-        """See the module's agree_call."""
-        agree_call(where, group, problem, tensor, **more)
-
-    def prepare(self, group) -> None:
-        """Decide now, collectively, whether `group` uses shared memory (and attach it)."""
-        shm.shared(group)
-
-    def close(self) -> None:
-        """Let go of every group's shared memory (at shutdown)."""
-        shm.close_all()
+def prepare(group) -> None:
+    """Decide now, collectively, whether `group` uses shared memory (and attach it): every
+    rank of the group calls it at the same point (comms.init, comms.new_group)."""
+    shm.shared(group)
 
 
-ROUTE = Route()
+def close() -> None:
+    """Let go of every group's shared memory (comms.shutdown)."""
+    shm.close_all()

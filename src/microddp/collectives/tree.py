@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..transport.peers import COMBINE, Flat, scratch, wait_all
-from .agree import begin_all_reduce, begin_rooted, butterfly_
+from .agreement.agree import begin_all_reduce, begin_rooted, butterfly_
 
 
 def tree_broadcast(tensor: torch.Tensor, src: int | None = None, group=None, *,

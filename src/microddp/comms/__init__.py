@@ -1,10 +1,15 @@
-"""Joining the job and talking in it: the world (`init`, `shutdown`, `World`), how ranks meet
-(rendezvous), and typed wrappers over torch.distributed's operations (ops).
+"""Talking in the job: typed wrappers over torch.distributed's operations (ops.py), the
+handle of an asynchronous call (handle.py), rank grids and their sub-groups (mesh.py), and
+`init`/`shutdown` as users call them (session.py: the world, plus shared memory and the
+hang monitor once a group forms).
 
-`microddp.comms.all_reduce`, `microddp.comms.init`, ... are the names users call; the
-modules behind them are world.py, rendezvous.py, ops.py, args.py, handle.py, teardown.py.
+`microddp.comms.all_reduce`, `microddp.comms.init`, ... are the names users call. This layer
+sits above collectives/ and monitor/ and imports what it uses from them directly:
+`comms.all_reduce` asks collectives/route.py which path a call takes. The bootstrap below
+every layer (the process group, rendezvous, hosts) is world/.
 """
 
+from ..world.world import distributed
 from .ops import (
     REDUCE_OPS,
     Handle,
@@ -30,7 +35,6 @@ from .ops import (
     send,
     shutdown,
 )
-from .world import distributed
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "distributed", "Handle",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .world import wait_failed
+from ..monitor.patch import failed_wait
 
 
 class Handle:
@@ -46,7 +46,7 @@ class Handle:
                 try:
                     self._work.wait() if timeout is None else self._work.wait(timeout)
                 except RuntimeError as e:  # the backend gave up (a peer lost, its timeout)?
-                    raised = wait_failed(e)
+                    raised = failed_wait(e)
                     if raised is e:
                         raise
                     raise raised from None

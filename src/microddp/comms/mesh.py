@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MicroDDPError
+from ..world.world import distributed
 from .ops import new_group
-from .world import distributed
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..collectives.route import agree_call, all_reduce_path
+from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
-from .args import (
+from ..world.args import (
     REDUCE_OPS,
     check_list,
     check_op_dtype,
@@ -30,19 +32,16 @@ from .args import (
     peer,
     root,
 )
-from .handle import Handle
-from .route import current as current_route
-from .world import (
+from ..world.world import (
     World,
     distributed,
-    get_world,
     group_rank,
     group_size,
     group_timeout,
-    init,
     is_initialized,
-    shutdown,
 )
+from .handle import Handle
+from .session import get_world, init, shutdown
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
@@ -100,10 +99,8 @@ def _problem(check: Callable[[], object]) -> MicroDDPError | None:
 
 def _agree(where: str, group, problem: MicroDDPError | None, tensor, **more) -> None:
     """Before a call goes to the group's backend: the same MicroDDPError on every rank unless
-    every rank passed alike arguments (route.agree; without a route, this rank's problem)."""
-    route = current_route()
-    if route is not None:
-        route.agree(where, group, problem, tensor, **more)
+    every rank passed alike arguments (collectives/route.py's agree_call)."""
+    agree_call(where, group, problem, tensor, **more)
     if problem is not None:
         raise problem
 
@@ -132,9 +129,7 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
             return _done(async_op, result=[tensor])
         return dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op)
     finish = _divide(tensor, group_size(group)) if name == "avg" else None
-    route = current_route()
-    fast = (route.all_reduce_path(tensor, name, group)
-            if route is not None and problem is None else None)
+    fast = all_reduce_path(tensor, name, group) if problem is None else None
     if fast is not None:  # shared memory between the ranks of this host (collectives/route.py)
         work = fast(tensor, name, group, async_op)  # checked in its own synchronisation
         if work is None and not async_op:  # done already, on this thread: no handle to make
@@ -397,7 +392,6 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
               else timeout}
     group = dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
                            **torch_kwargs)
-    route = current_route()
-    if route is not None and not _outside(group):
-        route.prepare(group)  # its members are all here: agree on shared memory now
+    if not _outside(group):
+        prepare_route(group)  # its members are all here: agree on shared memory now
     return group

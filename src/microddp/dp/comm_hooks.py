@@ -16,8 +16,8 @@ import torch
 from .. import collectives
 from ..collectives.hierarchical import chosen
 from ..comms import all_reduce, distributed, group_size
-from ..comms.world import wait_failed
 from ..errors import MicroDDPError
+from ..monitor.patch import failed_wait
 from .buckets import Bucket, bucket_view
 
 Future = torch.futures.Future
@@ -131,7 +131,7 @@ def finish(reduction: Future | Summing):
     try:
         return reduction.wait()
     except RuntimeError as e:
-        raise wait_failed(e) from None
+        raise failed_wait(e) from None
 
 
 def start_reduction(bucket: Bucket, count: int, group, hook: CommHook | None,

@@ -1,24 +1,19 @@
-"""A parameter's gradient and its bucket's flat buffer: the copies between them, and the buffer lent to .grad as a view (gradient_as_bucket_view).
-
-grads:
-Moving gradients into a bucket before its all-reduce, and the averages back out after.
+"""A parameter's gradient and its bucket's flat buffer: the copies between them, and the
+buffer lent to .grad as a view (gradient_as_bucket_view).
 
 The Reducer (reducer.py) decides *when* a bucket is filled, launched and emptied; its
-GradCopier does the copies, in as few tensor calls as the case allows, with what it is
-given (parameters, buckets, Lender, divisor, flags): a composed object, not a mixin that
-reads the Reducer's attributes.
+GradCopier moves gradients into a bucket before its all-reduce and the averages back out,
+in as few tensor calls as the case allows, with what it is given (parameters, buckets,
+Lender, divisor, flags): a composed object, not a mixin that reads the Reducer's attributes.
 
-lending:
-Lending a reduced bucket to `.grad`, instead of copying the averages out of it.
-
-PyTorch's reducer copies each average from the bucket into `.grad` at the end of backward
-(unless gradient_as_bucket_view). The Reducer hands each parameter a view of the reduced buffer
-itself, which saves one pass over every gradient per step (13 ms of a 190 ms step for
-FullMLP(1024) here). What a caller sees stays as with PyTorch: before the next backward writes
-into a lent buffer, `claim` makes sure nobody else can see it (a gradient kept from an earlier
-step, say); if somebody still can, the bucket takes fresh memory. What differs: a lent `.grad`
-is a view of the bucket, as with gradient_as_bucket_view=True, so `p.grad.detach_()` fails and
-`torch.save(p.grad)` writes the whole bucket (save `p.grad.clone()`).
+The Lender hands each parameter a view of the reduced buffer itself instead of copying the
+averages into `.grad` as PyTorch's reducer does (unless gradient_as_bucket_view), which saves
+one pass over every gradient per step (chapter 5b). What a caller sees stays as with
+PyTorch: before the next backward writes into a lent buffer, `claim` makes sure nobody else
+can see it (a gradient kept from an earlier step, say); if somebody still can, the bucket
+takes fresh memory. What differs: a lent `.grad` is a view of the bucket, as with
+gradient_as_bucket_view=True, so `p.grad.detach_()` fails and `torch.save(p.grad)` writes
+the whole bucket (save `p.grad.clone()`).
 """
 
 from __future__ import annotations

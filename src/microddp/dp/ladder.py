@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .. import comms
-from .. import spans as trace
+from .. import comms, spans
 from .buckets import Bucket, MiB, plan_buckets
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -187,11 +186,11 @@ class OverlapHooks:
         for bucket, handle, launched in self.in_flight:
             handle.wait()
             bucket.copy_out()
-            if trace.enabled():
-                trace.add_span(f"allreduce bucket {bucket.index}", launched, time.perf_counter(),
+            if spans.enabled():
+                spans.add_span(f"allreduce bucket {bucket.index}", launched, time.perf_counter(),
                                track="comm", bucket=bucket.index, bytes=bucket.nbytes)
-        if trace.enabled():
-            trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
+        if spans.enabled():
+            spans.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self.in_flight.clear()
         self.waiting = False
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import spans as trace
+from .. import spans
 from ..comms import distributed, group_rank, group_size
 from ..errors import MicroDDPError
 from .buckets import FIRST_BUCKET_BYTES, NO_LIMIT, Bucket, plan_buckets
@@ -270,12 +270,12 @@ class Reducer(DoubleBackward):
                 self.stats.mark("backward_comm_time_start")
             self.futures[k] = start_reduction(bucket, len(self.buckets), self.group,
                                               self.comm_hook, self.comm_state, self.now[k])
-            if trace.enabled():
-                trace.add_when_done([self.futures[k]], f"allreduce bucket {k}",
+            if spans.enabled():
+                spans.add_when_done([self.futures[k]], f"allreduce bucket {k}",
                                     self.launched_at[k], bucket=k, bytes=bucket.nbytes)
                 if self.now[k] and isinstance(self.futures[k], Summing):  # it ran just now,
                     # inside backward: a wait for communication, not compute (spans.step_stats)
-                    trace.add_span(f"wait bucket {k}", self.launched_at[k], time.perf_counter(),
+                    spans.add_span(f"wait bucket {k}", self.launched_at[k], time.perf_counter(),
                                    track="comm_wait")
             self.next_bucket += 1
         if self.next_bucket == len(self.buckets) and self.all_reduces_used():
@@ -325,8 +325,8 @@ class Reducer(DoubleBackward):
             result = finish(self.futures[k])
             result = result[0] if isinstance(result, list) else result
             self.copier.write_back(bucket, result, used)
-        if trace.enabled():
-            trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
+        if spans.enabled():
+            spans.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self.stats.backward_done()
         self._arrival_complete()
 

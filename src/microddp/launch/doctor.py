@@ -86,7 +86,7 @@ def diagnose(skip_live: bool = False) -> int:
     which take seconds."""
     import torch
 
-    from ..comms.world import backend_available
+    from ..world.world import backend_available
     from .spawn import spawn
 
     checks: list[tuple[str, bool, str]] = []

@@ -44,7 +44,7 @@ def torchrun_argv(script: str, script_args: Sequence[str], *, nproc: int, nnodes
 
 
 def _warn_without_secret(addr: str, port: int) -> None:
-    from ..comms.secret import job_secret  # noqa: PLC0415 (reads the file: errors are ours)
+    from ..world.secret import job_secret  # noqa: PLC0415 (reads the file: errors are ours)
 
     if job_secret() is None:
         print(f"microddp run: warning: no job secret (MICRODDP_SECRET or MICRODDP_SECRET_FILE), "

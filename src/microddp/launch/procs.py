@@ -24,7 +24,7 @@ from ..errors import MicroDDPError
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from ..comms.store_server import StoreServer
+    from ..world.store_server import StoreServer
 
 LOOPBACK = "127.0.0.1"
 
@@ -60,10 +60,10 @@ class AgentStore:
         # --help and argument errors never wait for torch to load.
         import torch.distributed as dist
 
-        from ..comms.rendezvous import bind
-        from ..comms.secret import job_secret, new_secret
-        from ..comms.store_server import StoreServer
-        from ..comms.world import _as_timedelta
+        from ..world.rendezvous import bind
+        from ..world.secret import job_secret, new_secret
+        from ..world.store_server import StoreServer
+        from ..world.world import _as_timedelta
 
         sock = bind(addr, port)
         port = sock.getsockname()[1]

@@ -96,8 +96,8 @@ def roll_call(master_addr: str, port: int, nnodes: int, node_rank: int,
     # Here, not above: `microddp run --help` and its argument errors need no torch.
     import torch.distributed as dist
 
-    from ..comms.rendezvous import bind
-    from ..comms.secret import job_secret
+    from ..world.rendezvous import bind
+    from ..world.secret import job_secret
 
     addr = _resolve(master_addr)
     deadline = time.monotonic() + timeout_s
@@ -105,8 +105,8 @@ def roll_call(master_addr: str, port: int, nnodes: int, node_rank: int,
     secret = job_secret()
     server = None
     if secret is not None:
-        from ..comms.store_client import AuthStore
-        from ..comms.store_server import StoreServer
+        from ..world.store_client import AuthStore
+        from ..world.store_server import StoreServer
 
         if node_rank == 0:
             _own_address(addr, port)

@@ -119,11 +119,12 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
     import torch  # here, not above: `microddp run`'s launcher imports this module, needs no torch
 
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from ..comms import world
+    from .. import comms
+    from ..world import world
 
     world._world = None  # a forked child must not inherit its parent's world
     try:
-        w = world.init(backend=backend, timeout=timeout) if join else rank
+        w = comms.init(backend=backend, timeout=timeout) if join else rank
         # Plain pickle copies tensors; torch's queue reducers would share memory through file
         # descriptors that vanish when this process exits before the parent reads them.
         out = pickle.dumps(fn(w, *args))
@@ -141,7 +142,7 @@ def _worker(rank: int, world_size: int, env: dict, fn: Callable, args: tuple, re
         results.close()
         results.join_thread()
         os._exit(1)
-    world.shutdown()
+    comms.shutdown()
 
 
 def _context(start_method: str | None):

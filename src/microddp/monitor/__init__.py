@@ -30,9 +30,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..comms.store_client import python_store
-from ..comms.world import distributed, get_world
 from ..errors import MicroDDPError
+from ..world.store_client import python_store
+from ..world.world import distributed, get_world
 from . import patch
 from .default import interrupt_pays, stall_seconds, wanted
 from .drift import DriftCheck, check_replicas, checksum

@@ -25,12 +25,11 @@ _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
     sysconfig.get_paths()["stdlib"],
 })
 # comms' typed wrappers, the handle of an async call, and the glue a failed wait goes through
-# to the monitor (comms/world.py's wait_failed, the package's upcall): where a wait sits, never
-# worth naming
+# to the monitor (comms' Handle and DDP's buckets call patch.failed_wait): where a wait sits,
+# never worth naming
 _ROOT = os.path.dirname(os.path.dirname(__file__))
 _COMMS = {os.path.normcase(os.path.join(_ROOT, "comms", f))
-          for f in ("ops.py", "handle.py", "world.py")} | {
-              os.path.normcase(os.path.join(_ROOT, "__init__.py"))}
+          for f in ("ops.py", "handle.py", "session.py")}
 
 
 @functools.lru_cache(maxsize=4096)  # once per function (see _kind), and by tests

@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import MicroDDPError, PeerError
-from ..transport import shm
+from ..shm import segment as shm
 from . import desync
 from .hang import Monitor
 from .log import Entry, describe_tensor
@@ -305,7 +305,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
 
 
 # group -> is it gloo's: asked once per group. Held weakly: a strong key kept every group the
-# monitor saw alive after destroy_process_group, with its threads (comms/teardown.py).
+# monitor saw alive after destroy_process_group, with its threads (world/teardown.py).
 _gloo_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

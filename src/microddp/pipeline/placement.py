@@ -4,13 +4,9 @@ Why: a pipeline rank blocks in a receive, and the send that ends its wait wakes 
 the woken rank ran on the sender's core while the sender, still inside its `isend`, waited on
 that core's run queue (our reading: sockets wake their reader as a *synchronous* wake-up, the
 writer being expected to sleep next, so Linux places the wakee on the waker's core; not traced
-in the kernel, but pinning removes the delay). Measured on this 2-core host
-(2 ranks, 8 micro-batches, interleaved steps, `/proc/self/task/*/schedstat`): a send to a
-rank already waiting took 0.5-2 ms on average against 40-140 us to a busy one, nearly all of
-it the sender's run-queue delay, and the woken receiver ran before the sender's `isend`
-returned. Pinned, each rank's threads stay on its own core, so a wake-up never takes the
-sender's: 1F1B's step 18.6 ms against 28.0, interleaved 30 against 38, GPipe 13.6 against
-15.8 (load average 2.2-2.7). With more ranks than cores the ranks sharing a core are fixed
+in the kernel, but pinning removes the delay; chapter 8 has the measurements). Pinned, each
+rank's threads stay on its own core, so a wake-up never takes the sender's. With more ranks
+than cores the ranks sharing a core are fixed
 (r, r + cores, ...), so how they time-share is known in advance (`microddp predict` uses it).
 
 `microddp bench pipeline` and `microddp predict --calibrate` pin their ranks; torch's

@@ -1,37 +1,20 @@
 """The interpreter: run any schedule's program for this rank's stages, with send and recv.
 
-Sends are posted with isend. A gloo point-to-point handle cannot be polled (it says it is not
-done until waited for; see chapter 2), so a send is waited for only where it is surely done:
-once a message has arrived that its receiver sent after receiving it (an activation's, say,
-when the gradient of the same micro-batch comes back), the rest at the end of the step. A receive is
-waited for where the program says, so a rank blocks exactly where `validate`'s model
-(receives block, sends do not) proved the schedule free of deadlock. But a receive is
-*posted* (irecv) ahead. gloo hands a message over only once both sides have posted it: a
-send posted first only announces itself, and the data leaves when the receiver's post reaches
-the sender, so a receive posted after its send costs a round trip through both ranks' gloo
-threads (each a wake-up of a busy process), paid inside the receiver's irecv call; posted
-ahead, the announcement is already there and the send writes the data at once. Measured on
-2 ranks and 2 cores (GPipe, 8 micro-batches, interleaved steps): posting every activation's
-receive at the step's start, not two at a time, took 0.63-0.68 of the step time.
-Receives are posted in the program's order, at most `window(schedule, rank)` posted and not
-yet waited for: the most micro-batches the rank's program holds at once (from a forward to
-its backward, at least 2), which it pays in memory anyway (GPipe: all m, so every
-activation's receive is posted at the step's start; 1F1B: p - r), and a gradient's receive
-no earlier than its forward (its buffer has the output's shape).
-Posting never blocks, and every receive posted is one the program waits for later (the
-validator's rule 'matched' gives it its send), so the window adds no wait the validator did
-not see: when the program reaches a receive, every receive before it has been waited for, so
-the window has room and the receive is posted then at the latest. The buffers a rank holds
-for messages (receives posted, sends not yet completed) are counted by an `ActivationMeter`
-running around the step (`activations.hold`), beside the activations autograd saves.
-Messages carry a tag made from (ACT or GRAD, boundary, micro-batch), so two messages between
-the same two ranks (interleaving sends both ways, or receives posted early) can never be
-mistaken for each other.
-
-`run_schedule`'s loss is the whole batch's: micro-batch i's loss is `loss_fn(out_i, y_i) * n_i
-/ n`, the mean over its n_i samples turned into their sum over the whole batch's n samples, so
-the gradients accumulated over the micro-batches are the gradients of one process on the batch.
-The torch-shaped classes (schedule_classes.py) run the same `execute` with their own inputs,
+Sends are posted with isend and waited for only where surely done (a gloo point-to-point
+handle cannot be polled; chapter 2): once a message has arrived that its receiver sent after
+receiving it, the rest at the end of the step. A receive is waited for where the program
+says, so a rank blocks exactly where `validate`'s model (receives block, sends do not) proved
+the schedule free of deadlock, but it is *posted* (irecv) ahead: gloo moves a message only
+once both sides have posted it, and a receive posted after its send pays a round trip through
+both ranks' gloo threads (chapter 8). At most `window(schedule, rank)` receives are posted
+and not yet waited for: the most micro-batches the rank's program holds at once, which it
+pays in memory anyway (GPipe: all m; 1F1B: p - r), a gradient's no earlier than its forward.
+Every receive posted is one the program waits for later, so the window adds no wait the
+validator did not see. Buffers held for messages are counted by an `ActivationMeter`
+(`activations.hold`); tags (ACT or GRAD, boundary, micro-batch) keep two messages between the
+same ranks apart. `run_schedule`'s micro-batch i loss is `loss_fn(out_i, y_i) * n_i / n`, so
+the gradients accumulated over the micro-batches are one process's on the whole batch. The
+torch-shaped classes (schedule_classes.py) run the same `execute` with their own inputs,
 loss and receive shapes (a `_Step`'s hooks), and forward-only programs.
 """
 

@@ -19,10 +19,10 @@ from torch import nn
 
 from .. import comms
 from ..collectives.cost import fit_line
-from ..comms.world import World, distributed
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..timing import interleaved
+from ..world.world import World, distributed
 from .pipeline_costs import PipelineCosts, median_costs
 from .pipeline_costs import measure as measure_pipeline
 from .step import Hardware, fullmlp, predict, save_calibration

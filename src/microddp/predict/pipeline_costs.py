@@ -39,11 +39,11 @@ import torch
 
 from .. import comms, pipeline
 from ..collectives.cost import fit_line
-from ..comms.world import World
 from ..errors import MicroDDPError
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..timing import median, trimmed_mean
+from ..world.world import World
 from . import pipeline_messages as messages
 
 BLOCKS = (2, 4, 8)  # blocks per stage the fit sees

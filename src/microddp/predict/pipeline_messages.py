@@ -16,17 +16,11 @@ Two sources, neither of which reads a benchmark's timeline:
 
 A step pays every send, receive and wake-up, the ones a busy host delays included, so each is
 charged its plain mean, per schedule and per width (`pipeline_costs` keeps them apart). But a
-slow call is not a slow copy of a typical one: about 1 in 30 of interleaved's sends and
-receives on 2 ranks stalled for 2-5 ms (1 in 480 of 1F1B's), and in every stalled call
-the rank's own gloo thread burned the core for as long as the call waited (schedstat of all
-the rank's threads around each call: 4.14 ms of `gloo_tcp_loop` CPU in a 4.18 ms `irecv`,
-3.78 in a 3.83 ms `isend`). gloo's reading thread only tries its connection's lock; while
-the computing thread holds it (inside `isend` or `irecv`) the reading thread returns to an
-`epoll_wait` that fires again at once, so it spins on the one core it is pinned to, beside
-the lock's holder, until the scheduler's tick (4 ms here, HZ = 250) hands the core back.
-Interleaving on 2 ranks sends activations and gradients both ways over one connection, so a
-message from the peer often lands while the rank is inside a call on that connection.
-Such a stall holds its rank for milliseconds, far longer than any slack between actions, so
+slow call is not a slow copy of a typical one: now and then a send or receive stalls while
+the rank's own gloo thread spins on its core (its reading thread only tries the connection's
+lock, which the computing thread holds inside `isend` or `irecv`) until the scheduler's tick
+hands the core back (chapter 8 has the measurements). Such a stall holds its rank for
+milliseconds, far longer than any slack between actions, so
 the other ranks soon wait on it: the step pays the stalls of all ranks one after another, not
 each rank's share beside the others'. So each mean is split (`stall_costs`): its trimmed mean
 (10% cut at each end), the typical call, which the schedule plays on its rank's clock; and the
@@ -49,12 +43,12 @@ import torch
 
 from .. import comms
 from ..collectives.cost import fit_line
-from ..comms.world import World
 from ..launch.spawn import spawn
 from ..model import FullMLP
 from ..pipeline import placement
 from ..pipeline.schedules import RECVS, SENDS, Schedule, build, message_key
 from ..timing import median, trimmed_mean
+from ..world.world import World
 
 MESSAGE_BYTES = (2**12, 2**14, 2**16, 2**18)  # message sizes the relay sends
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import spans as trace
+from .. import spans
 from ..errors import MicroDDPError
 from .config import SERVER, PSConfig
 from .policy import Held, Staleness
@@ -120,7 +120,7 @@ class Server:
     def give(self, worker: int, kind: int = PARAMS) -> None:
         """Send the current parameters (or STOP); a worker we cannot reach is lost."""
         try:
-            with trace.span("send parameters", track="comm"):
+            with spans.span("send parameters", track="comm"):
                 send(header(kind, SERVER, self.ssp.version, self.clock[worker]), worker,
                      self.params if kind == PARAMS else None)
         except RuntimeError as e:
@@ -153,7 +153,7 @@ class Server:
 
     def update(self) -> None:
         """Apply the held gradients in one optimizer step and send the new parameters to their workers."""
-        with trace.span("optimizer", track="optim"):
+        with spans.span("optimizer", track="optim"):
             grad, used, stale = self.ssp.take(self.config.staleness_lr)
             load_flat(self.model, grad, into_grad=True)
             self.opt.step()
@@ -169,7 +169,7 @@ class Server:
             r.seconds = time.perf_counter() - self.start
         for g in used:
             self.give(g.worker, STOP if self.stopping else PARAMS)
-        trace.next_step()
+        spans.next_step()
         self.observer.updated(self, used)
 
     def check_silence(self) -> None:
@@ -187,7 +187,7 @@ class Server:
         for worker in sorted(self.live):
             self.give(worker, STOP if self.stopping else PARAMS)
         while self.live:
-            with trace.span("wait for gradients", track="comm_wait"):
+            with spans.span("wait for gradients", track="comm_wait"):
                 msg = self.inbox.get(timeout=0.05)
             if msg is None:
                 self.check_silence()

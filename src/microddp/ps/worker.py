@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import spans as trace
+from .. import spans
 from ..timing import straggle
 from .config import SERVER, PSConfig
 from .protocol import (
@@ -49,7 +49,7 @@ def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> Work
     while True:
         t0 = time.perf_counter()
         try:
-            with trace.span("wait for parameters", track="comm_wait"):
+            with spans.span("wait for parameters", track="comm_wait"):
                 head, params = recv(SERVER, numel, config.server_timeout)
         except RuntimeError as e:  # gloo: connection closed, or nothing for server_timeout
             raise server_gone(rank, SERVER, "waiting for parameters", e) from None
@@ -63,21 +63,21 @@ def run_worker(rank: int, world_size: int, task: Task, config: PSConfig) -> Work
         t0 = time.perf_counter()
         load_flat(model, params)
         model.zero_grad(set_to_none=True)
-        with trace.span("forward+backward"):
+        with spans.span("forward+backward"):
             loss, loss_sum, samples = task.shard_loss(model, clock, part, parts)
             loss.backward()
             grad = flat_grads(model)
-        with trace.span("straggle"):  # a straggler: the same work, `factor` times as long
+        with spans.span("straggle"):  # a straggler: the same work, `factor` times as long
             straggle(time.perf_counter() - t0, factor)
         compute_s += time.perf_counter() - t0
         try:
-            with trace.span("push gradient", track="comm"):
+            with spans.span("push gradient", track="comm"):
                 send(header(GRAD, rank, version, clock, samples), SERVER,
                      torch.cat([grad, torch.tensor([loss_sum])]))
         except RuntimeError as e:
             raise server_gone(rank, SERVER, "sending a gradient", e) from None
         pushed += 1
-        trace.next_step()
+        spans.next_step()
     try:
         send(header(BYE, rank, clock=pushed), SERVER)
     except RuntimeError as e:

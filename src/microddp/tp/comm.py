@@ -31,8 +31,8 @@ import torch
 
 from .. import comms
 from ..collectives import ring_all_gather, ring_reduce_scatter, shm_all_gather, shm_reduce_scatter
-from ..collectives.shm import shared
 from ..errors import MicroDDPError
+from ..shm.collectives import shared
 from .threads import ThreadGroup
 
 SEQ_DIM = 1  # activations are (batch, sequence, features)

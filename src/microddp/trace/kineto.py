@@ -21,8 +21,7 @@ import os
 from pathlib import Path
 
 from .. import outputs
-from .. import spans as trace
-from ..spans import Span
+from ..spans import Span, kind, length, step_stats, subtract, union
 
 FOLDER = "hta"
 COMPUTE_STREAM, COMM_STREAM = 7, 20
@@ -70,11 +69,11 @@ def rank_trace(rank: int, world_size: int, spans: list[Span], steps: list[int],
         events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}",
                        "pid": pid_cpu, "tid": 1, "ts": _us(start, t0),
                        "dur": round((end - start) * 1e6, 3), "args": {}})
-        waits = [(s.start, s.end) for s in mine if trace.kind(s) == "wait"]
+        waits = [(s.start, s.end) for s in mine if kind(s) == "wait"]
         for s in mine:
-            k = trace.kind(s)
+            k = kind(s)
             if k == "compute":  # less its waits for communication, as step_stats counts it
-                for a, b in trace.subtract([(s.start, s.end)], waits):
+                for a, b in subtract([(s.start, s.end)], waits):
                     kernel(s.name, a, b, COMPUTE_STREAM, step)
             elif k == "comm":
                 kernel(f"ncclKernel_gloo_{s.name}".replace(" ", "_"), s.start, s.end,
@@ -113,18 +112,18 @@ def own_figures(by_rank: dict[int, list[Span]]) -> dict[int, dict[str, float]]:
     steps = set(kept_steps(by_rank))
     out = {}
     for rank, spans in sorted(by_rank.items()):
-        per = [trace.step_stats([s for s in spans if s.step == k]) for k in sorted(steps)
+        per = [step_stats([s for s in spans if s.step == k]) for k in sorted(steps)
                if any(s.step == k for s in spans)]
         comm = sum(p["comm_s"] for p in per)
         hidden = sum(p["hidden_comm_s"] for p in per)
-        busy = [(a, b) for s in spans if s.step in steps and trace.kind(s) in ("compute", "comm")
-                for a, b in ([(s.start, s.end)] if trace.kind(s) == "comm" else trace.subtract(
+        busy = [(a, b) for s in spans if s.step in steps and kind(s) in ("compute", "comm")
+                for a, b in ([(s.start, s.end)] if kind(s) == "comm" else subtract(
                     [(s.start, s.end)], [(w.start, w.end) for w in spans
-                                         if w.step == s.step and trace.kind(w) == "wait"]))]
-        merged = trace.union(busy)
+                                         if w.step == s.step and kind(w) == "wait"]))]
+        merged = union(busy)
         span_s = merged[-1][1] - merged[0][0] if merged else 0.0
         out[rank] = {"compute_us": 1e6 * sum(p["compute_s"] for p in per),
                      "exposed_comm_us": 1e6 * (comm - hidden),
-                     "idle_us": 1e6 * (span_s - trace.length(merged)),
+                     "idle_us": 1e6 * (span_s - length(merged)),
                      "overlap_pct": 100.0 * hidden / comm if comm > 0 else float("nan")}
     return out

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import outputs
-from .. import spans as trace
-from ..comms.world import World, distributed, get_world
 from ..errors import MicroDDPError
-from ..spans import Span
+from ..spans import Recorder, Span, kind, step_stats
+from ..spans import stop as stop_recording
 from ..transport.objects import broadcast_value, gather_values
+from ..world.world import World, distributed, get_world
 from . import kineto
 
 TID_MAIN, TID_COMM = 0, 1
@@ -27,7 +27,7 @@ FIELDS = ("step_s", "compute_s", "comm_s", "hidden_comm_s", "exposed_comm_s", "w
           "data_s", "other_s", "overlap_pct")
 
 
-def to_wall(rec: trace.Recorder) -> list[Span]:
+def to_wall(rec: Recorder) -> list[Span]:
     """This rank's spans on the wall clock, the one axis that all ranks (and hosts) share."""
     shift = rec.wall_origin - rec.origin
     with rec._lock:
@@ -36,7 +36,7 @@ def to_wall(rec: trace.Recorder) -> list[Span]:
             for s in spans]
 
 
-def gather(rec: trace.Recorder | None, world: World | None = None) -> dict[int, list[Span]] | None:
+def gather(rec: Recorder | None, world: World | None = None) -> dict[int, list[Span]] | None:
     """Every rank's spans, on rank 0 (None elsewhere). Every rank must call it."""
     world = world or get_world()
     mine = to_wall(rec) if rec is not None else []
@@ -60,10 +60,10 @@ def chrome_trace(by_rank: dict[int, list[Span]]) -> dict:
     drawn from when the link is free for it to when it completes; its launch time is kept in
     args (launch_us) and is what the figures use.
     """
-    starts = [s.start for spans in by_rank.values() for s in spans]
+    starts = [s.start for mine in by_rank.values() for s in mine]
     t0 = min(starts) if starts else 0.0
     events: list[dict] = []
-    for rank, spans in sorted(by_rank.items()):
+    for rank, mine in sorted(by_rank.items()):
         events += [
             {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}},
             {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}},
@@ -73,7 +73,7 @@ def chrome_trace(by_rank: dict[int, list[Span]]) -> dict:
              "args": {"name": "communication"}},
         ]
         link_free = -math.inf
-        for s in sorted(spans, key=lambda s: (s.start, -s.end)):
+        for s in sorted(mine, key=lambda s: (s.start, -s.end)):
             start, tid = s.start, TID_MAIN
             args = {k: _jsonable(v) for k, v in s.args.items()}
             args.update(step=s.step, track=s.track)
@@ -121,7 +121,7 @@ def per_step(by_rank: dict[int, list[Span]]) -> list[dict]:
     steps = sorted({s.step for spans in by_rank.values() for s in spans})
     rows = []
     for step in steps:
-        stats = [trace.step_stats([s for s in spans if s.step == step])
+        stats = [step_stats([s for s in spans if s.step == step])
                  for spans in by_rank.values() if any(s.step == step for s in spans)]
         row: dict[str, float] = {"step": step}
         for f in FIELDS:
@@ -185,9 +185,9 @@ def plot_timeline(by_rank: dict[int, list[Span]], path: str | os.PathLike,
             y = 2 * row + lane
             labels.append(f"rank {rank} {'comm' if is_comm else 'compute'}")
             for s in sorted(ss, key=lambda s: s.start - s.end):  # longest first: nested on top
-                if (trace.kind(s) == "comm") != is_comm:
+                if (kind(s) == "comm") != is_comm:
                     continue
-                key = trace.kind(s) if trace.kind(s) in ("comm", "wait", "data") else s.name
+                key = kind(s) if kind(s) in ("comm", "wait", "data") else s.name
                 color = colors.get(key, "tab:olive")
                 ax.broken_barh([((s.start - t0) * 1e3, (s.end - s.start) * 1e3)], (y - 0.4, 0.8),
                                facecolors=color, edgecolor="black", linewidth=0.3,
@@ -265,7 +265,7 @@ def finish(run_dir: str | os.PathLike, world: World | None = None) -> dict:
     Every rank must call it (it gathers the spans).
     """
     world = world or get_world()
-    rec = trace.stop()
+    rec = stop_recording()
     if rec is None:
         raise MicroDDPError("tracing was never started on this rank; call microddp.spans.start() "
                             "before the first step")

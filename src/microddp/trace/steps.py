@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import spans as trace
-from ..comms.world import World, distributed
+from .. import spans
 from ..launch.spawn import spawn
+from ..world.world import World, distributed
 from . import report as trace_report
 
 
@@ -31,7 +31,7 @@ def _traced_torch_ddp(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
-            trace.add_span(f"allreduce bucket {bucket.index()}", launched, time.perf_counter(),
+            spans.add_span(f"allreduce bucket {bucket.index()}", launched, time.perf_counter(),
                            track="comm", bucket=bucket.index(), bytes=buf.numel() * buf.element_size())
             return f.value()[0]
 
@@ -50,22 +50,22 @@ def note_wait(model: nn.Module) -> None:
     """After backward of a traced torch DDP: record its hidden end-of-backward wait."""
     last = getattr(model, "_microddp_last_grad", None)
     if last is not None and last[0] > 0:
-        trace.add_span("wait comm", last[0], time.perf_counter(), track="comm_wait")
+        spans.add_span("wait comm", last[0], time.perf_counter(), track="comm_wait")
 
 
 def traced_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                 y: torch.Tensor) -> None:
     """One training step with forward, backward (and its wait for communication) and
     optimizer spans; the spans are dropped when no recorder is active."""
-    with trace.span("forward"):
+    with spans.span("forward"):
         loss = nn.functional.cross_entropy(model(x), y)
-    with trace.span("backward"):
+    with spans.span("backward"):
         loss.backward()
         note_wait(model)
-    with trace.span("optimizer", track="optim"):
+    with spans.span("optimizer", track="optim"):
         opt.step()
         opt.zero_grad(set_to_none=True)
-    trace.next_step()
+    spans.next_step()
 
 
 def wrap(module: nn.Module, engine: str, bucket_cap_mb: float = 25.0) -> nn.Module:
@@ -92,7 +92,7 @@ def run_steps(world: World, engine: str = "overlap", dim: int = 256, depth: int 
     batches = [(torch.randn(batch, dim, generator=gen),
                 torch.randint(0, 2, (batch,), generator=gen)) for _ in range(min(steps, 4))]
     for i in range(steps):
-        with trace.span("data", track="data"):
+        with spans.span("data", track="data"):
             x, y = (t.to(world.device) for t in batches[i % len(batches)])
         traced_step(model, opt, x, y)
     return model
@@ -100,7 +100,7 @@ def run_steps(world: World, engine: str = "overlap", dim: int = 256, depth: int 
 
 def traced_steps(world: World, run_dir: str, **kwargs) -> dict:
     """`run_steps` with the recorder on; returns trace_report.finish's summary."""
-    trace.start()
+    spans.start()
     run_steps(world, **kwargs)
     return trace_report.finish(run_dir, world)
 
@@ -125,11 +125,11 @@ def _overhead_job(world: World, kwargs: dict, repeats: int) -> dict[str, list[fl
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(batch, dim), torch.randint(0, 2, (batch,))
     mon = monitor.enable(timeout=120) if distributed() else None
-    rec = trace.Recorder()
+    rec = spans.Recorder()
 
     def step(recording: bool, monitoring: bool) -> None:
         patch._active = mon if monitoring else None  # wrappers stay installed: one lookup
-        with trace.use(rec if recording else None):
+        with spans.use(rec if recording else None):
             traced_step(model, opt, x, y)
 
     sync = dist.barrier if distributed() else None

@@ -18,7 +18,9 @@ from .. import outputs
 from ..errors import MicroDDPError
 
 # add_arguments: the flags `python -m microddp.train` (this package, run as a worker) accepts
-from .config import TrainConfig, add_arguments, check_folder, validate
+from .config import TrainConfig, add_arguments, check_folder
+from .strategies import entry as strategy_entry
+from .validate import validate
 
 __all__ = ["TrainConfig", "add_arguments", "start", "train", "worker"]
 
@@ -62,7 +64,7 @@ def start(cfg: TrainConfig) -> int:
         print(f"microddp train: run folder {cfg.out}", flush=True)
         announced = True
         # async: a worker that dies is dropped by the server, so the launcher lets it go
-        expendable = range(1, cfg.nproc) if cfg.strategy == "async" else ()
+        expendable = range(1, cfg.nproc) if strategy_entry(cfg.strategy).expendable else ()
         code = launch("microddp.train", cfg.to_argv(), nproc=cfg.nproc, module=True,
                       max_restarts=cfg.max_restarts, expendable=expendable)
         return code

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ..comms.world import World, distributed
 from ..errors import MicroDDPError
 from ..model import FullMLP
+from ..world.world import World, distributed
 from .config import TrainConfig
 
 
@@ -51,14 +51,22 @@ def wrap(module: nn.Module, engine: str, world: World) -> nn.Module:
     return dp_wrap(module, engine, **kwargs)
 
 
+# --optimizer's table: the class and its options, besides the run's learning rate (every
+# strategy builds from it: build_optimizer, or ZeRO's sharded optimizer from the class).
+OPTIMIZER_CLASSES = {"sgd": (torch.optim.SGD, {"momentum": 0.9}), "adam": (torch.optim.Adam, {})}
+
+
+def optimizer_class(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The class `--optimizer` names and its options (SGD with momentum 0.9, or Adam)."""
+    if cfg.optimizer not in OPTIMIZER_CLASSES:
+        raise MicroDDPError(f"unknown optimizer {cfg.optimizer!r}; choose sgd or adam")
+    return OPTIMIZER_CLASSES[cfg.optimizer]
+
+
 def build_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
-    """The optimizer `--optimizer` names (SGD with momentum 0.9, or Adam) at the run's learning
-    rate."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.learning_rate, momentum=0.9)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.learning_rate)
-    raise MicroDDPError(f"unknown optimizer {cfg.optimizer!r}; choose sgd or adam")
+    """The optimizer `--optimizer` names at the run's learning rate."""
+    cls, options = optimizer_class(cfg)
+    return cls(params, lr=cfg.learning_rate, **options)
 
 
 class Precision:

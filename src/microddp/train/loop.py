@@ -18,18 +18,18 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, monitor, outputs
-from .. import spans as trace
-from ..comms.world import World, distributed
+from .. import checkpoint, monitor, outputs, spans
 from ..data import ShardedBatchSampler, load_dataset
 from ..errors import MicroDDPError
 from ..trace import report as trace_report
 from ..transport.objects import all_gather_values
+from ..world.world import World, distributed
 from . import resume, sharded, strategies
 from .build import Hook, Precision, build_model
-from .config import TrainConfig, validate
+from .config import TrainConfig
 from .report import LossMeter, Reporter, plot_curves
-from .strategies import Strategy
+from .strategies.base import Strategy
+from .validate import validate
 
 
 @dataclass
@@ -53,12 +53,10 @@ def _window_plan(n_batches: int, first: int, accumulate: int) -> list[range]:
 
 def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result:
     """Run (or continue) the training job described by `cfg` on this rank."""
-    if cfg.strategy == "async":  # a parameter server and its workers: train/async_job.py
-        from .async_job import train as train_async
-
-        done = train_async(world, cfg, on_step)
-        return done and Result(**done)
     validate(cfg, world.world_size)
+    if strategies.entry(cfg.strategy).own_loop:  # async: a parameter server and its workers
+        done = strategies.implementation(cfg.strategy).train(world, cfg, on_step)
+        return done and Result(**done)
     out = Path(cfg.out)
     device = world.device
     data = load_dataset(cfg.dataset)
@@ -76,7 +74,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
     sampler = ShardedBatchSampler(len(train_set), cfg.batch_size, strategy.data_rank,
                                   strategy.data_size, seed=cfg.seed, allow_empty=True)
     if cfg.trace:
-        trace.start()
+        spans.start()
     # On by default because it is cheap: a stalled collective names every rank's line.
     if distributed() and cfg.monitor_timeout:
         monitor.enable(timeout=cfg.monitor_timeout)
@@ -149,7 +147,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
         for w, window in enumerate(windows):
             total = sum(sizes[i] for i in window)
             for k, _ in enumerate(window):
-                with trace.span("data", track="data"):
+                with spans.span("data", track="data"):
                     idx = torch.as_tensor(next(batches), dtype=torch.long, device=device)
                     x, y = train_set.x[idx], train_set.y[idx]
                 # Only the window's last micro-batch synchronises: the others just accumulate.
@@ -161,7 +159,7 @@ def train(world: World, cfg: TrainConfig, on_step: Hook | None = None) -> Result
             step += 1
             monitor.set_step(step)  # for `microddp status` (monitor/live.py)
             trained += total
-            trace.next_step()
+            spans.next_step()
             if drift is not None:
                 drift.check(step)
             last = w == len(windows) - 1

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from .. import checkpoint
-from ..comms.world import World
 from ..errors import MicroDDPError
+from ..world.world import World
 from . import sharded
 from .config import TrainConfig
 

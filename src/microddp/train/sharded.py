@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint, outputs
-from ..comms.world import World, distributed
 from ..errors import MicroDDPError
 from ..transport.objects import all_gather_values
+from ..world.world import World, distributed
 
 FORMAT = 1
 MANIFEST, COMMON = "manifest.json", "common.pt"

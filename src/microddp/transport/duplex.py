@@ -1,31 +1,19 @@
 """Two ranks on gloo: a second connection, so that each direction has a socket of its own.
 
 In a ring of 3 or more ranks a rank sends to one neighbour and receives from another: two
-connections. With 2 ranks both neighbours are the same rank, and gloo gives each pair of
-ranks one connection (one socket, one lock) for both directions. That costs more than it
-seems. A send whose receiver has already posted its buffer is written by the calling thread,
-holding the connection's lock, for as long as the kernel takes the bytes (~0.4 ms for
-1 MiB here); meanwhile gloo's I/O thread, which reads incoming messages, cannot take the
-lock and leaves the other direction's bytes waiting in the socket. The two directions of an
-exchange take turns instead of overlapping.
+connections. With 2 ranks both neighbours are one rank, and gloo gives a pair of ranks one
+connection (one socket, one lock) for both directions. A send to a receiver that has posted
+its buffer is written by the calling thread, holding that lock, while gloo's I/O thread,
+which reads incoming messages, cannot take it: the two directions take turns.
 
-So the ring on a 2-rank gloo group opens a second process group over the same ranks (its
-own sockets and I/O thread) and sends every message from group rank 1 to rank 0 over it,
-those from 0 to 1 over the group itself (`Peers.isend`/`irecv` route them). Measured
-interleaved against gloo's all_reduce (`/tmp` scripts, 60-300 calls per size), with whole
-chunks and receives posted first: 0.59-0.87x gloo's time from 64 KiB to 64 MiB, where the
-lookahead ring on one connection took 0.72-1.07x, and the pair loop 0.91-0.95x at 16-64 MiB
-(chapter 4).
-
-Opening it is collective over the two ranks (the new group meets through the group's own
-store), so only code that both ranks run at the same point may call `duplex`: the ring does,
-on its first call on a group. It lives as long as the group's Python object (kept weakly):
-torch.distributed does not know it, so `destroy_process_group` frees it only once nothing
-else holds the group. MICRODDP_DUPLEX=0 (the same on every rank: with check=True the ring
-agrees on it, as the variable before the group's first ring call, as what that call settled
-after: `duplex_setting`) keeps one connection, and the ring then runs the orders it uses on one
-(ring_loops.py). Only gloo groups get one: NCCL pairs its own channels, and MPI or UCC groups
-may hold GPU tensors that a gloo connection cannot send.
+So the ring on a 2-rank gloo group opens a second process group over the same ranks (its own
+sockets and I/O thread) and sends every message from group rank 1 to 0 over it, those from 0
+to 1 over the group itself (`Peers.isend`/`irecv` route them); chapter 4 has the timings.
+Opening it is collective (through the group's own store), so only code both ranks run at the
+same point may call `duplex`: the ring, on its first call on a group. It lives as long as the
+group's Python object (kept weakly). MICRODDP_DUPLEX=0 (agreed on by the ring's check:
+`duplex_setting`) keeps one connection. Only gloo groups get one: NCCL pairs its own
+channels, and MPI or UCC groups may hold GPU tensors a gloo connection cannot send.
 """
 
 from __future__ import annotations
@@ -35,8 +23,8 @@ import weakref
 
 import torch.distributed as dist
 
-from ..comms.world import group_timeout
 from ..errors import MicroDDPError
+from ..world.world import group_timeout
 from .peers import Peers
 
 _backs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> second group or None
@@ -53,7 +41,7 @@ def duplex_setting(peers: Peers) -> int:
     settled, the variable: the first ring call opens the second connection (or not), and ranks
     that disagree would wait for each other on different connections. After, whether the group
     has a second connection, the same on every rank: a later change of the variable changes
-    nothing, so a kept call (ring_plan.py's memo, which does not read the environment) and a
+    nothing, so a kept call (ring/plan.py's memo, which does not read the environment) and a
     new one send the same value."""
     back = _backs.get(peers.pg, _UNSEEN) if peers.pg is not None else _UNSEEN
     return int(duplex_enabled()) if back is _UNSEEN else int(back is not None)

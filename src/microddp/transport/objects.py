@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comms.world import group_size, uses_nccl
 from ..errors import MicroDDPError
+from ..world.world import group_size, uses_nccl
 
 _TENSOR = "__microddp_tensor__"
 _HEAD = struct.Struct("!Q")  # the JSON part's length; the tensors' bytes follow it

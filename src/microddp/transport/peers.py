@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from ..comms.world import distributed, uses_nccl
 from ..errors import MicroDDPError
+from ..world.world import distributed, uses_nccl
 
 # In-place reductions: acc = op(acc, other). avg sums, and the caller divides once at the end.
 COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
@@ -138,7 +138,7 @@ class Peers:
 
     def isend_main(self, tensor: torch.Tensor, peer: int, tag: int = 0):
         """isend on the group's own connection, even to a lower rank when there is a second
-        one: where every collective's agreement travels (ring_carried.py)."""
+        one: where every collective's agreement travels (agreement/carried.py)."""
         if _counters:
             _count(tensor)
         return self.pg.send([tensor], peer, tag)

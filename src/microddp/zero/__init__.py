@@ -10,9 +10,10 @@ each trains to the same parameters as plain data parallelism.
     model = zero.Zero(module, torch.optim.AdamW, stage=3, lr=1e-3)
 """
 
+from ..monitor.memory import measure
+from .comm import CountingAllReduce
 from .engine import STAGES, Zero
 from .fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
-from .memory import CountingAllReduce, measure
 from .optimizer import ZeroRedundancyOptimizer
 from .plan import Bucket, Piece, ShardPlan, build, by_size, split
 

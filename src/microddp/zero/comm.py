@@ -1,42 +1,19 @@
 """The collectives ZeRO needs, on one bucket at a time, counting the bytes each rank sends.
 
 A bucket travels as its parameters end to end, each rank owning a contiguous part of it.
-When every rank is on this host (microddp's shared memory, collectives/shm.py, chosen by
-collectives/route.py's `intra_host_path`: gloo backend, a dtype and device it carries, not
-MICRODDP_TRANSPORT=gloo), gradients are reduce-scattered in one shared-memory reduce-scatter
-and the updated parameters come back in one shared-memory all-gather: one synchronisation of
-the ranks per bucket each way (per 4 MiB slot), where gloo took N calls. Those take equal
-parts; ours differ by at most one element, so a shorter part travels as a copy padded to the
-longest (none when N divides the bucket). Shared memory adds the ranks' values in rank order,
-gloo's reduce in an order of its own: the last bits of a float sum on 3+ ranks may differ
-between the two paths (tests/test_zero_exact.py holds both to the single process). Measured
-(`microddp bench zero --ranks 2 4 --contenders zero1 torch-zero1 torch-zero1-again
---repeats 40`, load average 3 to 9 on 2 cores), ZeRO-1 against torch's ZeroRedundancyOptimizer
-went from 0.92x and 0.94x (2 ranks) and 0.86x and 1.01x (4 ranks) with MICRODDP_TRANSPORT=gloo
-(two runs) to 0.74x-0.86x and 0.70x-0.77x (four runs, every 90% interval below 1) (docs/09-zero.md).
+When every rank is on this host (collectives/route.py's `intra_host_path`), gradients are
+reduce-scattered and the updated parameters all-gathered in one shared-memory call each
+(shm/collectives.py): one synchronisation per bucket each way, a shorter part padded to the
+longest. Elsewhere (other hosts, NCCL, MICRODDP_TRANSPORT=gloo) they go as one reduce per
+rank, of that rank's part, to it, and one broadcast per rank, of its part, from it: torch's
+reduce_scatter and all_gather would need equal padded chunks and copies, and took longer on
+gloo (docs/09-zero.md has the measurements). Float sums on 3+ ranks may differ in their last
+bits between the two paths (tests/test_zero_exact.py holds both to the single process).
 
-Elsewhere (other hosts, NCCL, MICRODDP_TRANSPORT=gloo), gradients are reduce-scattered as one
-reduce per rank, of that rank's part, to that rank; the parameters come back as one
-broadcast per rank, of its part, from it. Why not torch's reduce_scatter and all_gather there:
-they need equal (padded) chunks and copies in and out of them, and on gloo, timed bare on
-8 MiB (2 and 4 ranks, interleaved, load average 10 to 12 on 2 cores), reduce_scatter took
-1.1x to 1.7x the time of one async reduce per rank, and all_gather 1.7x to 3x that of one
-async broadcast per rank. (One all-to-all of equal slots instead of the per-rank reduces was
-measured too: 5.6 against 12.2 ms bare on 8 MiB, 2 ranks, yet 1.08x and 1.26x the step time
-of ZeRO-1 with per-rank reduces, interleaved; so not used.)
-
-Bytes are counted per call, on the sending rank, so a test can check the ZeRO paper's
-arithmetic (2x the parameter bytes per step for ZeRO-1/2, 3x for ZeRO-3, times (N-1)/N)
-against what went out rather than against a formula. Through gloo a rank sends the others
-their parts in the reduces (`numel - own` elements) and its own part to the `N - 1` others in
-the broadcasts. Through shared memory, what a rank "sends" is what the other ranks read out
-of its slot: in the reduce-scatter each of the `N - 1` others reads its (padded) part, in the
-all-gather each reads this rank's padded part: `(N - 1) * longest part` elements each way,
-the same bytes up to the padding.
-
-While spans are recorded (`--trace`), `trace_when_done` puts each bucket's or layer's
-collectives on the communication track, from launch to the completion of the last of them,
-as DDP's reducer does for its all-reduces; when nothing records it costs one check.
+Bytes are counted per call on the sending rank (`Sent`), so a test checks the ZeRO paper's
+arithmetic against what went out; through shared memory, what a rank "sends" is what the
+others read out of its slot. `trace_when_done` puts a bucket's collectives on the
+communication track while spans are recorded, as DDP's reducer does for its all-reduces.
 """
 
 from __future__ import annotations
@@ -45,10 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import comms
-from .. import spans as trace
-from ..collectives import shm
+from .. import comms, spans
+from ..collectives.cost import ring_all_reduce_bytes
 from ..collectives.route import intra_host_path
+from ..shm import collectives as shm
 from .flat import part
 from .plan import Bucket
 
@@ -68,6 +45,21 @@ class Sent:
     def end_step(self) -> None:
         """Close the step's window: what went out since the previous step ended."""
         self.last_step, self._at_step = self.total - self._at_step, self.total
+
+
+class CountingAllReduce(Sent):
+    """A DDP comm hook (torch's contract, for microddp's DDP and torch's) that averages a
+    bucket with all_reduce and counts what a ring sends for it (cost.ring_all_reduce_bytes).
+    `last_step` holds the count since the previous `end_step()`."""
+
+    def __call__(self, _state, bucket):
+        import torch.distributed as dist
+
+        flat = bucket.buffer()
+        n = dist.get_world_size()
+        self.add_bytes(ring_all_reduce_bytes(flat.numel(), n, flat.element_size()))
+        flat.div_(n)
+        return dist.all_reduce(flat, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def shared_memory(tensor: torch.Tensor, group=None) -> bool:
@@ -192,5 +184,5 @@ def free_when_sent(handles: Sequence, buffer: torch.Tensor) -> torch.futures.Fut
 def trace_when_done(handles: Sequence, name: str, launched: float, **args) -> None:
     """While spans are recorded: `name` on the communication track from `launched` until the
     last of `handles` completes (spans.add_when_done), in the step it was launched in."""
-    if trace.enabled() and handles:
-        trace.add_when_done([h.get_future() for h in handles], name, launched, **args)
+    if spans.enabled() and handles:
+        spans.add_when_done([h.get_future() for h in handles], name, launched, **args)

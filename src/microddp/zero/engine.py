@@ -25,15 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import comms
-from .. import spans as trace
+from .. import comms, spans
 from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB, check_bucket_cap
 from ..dp.sync import verify_same_model
 from ..errors import MicroDDPError
+from ..monitor.memory import measure
 from .comm import Sent, broadcast_shards, trace_when_done
 from .flat import flat_views
 from .grads import GradReducer
-from .memory import measure
 from .params import FREE, ParamSharder
 from .plan import build, by_size
 from .shards import Shards, trainable_groups
@@ -193,7 +192,7 @@ class Zero(nn.Module):
                 "both; call zero_grad() on the Zero wrapper after each step (the inner "
                 "module's zero_grad() or another optimizer's cannot reach the shards)")
         self._memory = self.measure_now()
-        with trace.span("shard step", track="optim"):
+        with spans.span("shard step", track="optim"):
             self.optimizer.step()
         if self.stage < 3:
             self._gather_params()
@@ -215,8 +214,8 @@ class Zero(nn.Module):
         t0 = time.perf_counter()
         for handle in handles:
             handle.wait()
-        if handles and trace.enabled():
-            trace.add_span("wait params", t0, time.perf_counter(), track="comm_wait")
+        if handles and spans.enabled():
+            spans.add_span("wait params", t0, time.perf_counter(), track="comm_wait")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shard gradients and any full gradients still held."""
@@ -230,7 +229,7 @@ class Zero(nn.Module):
         if self.sharder is None:
             yield self.module
             return
-        with trace.use(None):  # not a training step's work: kept out of the step timeline
+        with spans.use(None):  # not a training step's work: kept out of the step timeline
             self.sharder.gather_all()
         # Stay gathered through every forward in the block: a forward that freed its layer
         # would gather it again, a collective the other ranks may not be making (ranks that
@@ -240,7 +239,7 @@ class Zero(nn.Module):
             yield self.module
         finally:
             self.sharder.keep = keep
-            with trace.use(None):
+            with spans.use(None):
                 self.sharder.free_all()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -261,7 +260,7 @@ class Zero(nn.Module):
         mine = self.rank == to_rank
         full: dict[int, torch.Tensor] = {}
         if self.sharder is not None:
-            with trace.use(None):  # saving is not a training step's work
+            with spans.use(None):  # saving is not a training step's work
                 for unit in self.sharder.units:
                     was_full = unit.state != FREE
                     self.sharder.ensure_full(unit)
@@ -281,7 +280,7 @@ class Zero(nn.Module):
         """The shards were overwritten (a checkpoint loaded): stages 1 and 2 broadcast them
         into every rank's full parameters (stage 3 gathers from the shards at each use)."""
         if self.stage < 3:
-            with trace.use(None):  # nor a training step's time
+            with spans.use(None):  # nor a training step's time
                 self._gather_params()
         self.sent.end_step()  # not a training step's traffic
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import spans as trace
+from .. import spans
 from .comm import Sent, free_when_sent, reduce_to_owners, trace_when_done
 from .flat import pack
 from .plan import Bucket, ShardPlan
@@ -99,8 +99,8 @@ class GradReducer:
             freed.wait()
             if extra is not None:
                 self.shards.add_grad(bucket, extra)
-        if self._pending and trace.enabled():
-            trace.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
+        if self._pending and spans.enabled():
+            spans.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
         self._pending.clear()
         self.peak_packed_bytes, self._peak, self._in_flight = self._peak, 0, []
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .. import spans as trace
+from .. import spans
 from .comm import Sent, broadcast_shards, trace_when_done
 from .flat import flat_views
 from .plan import Bucket, ShardPlan
@@ -76,9 +76,9 @@ class ParamSharder:
         for flat in unit.flats:
             flat.untyped_storage().resize_(0)
         unit.state = FREE
-        if was_full and trace.enabled():
+        if was_full and spans.enabled():
             # One name for every layer's free (the layer in args): one entry in a legend.
-            trace.add_span("free", t0, time.perf_counter(), unit=unit.index, module=unit.name)
+            spans.add_span("free", t0, time.perf_counter(), unit=unit.index, module=unit.name)
 
     def start_gather(self, unit: Unit, prefetch: bool = True) -> None:
         """Start all-gathering a unit's parameters, unless they are already full or on their
@@ -106,8 +106,8 @@ class ParamSharder:
                 handle.wait()
             unit.pending = []
             unit.state = FULL
-            if trace.enabled():
-                trace.add_span(f"wait gather {unit.name}", t0, time.perf_counter(),
+            if spans.enabled():
+                spans.add_span(f"wait gather {unit.name}", t0, time.perf_counter(),
                                track="comm_wait", unit=unit.index)
 
     def gather_all(self) -> None:

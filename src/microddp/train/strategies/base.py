@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import spans as trace
-from ...comms.world import World
+from ... import spans
 from ...data import Split
 from ...ps import parse_straggler
 from ...timing import straggle_after_forward
+from ...world.world import World
 from ..build import Precision
 from ..config import TrainConfig
 
@@ -64,13 +64,13 @@ class Strategy:
         """
         with contextlib.nullcontext() if sync else self.model.no_sync():
             t0 = time.perf_counter()
-            with trace.span("forward"), self.precision.autocast():
+            with spans.span("forward"), self.precision.autocast():
                 logits = self.model(x)
             if self.slow > 1:
-                with trace.span("straggle"):
+                with spans.span("straggle"):
                     straggle_after_forward(time.perf_counter() - t0, self.slow)
             loss_sum = F.cross_entropy(logits.float(), y, reduction="sum")
-            with trace.span("backward"):
+            with spans.span("backward"):
                 self.precision.backward(loss_sum * scale)
         return loss_sum
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ... import spans as trace
-from ...comms.world import World, distributed
+from ... import spans
 from ...data import Split, evaluate
-from ...zero.memory import measure
+from ...monitor.memory import measure
+from ...world.world import World, distributed
 from ..build import Precision, build_optimizer, wrap
 from ..config import TrainConfig
 from .base import Strategy
@@ -47,7 +47,7 @@ class DataParallel(Strategy):
         # step: the most this rank holds at once.
         self._memory = {**measure(self.module, self.optimizer), "sent_per_step": self._sent}
         self._sent = 0
-        with trace.span("optimizer", track="optim"):
+        with spans.span("optimizer", track="optim"):
             self.precision.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -84,3 +84,12 @@ class DataParallel(Strategy):
         """Restore what state_dict() returned (a one-file checkpoint)."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def check(cfg: TrainConfig, n: int) -> None:
+    """Nothing of its own to check: dp takes every setting the synchronous loop takes."""
+
+
+def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
+    """This rank's replica under the chosen engine."""
+    return DataParallel(cfg, world, module, precision)

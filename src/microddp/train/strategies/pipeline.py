@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import comms, pipeline
-from ... import spans as trace
+from ... import comms, pipeline, spans
 from ...comms.mesh import Mesh
-from ...comms.world import World
 from ...data import Split, evaluate
+from ...errors import MicroDDPError
+from ...monitor.memory import measure
 from ...timing import straggle_after_forward
-from ...zero.memory import measure
+from ...world.world import World
 from .. import sharded
 from ..build import Precision, build_optimizer
 from ..config import TrainConfig, microbatches, stages
@@ -86,7 +86,7 @@ class Pipeline(Strategy):
         def after(module, args, output) -> None:
             t0 = started.pop()
             if self._straggling:
-                with trace.span("straggle"):
+                with spans.span("straggle"):
                     straggle_after_forward(time.perf_counter() - t0, self.slow)
 
         stage.register_forward_pre_hook(before)
@@ -121,7 +121,7 @@ class Pipeline(Strategy):
             def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                 return F.cross_entropy(out.float(), target) * (k * scale)
 
-            record = [] if trace.enabled() else None
+            record = [] if spans.enabled() else None
             self._straggling = True
             try:
                 with self.replicated.no_sync():
@@ -131,10 +131,10 @@ class Pipeline(Strategy):
             finally:
                 self._straggling = False
             for a, start, end in record or ():  # the schedule's compute, on the timeline
-                trace.add_span("forward" if a.kind == "F" else "backward", start, end,
+                spans.add_span("forward" if a.kind == "F" else "backward", start, end,
                                action=str(a))
         if sync and self.mesh.dp > 1:  # once per optimizer step, not per micro-batch
-            with trace.span("backward"):
+            with spans.span("backward"):
                 self.replicated.average()
             self._sent += [ring_all_reduce_bytes(m, self.mesh.dp) for m in self.mine.values()]
         if not self.last_stage:
@@ -145,7 +145,7 @@ class Pipeline(Strategy):
         """The optimizer step of this strategy, then gradients cleared."""
         self._memory = {**measure(self.params, self.optimizer), "sent_per_step": sum(self._sent)}
         self._sent = []
-        with trace.span("optimizer", track="optim"):
+        with spans.span("optimizer", track="optim"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -219,3 +219,41 @@ class Pipeline(Strategy):
         """Read this rank's part back from a checkpoint folder of any layout."""
         pieces = [sharded.Piece(self.names[id(q)], 0, q.data.view(-1), q) for q in self.params]
         sharded.load(folder, manifest, pieces, self.optimizer)
+
+
+def check(cfg: TrainConfig, n: int) -> None:
+    """The settings a pipeline needs: stages that divide the ranks and fit the model, and
+    micro-batches that fit a replica's share of the batch."""
+    for flag, value in (("--pp", cfg.pp), ("--microbatches", cfg.microbatches)):
+        if value is not None and value < 1:
+            raise MicroDDPError(f"{flag} must be at least 1, got {value}")
+    p = stages(cfg, n)
+    if n % p:
+        raise MicroDDPError(f"--pp {p} stages do not divide --nproc {n} ranks into whole "
+                            f"replicas; use a --pp that divides {n}")
+    if cfg.strategy == "pp" and p != n:
+        raise MicroDDPError(f"--strategy pp puts one stage on every rank, so --pp is {n} "
+                            f"(--nproc), not {p}; use --strategy dp-pp for replicated stages")
+    virtual = 2 if cfg.schedule == "interleaved" else 1
+    if p * virtual > cfg.depth:
+        raise MicroDDPError(f"--pp {p}" + (" with the interleaved schedule (2 stages per "
+                            "rank)" if virtual > 1 else "") + f" needs {p * virtual} stages, "
+                            f"more than the model's {cfg.depth} layers (--depth); use "
+                            f"--depth {p * virtual} or more, or fewer stages")
+    if cfg.engine != TrainConfig.engine:
+        raise MicroDDPError(f"--engine {cfg.engine}: the pipeline strategies replicate each "
+                            "stage with microddp's DDP; drop --engine")
+    if cfg.amp is not None:
+        raise MicroDDPError(f"--amp {cfg.amp} is not supported with --strategy {cfg.strategy} "
+                            "(stages exchange float32 activations); drop --amp")
+    per_replica = cfg.batch_size // max(1, n // p)
+    m = microbatches(cfg, n)
+    if per_replica and m > per_replica:
+        raise MicroDDPError(f"--microbatches {m} is more than the {per_replica} samples each "
+                            f"pipeline gets per step (--batch-size {cfg.batch_size} over "
+                            f"{n // p} replicas); use at most {per_replica}")
+
+
+def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
+    """This rank's stages of the pipeline, replicated over its data-parallel group."""
+    return Pipeline(cfg, world, module, precision)

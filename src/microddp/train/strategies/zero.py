@@ -9,16 +9,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ... import spans as trace
-from ...comms.world import World
+from ... import spans
 from ...data import Split, evaluate
+from ...errors import MicroDDPError
+from ...world.world import World
 from ...zero import Zero
 from .. import sharded
-from ..build import Precision
+from ..build import Precision, optimizer_class
 from ..config import TrainConfig
 from .base import Strategy
-
-OPTIMIZERS = {"sgd": (torch.optim.SGD, {"momentum": 0.9}), "adam": (torch.optim.Adam, {})}
 
 
 class Sharded(Strategy):
@@ -30,14 +29,14 @@ class Sharded(Strategy):
         super().__init__(cfg, world, module, precision)
         self.stage = int(cfg.strategy.removeprefix("zero"))
         self.name = cfg.strategy
-        cls, options = OPTIMIZERS[cfg.optimizer]
+        cls, options = optimizer_class(cfg)
         self.model = Zero(module, cls, stage=self.stage, lr=cfg.learning_rate, **options)
         self.optimizer = self.model.optimizer
         self.data_rank, self.data_size = world.rank, world.world_size
 
     def step(self) -> None:
         """The optimizer step of this strategy, then gradients cleared."""
-        with trace.span("optimizer", track="optim"):
+        with spans.span("optimizer", track="optim"):
             self.model.step()
             self.model.zero_grad()
 
@@ -89,3 +88,18 @@ class Sharded(Strategy):
         """Read this rank's part back from a checkpoint folder of any layout."""
         sharded.load(folder, manifest, self.pieces(), self.optimizer)
         self.model.refresh_from_shards()
+
+
+def check(cfg: TrainConfig, n: int) -> None:
+    """ZeRO brings its own engine, and shards what float16's gradient scaler needs whole."""
+    if cfg.engine != TrainConfig.engine:
+        raise MicroDDPError(f"--engine {cfg.engine} chooses a data-parallel engine, which "
+                            f"--strategy {cfg.strategy} replaces with ZeRO's own; drop --engine")
+    if cfg.amp == "fp16":
+        raise MicroDDPError("--amp fp16 needs a gradient scaler over the whole gradient, "
+                            f"which --strategy {cfg.strategy} shards; use --amp bf16")
+
+
+def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
+    """This rank's shard of the model state under zero.Zero (stage from the name)."""
+    return Sharded(cfg, world, module, precision)

@@ -1,7 +1,7 @@
 """The shared-memory collectives of one group: all-reduce, reduce-scatter, all-gather, broadcast.
 
-Layout of the group's segment (transport/shm.py): three rows of per-rank counters (`arrive`,
-`reduced`, `gone`), the metadata agreement's counters and numbers (shm_agree.py), then two
+Layout of the group's segment (shm/segment.py): three rows of per-rank counters (`arrive`,
+`reduced`, `gone`), the metadata agreement's counters and numbers (shm/agreement.py), then two
 sets ("parities") of n+1 slots of SLOT_BYTES each: one input slot per rank and one result
 slot. Every step (a call, or one chunk of a call larger than a slot) takes the next sequence
 number and uses the parity seq % 2, alternately.
@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 
 from ..errors import MicroDDPError
-from ..transport.shm import LINE_WORDS, Flags, Segment
-from .shm_agree import Check, SharedAgreement, area_words
+from .agreement import Check, SharedAgreement, area_words
+from .segment import LINE_WORDS, Flags, Segment
 
 # Per rank and parity: a larger message goes in chunks of this. Each chunk costs a
 # synchronisation or two, which on a busy host can cost a time slice each: against 1 MiB, 4 MiB
@@ -81,7 +81,7 @@ def segment_bytes(size: int, slot: int) -> int:
 
 
 def _control_bytes(size: int) -> int:
-    """The three rows of counters, then the metadata agreement's area (shm_agree.py)."""
+    """The three rows of counters, then the metadata agreement's area (shm/agreement.py)."""
     return -(-(3 * size * LINE_WORDS + area_words(size)) * 8 // 4096) * 4096
 
 
@@ -138,7 +138,7 @@ class SharedGroup:
         self.gone = Flags(segment, 2 * size * LINE_WORDS, rank, size, pids)
         self.arrive = Flags(segment, 0, rank, size, pids, self.gone)
         self.reduced = Flags(segment, size * LINE_WORDS, rank, size, pids, self.gone)
-        # Every metadata agreement of the group (agree.py): no gloo message for it.
+        # Every metadata agreement of the group (agreement/agree.py): no gloo message for it.
         self.agreement = SharedAgreement(segment, 3 * size * LINE_WORDS, rank, size, pids,
                                          self.gone, timeout_s)
         base = _control_bytes(size)
@@ -176,7 +176,7 @@ class SharedGroup:
         return got
 
     def _barrier(self, flags: Flags, seq: int, what: str) -> None:
-        flags.post(seq)  # after this rank's writes: see the ordering note in transport/shm.py
+        flags.post(seq)  # after this rank's writes: see the ordering note in shm/segment.py
         try:
             flags.wait(seq, self.timeout_s, what, self.yielding)
         except MicroDDPError as e:
@@ -185,7 +185,7 @@ class SharedGroup:
 
     def _meet(self, seq: int, what: str, check: Check | None) -> None:
         """A call's first synchronisation: the `arrive` barrier or, for a checked call, the
-        metadata agreement itself (shm_agree.py), whose post follows this rank's writes as
+        metadata agreement itself (agreement.py), whose post follows this rank's writes as
         arrive's would: the check costs no synchronisation of its own. On a mismatch no rank
         goes on: the step is given back (a rank whose call never took one, a ring or a rank
         that refused its own arguments, is then in step with this one) and `check.refuse`

@@ -1,7 +1,7 @@
 """Checking a collective's arguments on this rank, before any exchange: the op for the dtype,
 the root, the lists of per-rank tensors, and whether a tensor can hold a result.
 
-Each `try_*` returns the error instead of raising it: `_agree.agree` shares it with the
+Each `try_*` returns the error instead of raising it: `agree.agree` shares it with the
 other ranks first, so that all of them raise instead of waiting for a rank that gave up.
 """
 
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..comms import args as comms_args
-from ..errors import MicroDDPError
+from ...errors import MicroDDPError
+from ...world import args as comms_args
 
 if TYPE_CHECKING:
-    from ..transport.peers import Peers
+    from ...transport.peers import Peers
 
 
 def op_name(op, tensor: torch.Tensor, where: str) -> str:
@@ -80,7 +80,7 @@ def try_layout(tensor: torch.Tensor, where: str, name: str = "tensor",
 
 
 def _overlapping(tensor: torch.Tensor) -> bool:
-    """Whether two elements may share memory (comms.args.overlapping)."""
+    """Whether two elements may share memory (world.args.overlapping)."""
     return comms_args.overlapping(tensor)
 
 

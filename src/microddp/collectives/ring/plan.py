@@ -1,46 +1,21 @@
-"""What the ring keeps: the views one all-reduce of a tensor needs (its plan), cut once and kept per tensor object with the whole call ready to run again.
+"""What the ring keeps per tensor object, for as long as that tensor lives: its plan and, for
+repeat calls, the whole call ready to run again.
 
-_memo:
-What the ring keeps per tensor object, for as long as that tensor lives.
-
-Two things: the views a ring all-reduce of the tensor needs (its plan, ring_plan.py), and, for
-repeat calls, the whole call ready to run again (`recall`): with `check=False` the bare loop;
-with `check=True` on 2 gloo ranks the loop that carries the check beside the data
-(ring_carried.py), its header encoded once.
-
-Why keep a whole call? Everything a rank does before its first send delays the ring, and on
-this 2-core host each microsecond there cost several (a 50 us sleep there made a 64 KiB
-all-reduce 1.5x as slow; our guess is that a rank which has posted its messages sleeps, and
-waking it is slower than the delay). Measured interleaved on 2 ranks (`/tmp` scripts, three
-runs of 300 calls), the ~10 us of checks and set-up in front of the ring's loop made a 64 KiB
-all-reduce 1.19-1.53x as slow as the bare loop, and 1-4 MiB ones 0.99-1.14x (chapter 4).
-
-A repeat call may skip them because nothing they checked can have changed: agreement across
-ranks is vouched for by the caller (`check=False`) or checked by the header each call still
-sends (`check=True`), and what this rank's own checks looked
-at (the op, the dtype, the memory layout, the group) is in the call's signature, compared
-on every call. The memory's address is a safe test of "the same memory": the kept plan's
-views keep the old storage alive, so memory swapped in later (`t.set_(...)`, `t.data =
-...`) cannot sit at the same address. The group is held weakly: a kept call must not keep
-a destroyed process group (and its store's port) alive.
-
-ring_plan:
-Ring plans: every view one ring all-reduce of a tensor needs, cut once and reused.
-
-The ring runs 2(p-1) steps, and each step names three slices of the tensor (what to send,
+The plan: the ring runs 2(p-1) steps, each naming three slices of the tensor (what to send,
 where to receive, what to add into or copy to). Cutting them is a few microseconds of Python
-apiece, but it sits on the critical path of every rank, just before each send, and on this
-2-core host it cost far more than its CPU time. Measured interleaved, with the slices cut
-per call rather than kept: on 2 ranks, a 1-2 MiB all-reduce (the plain ring) took 0.06-0.19
-ms longer; the ring that posts every receive first took 1.19-1.38x as long on 2 ranks at
-64-512 KiB, and 1.13-1.26x on 4 ranks at 256 KiB-1 MiB (level at 64 KiB; chapter 4). The
-incoming buffers are views of the shared scratch buffer of the moment; a plan keeps that
+apiece, but it sits on every rank's critical path just before each send, where a delay costs
+more than its CPU time (chapter 4 has the measurements), so the views are cut once and kept.
+The incoming buffers are views of the shared scratch buffer of the moment; a plan keeps that
 memory alive if the scratch buffer is later replaced by a larger one.
 
-So the views are kept, per tensor object, for as long as that tensor lives: the entry holds
-only a weak reference to the tensor and is dropped when the tensor is freed. Before reuse the
-plan is checked against the tensor's address, length, dtype and this rank's place in the
-group, so a tensor whose memory was swapped (`t.set_(...)`, `t.data = ...`) gets a new one.
+The memo (`recall`/`remember`): with `check=False` the bare loop, with `check=True` on 2 gloo
+ranks the loop that carries the check beside the data (agreement/carried.py), its header
+encoded once. A repeat call may skip the checks and set-up because nothing they looked at can
+have changed: agreement across ranks is vouched for by the caller or by the header each call
+still sends, and this rank's own checks (op, dtype, memory layout, group) are in the call's
+signature, compared on every call. The memory's address is a safe test of "the same memory":
+the kept views keep the old storage alive. Entries hold the tensor weakly and are dropped
+when it is freed; the group is held weakly too (a destroyed group must not be kept alive).
 """
 
 from __future__ import annotations
@@ -53,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..transport.peers import Peers, bounds, scratch
+from ...transport.peers import Peers, bounds, scratch
 
 MAX_ENTRIES = 64  # per kind, oldest dropped first: a bound for code that makes endless tensors
 
@@ -100,7 +75,7 @@ class PerTensor:
 
 
 _calls = PerTensor()
-_checked = PerTensor()  # calls with check=True: their loop carries the check (ring_carried.py)
+_checked = PerTensor()  # calls with check=True: their loop carries the check (agreement/carried.py)
 
 
 def _signature(tensor: torch.Tensor, op, group, check: bool = False) -> tuple | None:

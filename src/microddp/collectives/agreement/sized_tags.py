@@ -9,14 +9,14 @@ wake-up of the caller's thread, and the first step's whole transfer, in front of
 Here a message's tag *is* its size: `sized_tag(nbytes)` is SIZED_BASE + nbytes, and only
 messages of exactly that many bytes are ever sent or received on it. Two messages that meet
 are then of one size, whatever either rank called, so the ring's first step may leave as the
-call starts (ring_early.py) and gloo cannot be made to abort. The check is still read before
+call starts (early.py) and gloo cannot be made to abort. The check is still read before
 a byte of what arrived is used; ranks whose checks agree have equal shapes, so their first
 steps meet on one tag.
 
 What a refused call must not leave behind is a message sent early that no receive took, or a
 receive posted early that nothing filled: a later call of the same size would meet it and use
 another call's data. So on a refusal both ranks `settle`: each has read both ranks' posts in
-the shared-memory check (shm_agree.py: a ring's says where it sent and posted early), hence
+the shared-memory check (shm/agreement.py: a ring's says where it sent and posted early), hence
 knows where the other sent early and where it posted early; each receives (and drops) the
 other's message where its own receive did not take it, and sends a filler where its own
 message did not fill the other's receive. A rank that met the ring with an agreement of
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from ..transport.duplex import duplex, duplex_decided
-from ..transport.peers import Peers, wait_all
+from ...transport.duplex import duplex, duplex_decided
+from ...transport.peers import Peers, wait_all
 
-# Above the rings' per-call tags (ring_carried.py's and ring_early.py's end below 2**30) and,
+# Above the rings' per-call tags (carried.py's and early.py's end below 2**30) and,
 # with the size added, below 2**31, the largest tag gloo accepts. (A pipeline's tags grow with
 # its micro-batches, but never reach 2**30 in any pipeline this host can hold.)
 SIZED_BASE = 1 << 30

@@ -3,6 +3,11 @@
 `init` accepts every way PyTorch processes find each other (torchrun's environment, `env://`,
 `tcp://host:port`, `file://path`, a ready `Store`) and a world of one process that needs no
 process group at all.
+
+This is the bootstrap every layer stands on, and nothing more: the process group. What
+microddp sets up above it once a group forms (the shared-memory route of every all-reduce,
+the hang monitor) is comms/session.py's, whose `init` and `shutdown` are the ones users call
+(`microddp.init`, `microddp.comms.init`): they call `join` and `shutdown` here.
 """
 
 from __future__ import annotations
@@ -12,17 +17,14 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .. import upcalls
 from ..errors import MicroDDPError
 from .hosts import choose_interface, is_loopback
 from .preflight import preflight
 from .rendezvous import env_int, master_addr, store_args
-from .route import current as current_route
 from .slurm import from_slurm
 from .teardown import before_group, release, watch
 
@@ -54,33 +56,6 @@ class World:
 
 
 _world: World | None = None
-
-
-class Watcher(Protocol):
-    """What `init` starts once it forms a process group and `shutdown` stops before the group
-    goes: the hang monitor. It lives above this layer (it watches collectives too), so it is
-    not imported from here: microddp/__init__.py leaves it in `upcalls.watcher`, where every
-    `init` and `shutdown` looks it up."""
-
-    def wanted(self, requested: bool | None) -> bool:
-        """Whether to watch, given what the caller of `init` asked for (None: the default)."""
-
-    def start(self, timeout_s: float) -> None:
-        """Start watching collectives; one still open after `timeout_s` is reported."""
-
-    def stop(self) -> None:
-        """Stop watching, before the process group is destroyed."""
-
-    def failed(self, error: RuntimeError) -> BaseException:
-        """What a failed wait on the backend raises: the report of every rank if the backend
-        gave up (a peer lost, its timeout) while watching, else `error` itself."""
-
-
-def wait_failed(error: RuntimeError) -> BaseException:
-    """What a wait that failed with `error` raises (see Watcher.failed): the hang report when
-    a monitor watches, so that a lost peer is named rather than left to gloo's bare timeout."""
-    watcher: Watcher | None = upcalls.watcher
-    return error if watcher is None else watcher.failed(error)
 
 
 def distributed(group=None) -> bool:
@@ -220,25 +195,35 @@ def init(
     rank: int | None = None,
     world_size: int | None = None,
     store: dist.Store | None = None,
-    monitor: bool | None = None,
 ) -> World:
-    """Join the job and return who we are.
+    """Join the job and return who we are: the process group alone (`microddp.init`, which is
+    comms.init, also sets up shared memory and the hang monitor on top of it).
 
     Rank and world size come from the arguments, else from RANK / WORLD_SIZE (torchrun,
     `microddp run`), else this is a world of one process, which needs no process group.
-    When this call forms the process group it also starts microddp.monitor, so a hang ends
-    in a report of where every rank is rather than in the backend's bare timeout; `monitor`
-    False (or MICRODDP_MONITOR=0) leaves it off.
     """
-    watcher: Watcher | None = upcalls.watcher
-    # A bad MICRODDP_MONITOR fails before any rendezvous.
-    monitor_on = watcher is not None and watcher.wanted(monitor)
+    return join(backend, init_method, timeout, rank=rank, world_size=world_size,
+                store=store)[0]
+
+
+def join(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: float | timedelta | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: dist.Store | None = None,
+) -> tuple[World, timedelta | None]:
+    """`init`'s work, and the group's timeout if this call formed the process group (None if
+    the world was already joined, adopted from the script's own group, or of one process):
+    the moment comms.init sets up what sits above the group."""
     global _world
     if _world is not None:
-        return _world
+        return _world, None
     if dist.is_available() and dist.is_initialized():  # the script formed the group itself
         _world = _adopt(backend)
-        return _world
+        return _world, None
     if rank is None and world_size is None:  # started by srun, not by torchrun
         for name, value in from_slurm().items():
             os.environ.setdefault(name, value)
@@ -256,7 +241,7 @@ def init(
     if world_size == 1 and store is None and init_method is None:
         chosen = None if backend is None else choose_backend(backend, local_rank)
         _world = World(0, 1, local_rank, choose_device(chosen, local_rank), None)
-        return _world
+        return _world, None
     chosen = choose_backend(backend, local_rank, local_world_size)
     device = choose_device(chosen, local_rank)
     kwargs = store_args(init_method, store, rank, world_size, td)
@@ -268,19 +253,12 @@ def init(
     except (RuntimeError, ValueError) as e:
         raise MicroDDPError(f"could not form the process group (rank {rank}): {e}") from None
     _world = World(rank, world_size, local_rank, device, chosen)
-    route = current_route()
-    if route is not None:
-        # Every rank is here: the place to agree on shared memory (a store exchange), rather
-        # than inside the first all-reduce, where a stall would escape the hang monitor.
-        route.prepare(None)
     if chosen == "gloo":
         # A script that never calls shutdown() would exit with gloo's threads still running,
         # which aborts the process at exit now and then (teardown.py). Leaving a gloo group
         # is local to this rank, so it is safe at exit; NCCL's may wait for the other ranks.
         atexit.register(_leave_at_exit, _world)
-    if monitor_on:
-        watcher.start(td.total_seconds())
-    return _world
+    return _world, td
 
 
 def _across_hosts(master: str | None, store: dist.Store | None, rank: int, world_size: int,
@@ -353,17 +331,10 @@ def _leave_at_exit(world: World) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job: stop the monitor (its thread joined), destroy the process groups (if
-    any) so the next `init` starts afresh, and free them now, while Python can still run
-    their threads' last steps (teardown.py)."""
+    """Leave the job: destroy the process groups (if any) so the next `init` starts afresh,
+    and free them now, while Python can still run their threads' last steps (teardown.py).
+    comms.shutdown (`microddp.shutdown`) stops what sits above the group first."""
     global _world
-    watcher: Watcher | None = upcalls.watcher
-    if watcher is not None:
-        # First: its watchdog polls the store, which the process group's end takes away.
-        watcher.stop()
-    route = current_route()
-    if route is not None:  # shared memory: its lanes joined, its segments unmapped
-        route.close()
     if dist.is_available() and dist.is_initialized():
         groups = watch()
         dist.destroy_process_group()

@@ -255,7 +255,7 @@ class Flags:
         self.others = [i for r, i in enumerate(self.index) if r != rank]
         # What post() touches, worked out once: posts sit on the critical path of every
         # collective, where each Python step costs several microseconds (caches cold after
-        # the data moved; measured, ring_early.py).
+        # the data moved; measured, agreement/early.py).
         self._mine = self.index[rank]
         self._bell = 2 * self._mine + 2  # the 32-bit word after the counter
         self._asleep = [i + _ASLEEP for i in self.others]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..errors import MicroDDPError
-from . import shm
+from . import segment as shm
 
 ENV = "MICRODDP_TRANSPORT"
 CHOICES = ("auto", "shm", "gloo")

@@ -12,10 +12,10 @@ from functools import partial
 
 import torch
 
-from ..errors import MicroDDPError
-from ..transport.duplex import duplex, duplex_decided, duplex_setting
-from ..transport.peers import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
-from .agree import (
+from ...errors import MicroDDPError
+from ...transport.duplex import duplex, duplex_decided, duplex_setting
+from ...transport.peers import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
+from ..agreement.agree import (
     INLINE_MAX_CHUNK,
     agree,
     agreed,
@@ -24,30 +24,17 @@ from .agree import (
     home,
     shared_agreement,
 )
-from .checks import check_tensor, try_layout, try_list, try_op, try_tensor
-from .ring_carried import Header, carried_ring_all_reduce_, inline_ring_all_reduce_
-from .ring_early import EarlyCall, early_ring_all_reduce_, goes_early
-from .ring_loops import (
-    PAIR_MIN_CHUNK,
-    PAIR_SEGMENT,
-    PIPELINE_MIN_CHUNK,
-    PIPELINE_SEGMENT,
-    PIPELINE_WINDOW,
-    PREPOST_MAX_CHUNK,
+from ..agreement.carried import Header, carried_ring_all_reduce_, inline_ring_all_reduce_
+from ..agreement.checks import check_tensor, try_layout, try_list, try_op, try_tensor
+from ..agreement.early import EarlyCall, early_ring_all_reduce_, goes_early
+from .loops import (
     pair_all_reduce_,
-    pair_segments,
     pipelined_ring_all_reduce_,
-    posting,
-    ring_segments,
-    widest_chunk_bytes,
+    planned_ring_all_reduce_,
+    preposted_ring_all_reduce_,
 )
-from .ring_plan import RingPlan, make_plan, plan_for, recall, remember
-
-# The ring's choice of loop (ring_loops.py) is offered from here too, with the ring itself.
-__all__ = ["PAIR_MIN_CHUNK", "PAIR_SEGMENT", "PIPELINE_MIN_CHUNK", "PIPELINE_SEGMENT",
-           "PIPELINE_WINDOW", "PREPOST_MAX_CHUNK", "all_gather_flat_", "planned_ring_all_reduce_",
-           "posting", "preposted_ring_all_reduce_", "reduce_scatter_flat_", "ring_all_gather",
-           "ring_all_reduce", "ring_reduce_scatter", "ring_segments"]
+from .plan import make_plan, plan_for, recall, remember
+from .policy import PIPELINE_SEGMENT, PIPELINE_WINDOW, pair_segments, posting, widest_chunk_bytes
 
 
 def reduce_scatter_flat_(peers: Peers, data: torch.Tensor, name: str,
@@ -86,132 +73,30 @@ def all_gather_flat_(peers: Peers, data: torch.Tensor, off: list[int]) -> None:
                                 p + s))
 
 
-def planned_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str, how: str = "plain") -> None:
-    """The plain ring, from views cut beforehand: one message per step, send first.
-
-    Between sends there is nothing but the wire calls and the add (see ring_plan.py for why).
-    Each step adds what it received before waiting for its own send to finish: the add
-    writes a chunk other than the one on the wire, so it overlaps the send's last bytes.
-    `how` is the message order `posting` chose. With "lookahead" (gloo only), each step posts
-    the next step's receive before adding: gloo holds a send back until the receiver has
-    announced its buffer, so the neighbour's next send can start while this rank is still
-    adding, without waiting for it to be scheduled. The reduce-scatter alternates two
-    incoming buffers. A gather step receives into a chunk whose own send may still be going
-    out (on 2 ranks, the first step's), and that is safe: what lands there is that chunk
-    completed, which cannot exist before every rank's partial of it, this rank's message
-    included, has arrived, so no byte lands before the last byte has left. "receive-first"
-    (2 ranks with a connection per direction, transport/duplex.py) posts this step's receive and the
-    next one before the send, so that every send finds its receiver ready (the same reasoning
-    makes the early gather receive safe). Steps whose `into` is None only move bytes.
-    """
-    if peers.nccl:
-        _batched_ring_all_reduce_(peers, plan, name)
-        return
-    p = peers.size
-    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
-    combine = COMBINE[name]
-    steps = plan.steps
-    first = how == "receive-first"
-    lookahead = first or how == "lookahead"
-
-    def post(k: int):
-        recv, tag = steps[k][1], steps[k][3]
-        return peers.irecv(recv, prv, tag) if recv.numel() else None
-
-    def start(k: int):
-        send, tag = steps[k][0], steps[k][3]
-        return peers.isend(send, nxt, tag) if send.numel() else None
-
-    ahead = None  # the next step's receive, when posted early
-    for k, (_, recv, into, _) in enumerate(steps):
-        sent = None if first else start(k)
-        posted = ahead if ahead is not None else post(k)
-        ahead = None
-        if lookahead and k + 1 < len(steps):
-            ahead = post(k + 1)
-        if first:
-            sent = start(k)
-        if posted is not None:
-            posted.wait()
-            if into is not None:
-                combine(into, recv)
-        if k == p - 2 and name == "avg":  # divide only the chunk this rank owns: 1/p of the work
-            plan.mine.div_(p)
-        if sent is not None:
-            sent.wait()  # exactly once: a second wait() on a gloo send never returns
-
-
-def _batched_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
-    """The plain ring on NCCL: each step's send and receive go as one batch, which keeps
-    unmatched pairs from blocking its streams."""
-    p = peers.size
-    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
-    combine = COMBINE[name]
-    for k, (send, recv, into, tag) in enumerate(plan.steps):
-        wait_all(peers.exchange(send, nxt, recv, prv, tag))
-        if into is not None and recv.numel():
-            combine(into, recv)
-        if k == p - 2 and name == "avg":
-            plan.mine.div_(p)
-
-
-def preposted_ring_all_reduce_(peers: Peers, plan: RingPlan, name: str) -> None:
-    """The ring for small chunks (one message per step), with all 2(p-1) receives posted
-    before the first send, each into its own inbox row (`make_plan(..., preposted=True)`).
-
-    gloo holds a send back until the receiver has announced its buffer; announcing every
-    buffer up front takes that round trip out of each step, which is most of a small
-    message's cost. The reduce-scatter adds each row into its chunk, the gather copies it
-    there; steps whose `into` is None only move bytes.
-    """
-    p = peers.size
-    nxt, prv = (peers.me + 1) % p, (peers.me - 1) % p
-    combine = COMBINE[name]
-    steps = plan.steps
-    recvs = [peers.irecv(recv, prv, tag) if recv.numel() else None for _, recv, _, tag in steps]
-    sends = []
-    for s, (send, recv, into, tag) in enumerate(steps):
-        if s == p - 1:  # the gather phase overwrites chunks sent earlier: let those sends finish
-            wait_all(sends)
-            sends = []
-        if send.numel():
-            sends.append(peers.isend(send, nxt, tag))
-        if recvs[s] is not None:
-            recvs[s].wait()
-            if into is not None:
-                if s < p - 1:
-                    combine(into, recv)
-                else:
-                    into.copy_(recv)
-        if s == p - 2 and name == "avg":  # divide only the chunk this rank owns
-            plan.mine.div_(p)
-    wait_all(sends)
-
-
 def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check: bool = True,
                     segment_bytes: int | None = None) -> torch.Tensor:
     """In place, every rank ends with op over all ranks' `tensor`; returns `tensor`.
 
     `check=False` skips the metadata agreement (where the group's ranks are all on this host,
-    numbers written to and read from shared memory, no message: shm_agree.py; otherwise one
+    numbers written to and read from shared memory, no message: shm/agreement.py; otherwise one
     small exchange per round of log2 p, or on 2 gloo ranks, after the group's first call, one
     header sent beside the data, or with the first chunk for tensors up to 2 *
-    INLINE_MAX_CHUNK bytes: ring_carried.py) when the caller already knows every rank passes
+    INLINE_MAX_CHUNK bytes: agreement/carried.py) when the caller already knows every rank passes
     the same shape, dtype and op.
     `segment_bytes` cuts each chunk into segments of at most that many bytes that travel
-    through the ring independently (a pipeline, see ring_loops.py; gloo only: NCCL pipelines
+    through the ring independently (a pipeline, see loops.py; gloo only: NCCL pipelines
     internally). By default chunks go whole, except on more than 2 ranks, where chunks of
     PIPELINE_MIN_CHUNK bytes or more go in segments of at most PIPELINE_SEGMENT. On 2 gloo
     ranks the first call opens a second connection between them (transport/duplex.py), one per
     direction, and every message from group rank 1 to 0 goes over it; with MICRODDP_DUPLEX=0
     they share one, and chunks of PAIR_MIN_CHUNK bytes or more go in segments of at most
-    PAIR_SEGMENT (ring_loops.py). The pipeline
+    PAIR_SEGMENT (loops.py). The pipeline
     posts up to PIPELINE_WINDOW receives ahead and keeps a scratch segment for each
     reduce-scatter receive in flight: up to PIPELINE_WINDOW segments (of `segment_bytes` when
     given), about (p-1)/p of the tensor at most, kept for reuse by later calls.
     A repeat call on a tensor whose chunks go whole (the same tensor object, memory, dtype, op
     and group), with `check=False`, or with check=True where the check is carried or in shared
-    memory, skips the local checks and set-up as well: it runs the loop kept from its last such call (ring_plan.py).
+    memory, skips the local checks and set-up as well: it runs the loop kept from its last such call (plan.py).
     """
     where = "ring_all_reduce"
     bad_segment = (MicroDDPError(f"{where}: segment_bytes must be positive, got {segment_bytes}")
@@ -231,12 +116,12 @@ def ring_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, *, check:
     # sizes (which gloo answers by aborting the process). MICRODDP_DUPLEX as the group settled
     # it, once it has (transport/duplex.py's duplex_setting).
     settings = {"MICRODDP_DUPLEX": duplex_setting(peers), "segment_bytes": segment_bytes or 0}
-    # Where the group shares memory, the check goes through it (no message: shm_agree.py).
+    # Where the group shares memory, the check goes through it (no message: shm/agreement.py).
     # Otherwise, on 2 gloo ranks whose connections are settled (the group's first ring call
     # settles them, after agreeing on MICRODDP_DUPLEX), the check travels beside the data.
     box = shared_agreement(peers) if check and peers.size > 1 else None
     # Both ask for 2 gloo ranks whose connections are settled; early, for a tensor of two
-    # elements or more (ring_early.py), where the group shares memory, carried otherwise.
+    # elements or more (agreement/early.py), where the group shares memory, carried otherwise.
     settled = peers.size == 2 and not peers.nccl and duplex_decided(peers)  # before this call
     paired = (check and problem is None and segment_bytes is None and settled
               and duplex(peers).back is not None)

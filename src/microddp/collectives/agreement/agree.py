@@ -16,15 +16,16 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import MicroDDPError
-from ..transport.peers import Peers, wait_all
-from . import shm, shm_checked
+from ...errors import MicroDDPError
+from ...shm import checked as shm_checked
+from ...shm import collectives as shm
+from ...shm.agreement import SharedAgreement
+from ...transport.peers import Peers, wait_all
 from .checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
-from .shm_agree import SharedAgreement
 from .sized_tags import settle
 
 # The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
-# ring's data (ring_carried.py) goes with it, so that it meets another rank's agreement.
+# ring's data (carried.py) goes with it, so that it meets another rank's agreement.
 FIRST_TAG = 3
 
 
@@ -73,7 +74,7 @@ def _ordered(combine: Callable[[torch.Tensor, torch.Tensor], object], buf: torch
 # that they disagree, instead of gloo aborting the process on mismatched sizes.
 SLOTS = 10
 # On 2 ranks (not NCCL) the ring may send its header together with its first chunk of data, up
-# to INLINE_MAX_CHUNK bytes of it, in one message (ring_carried.py). Every message on the
+# to INLINE_MAX_CHUNK bytes of it, in one message (carried.py). Every message on the
 # agreement's tag between 2 such ranks is then PAIR_WORDS long, an agreement's or a header's
 # too, padded: the numbers first, then the data or zeros. A mismatched pair still exchanges
 # messages of one size, whatever either rank called.
@@ -85,7 +86,7 @@ _PAD = array.array("q", bytes(8 * (PAIR_WORDS - 2 * SLOTS)))
 
 
 def message_words(peers: Peers) -> int:
-    """How many int64 an agreement (or a ring's header, ring_carried.py) sends in `peers`."""
+    """How many int64 an agreement (or a ring's header, carried.py) sends in `peers`."""
     return PAIR_WORDS if peers.size == 2 and not peers.nccl else 2 * SLOTS
 
 
@@ -122,7 +123,7 @@ def agree(peers: Peers, where: str, place: torch.device, problem: Exception | No
     butterfly over max(v) and max(-v) gives every rank both the maximum and the minimum of
     each field; a field is consistent exactly when they are equal. With `check=False` nothing
     is exchanged and only this rank's own problem is raised. Where the group's ranks share
-    memory, the numbers go through it instead of the butterfly (shm_agree.py), to the same
+    memory, the numbers go through it instead of the butterfly (shm/agreement.py), to the same
     result.
     """
     if not check or peers.size <= 1:
@@ -192,7 +193,7 @@ def read_in_memory(peers: Peers, box: SharedAgreement, seq: int, mine: array.arr
 def agreed(where: str, fields: dict, settings: dict,
            loop: Callable[[Peers], object]) -> Callable[[Peers], None]:
     """`loop`, preceded by the agreement on `fields` and `settings` through shared memory: a
-    repeat call's whole work (ring_plan.py's memo), for a group where shared_agreement is
+    repeat call's whole work (ring/plan.py's memo), for a group where shared_agreement is
     not None. Holds neither a tensor nor the group."""
     fields = described(where, None, fields, settings)
     mine = array.array("q", encode(fields))
@@ -265,7 +266,7 @@ def check_all_reduce(tensor: torch.Tensor, op: str, group, where: str,
                      problem: MicroDDPError | None = None
                      ) -> tuple[Peers, str, MicroDDPError | None] | None:
     """The local half of begin_all_reduce: (peers, op name, this rank's problem or None), or
-    None off the group; the problem is still to be shared (agree, or a header: ring_carried.py)."""
+    None off the group; the problem is still to be shared (agree, or a header: carried.py)."""
     peers = Peers(group)
     if not peers.member:
         check_tensor(tensor, where)
@@ -317,4 +318,4 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
     return peers, root, name, items
 
 
-shm_checked.use(sys.modules[__name__])  # shared-memory calls agree as agree() does (shm_checked.py)
+shm_checked.use(sys.modules[__name__])  # shared-memory calls agree as agree() does (shm/checked.py)

@@ -1,32 +1,19 @@
 """The metadata agreement through shared memory, for a group whose ranks are all on this host.
 
-agree.py makes every rank agree on shapes, dtypes and ops before data moves, with a butterfly
-of small messages through the group's backend. On one host those are loopback TCP messages,
-each handled by gloo's threads: on 2 ranks of this 2-core host the ring's default check cost
-1.1-1.2x the unchecked ring's time at 1 MiB, however the header travelled (beside the data,
-ahead of it, on its own connection; chapter 4 has the table), because the cost was the
-messages themselves. Here no message is sent: every rank writes the very numbers the
-butterfly would send (agree.encode's) into its own line of the group's segment, then posts a
-counter; once every rank's counter shows this call, each rank reads every rank's numbers and
-takes their maximum, which is exactly what the butterfly computes. judge() then raises the same
-error on every rank, from the same numbers, as before.
+collectives/agreement/agree.py makes every rank agree on shapes, dtypes and ops before data
+moves, with a butterfly of small messages through the group's backend; on one host those are
+loopback messages handled by gloo's threads, and their cost was the check's (chapter 4).
+Here no message is sent: every rank writes the very numbers the butterfly would send
+(agree.encode's) into its own line of the group's segment and posts a counter; once every
+rank's counter shows this call, each reads every rank's numbers and takes their maximum,
+exactly the butterfly's result, so judge() raises the same error on every rank. Every
+agreement of such a group goes through here (a ring on one rank meets a tree on another).
 
-Every agreement of such a group goes through here, never some through gloo: a rank that
-called a ring and one that called a tree or a broadcast still meet in this mailbox and both
-raise. (Only the ring's header carried beside its data, ring_carried.py, is skipped for such a
-group: it would be an agreement through gloo.)
-
-Why two sets of lines ("parities") are enough, agreement s using set s % 2: a rank writes set
-p again at agreement s + 2 only after the wait of agreement s + 1, which returns only once
-every rank has posted s + 1, and a rank posts s + 1 only after it has read every line of s.
-So no rank's numbers for s are overwritten before every rank has read them, and no rank can
-be more than one agreement ahead of another. A rank that never comes (it crashed, or called
-a collective that does not agree) makes the others' wait end at the group's timeout with the
-hang report, like any shared-memory wait (transport/shm.py); a 2-rank ring that sent its
-first step early may be waiting in gloo for the data instead, and then ends at gloo's timeout,
-in gloo's words.
-
-The memory ordering is transport/shm.py's: numbers first, then the counter, then the bell.
+Two sets of lines ("parities") are enough, agreement s using set s % 2: a rank writes set p
+again at s + 2 only after the wait of s + 1, which returns once every rank has posted s + 1,
+which a rank does only after reading every line of s. A rank that never comes ends the
+others' wait at the group's timeout with the hang report (shm/segment.py). The memory
+ordering is shm/segment.py's: numbers first, then the counter, then the bell.
 """
 
 from __future__ import annotations
@@ -35,12 +22,12 @@ import array
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..transport.shm import LINE_WORDS, Flags, Segment
+from .segment import LINE_WORDS, Flags, Segment
 
-# agree.py's message without its padding: SLOTS codes, then the same negated (agree.encode).
-# A literal here, since agree.py imports this module; tests/test_shm_agree.py checks it.
+# collectives/agreement/agree.py's message without its padding: SLOTS codes, then the same negated (agree.encode).
+# A literal here, since agree.py imports this module; tests/test_ring_early.py checks it.
 WORDS = 20
-# Beside them, not compared: where a ring sent and posted its first step early (ring_early.py),
+# Beside them, not compared: where a ring sent and posted its first step early (agreement/early.py),
 # so that a rank refusing the call knows what to settle; zeros for every other agreement.
 EXTRA = 2
 STRIDE = -(-(WORDS + EXTRA) // LINE_WORDS) * LINE_WORDS  # whole cache lines per rank
@@ -53,7 +40,7 @@ def area_words(size: int) -> int:
 
 
 class Check(NamedTuple):
-    """A call's agreement, made in its first synchronisation (shm_group.py): this rank's
+    """A call's agreement, made in its first synchronisation (group.py): this rank's
     numbers (agree.encode's), and what raises, on every rank, when the ranks' numbers differ
     (`refuse(seq)`, seq being the agreement's sequence number: agree.read_in_memory)."""
     mine: array.array
@@ -71,7 +58,7 @@ class SharedAgreement:
         numbers = first_word + size * LINE_WORDS
         # Where each rank's numbers start, per parity: worked out once, since an agreement
         # sits in front of every checked collective, where each Python step costs several
-        # microseconds (ring_early.py's measurement).
+        # microseconds (agreement/early.py's measurement).
         self.lines = [[numbers + (parity * size + r) * STRIDE for r in range(size)]
                       for parity in (0, 1)]
         self.others = [r for r in range(size) if r != rank]
@@ -96,8 +83,8 @@ class SharedAgreement:
         False if one posted other numbers (`result` then says what differs).
 
         Asked after this rank's own post, it cannot be None on both of two ranks: each post
-        stores its counter, then fences (transport/shm.py's `fence`, a full memory barrier),
-        so a rank's post is visible to all before its own read of the other's (ring_early.py
+        stores its counter, then fences (shm/segment.py's `fence`, a full memory barrier),
+        so a rank's post is visible to all before its own read of the other's (agreement/early.py
         relies on it: one of the two reads the check at once)."""
         words, counters, lines = self.words, self.told.index, self.lines[seq & 1]
         for r in self.others:
@@ -122,7 +109,7 @@ class SharedAgreement:
     def meet(self, mine: array.array, what: str, yielding: bool) -> int | None:
         """post `mine` (with zeros as EXTRA), wait for every rank's post, and compare: None
         if every rank posted these very numbers, else the agreement's sequence number (for
-        `result`). A shared-memory call's first synchronisation (shm_group.py): kept to a few
+        `result`). A shared-memory call's first synchronisation (group.py): kept to a few
         Python steps, as `agrees` is, since it sits in front of every default all-reduce."""
         seq = self.seq = self.seq + 1
         lines, words = self.lines[seq & 1], self.words

@@ -5,7 +5,7 @@ A group has one lane: a thread that runs the calls made with async_op=True one a
 so DDP's bucket all-reduces overlap with backward as gloo's do. A blocking call runs on the
 caller's thread when nothing is queued (the fast case: no hand-over between threads), else it
 queues behind the others and waits, so calls always run in the order they were made. The
-tensor work releases the GIL, and so does the lane's waiting for its peers (transport/shm.py).
+tensor work releases the GIL, and so does the lane's waiting for its peers (shm/segment.py).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Lane:
     def drain(self) -> None:
         """Return once the calls queued before this one have run: a caller about to agree
         through the group's segment on its own thread (a ring, a tree) must not overtake a
-        queued call, which agrees there too (shm_checked.py)."""
+        queued call, which agrees there too (checked.py)."""
         if self._pending:
             self.submit(lambda yielding: None, [], async_op=False)
 

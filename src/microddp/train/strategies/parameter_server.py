@@ -22,18 +22,41 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, monitor, outputs, ps
-from .. import spans as trace
-from ..comms.world import World
-from ..data import ShardedBatchSampler, load_dataset
-from ..errors import MicroDDPError
-from ..trace import report as trace_report
-from .build import build_model, build_optimizer
-from .config import TrainConfig, ps_config, validate
-from .report import Reporter, bar, plot_curves
+from ... import checkpoint, monitor, outputs, ps, spans
+from ...data import ShardedBatchSampler, load_dataset
+from ...errors import MicroDDPError
+from ...trace import report as trace_report
+from ...world.world import World
+from ..build import build_model, build_optimizer
+from ..config import TrainConfig
+from ..report import Reporter, bar, plot_curves
 
 CPU = torch.device("cpu")  # the server and workers exchange flat CPU tensors over gloo
 TRACE_WAIT_S = 10.0  # how long the server waits for a finished worker's spans file
+
+
+def ps_config(cfg: TrainConfig, steps: int) -> ps.PSConfig:
+    """The parameter-server settings of an async run of `steps` global batches."""
+    return ps.PSConfig(steps=steps, lr=cfg.learning_rate,
+                       staleness=ps.parse_staleness(cfg.staleness),
+                       backup_workers=cfg.backup_workers, staleness_lr=cfg.staleness_lr,
+                       stragglers=ps.parse_straggler(cfg.straggler))
+
+
+def check(cfg: TrainConfig, n: int) -> None:
+    """A server and at least one worker, sharing the global batch; the server's settings."""
+    if n < 2:
+        raise MicroDDPError(f"--strategy async needs --nproc of at least 2: a parameter server "
+                            f"(rank 0) and at least one worker, got {n}")
+    for flag, used in (("--accumulate", cfg.accumulate != 1), ("--amp", cfg.amp is not None),
+                       ("--drift-every", cfg.drift_every != 0)):
+        if used:
+            raise MicroDDPError(f"{flag} is for the data-parallel strategies; --strategy async "
+                                f"does not support it: drop {flag}")
+    if cfg.batch_size < n - 1:
+        raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch, shared by "
+                            f"{n - 1} workers; use at least {n - 1}")
+    ps_config(cfg, steps=1).check(n)  # staleness, backup workers, straggler ranks
 
 
 class _Batches:
@@ -52,8 +75,8 @@ class _Batches:
 
 def train(world: World, cfg: TrainConfig, on_step=None) -> dict | None:
     """Run this rank's part of an async job: on the server the fields of the run's
-    loop.Result, on a worker None (it never holds the final parameters)."""
-    validate(cfg, world.world_size)
+    loop.Result, on a worker None (it never holds the final parameters). `cfg` is
+    validated (train/validate.py)."""
     monitor.disable()  # here a lost worker is part of the plan, not a hang to report
     data = load_dataset(cfg.dataset)
     sampler = ShardedBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed,
@@ -66,7 +89,7 @@ def train(world: World, cfg: TrainConfig, on_step=None) -> dict | None:
                    make_optimizer=lambda params: build_optimizer(cfg, params))
     config = ps_config(cfg, steps)
     if cfg.trace:
-        trace.start()
+        spans.start()
     state, error = _find(cfg, world) if world.rank == ps.SERVER else (None, None)
     if checkpoint.broadcast_choice(error, world):  # every rank stops on rank 0's error
         raise MicroDDPError(error)
@@ -85,7 +108,7 @@ def train(world: World, cfg: TrainConfig, on_step=None) -> dict | None:
 def _find(cfg: TrainConfig, world: World) -> tuple[dict | None, str | None]:
     """(the server checkpoint to go on from, or None; an error, or None), as the dp job
     decides: --resume, or a restart by the launcher."""
-    from .resume import decide, restart_count
+    from ..resume import decide, restart_count
 
     path, error = decide(cfg, restart_count() > 0,
                          lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
@@ -112,9 +135,9 @@ def _work(world: World, cfg: TrainConfig, task: ps.Task, config: ps.PSConfig) ->
         print(f"microddp train: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if cfg.trace:  # a file the server waits for, not a gather: a lost worker would hang that
-        rec = trace.stop()
-        spans = [dataclasses.asdict(s) for s in trace_report.to_wall(rec)]
-        outputs.write_text(_spans_file(cfg, world.rank), json.dumps(spans))
+        rec = spans.stop()
+        walled = [dataclasses.asdict(s) for s in trace_report.to_wall(rec)]
+        outputs.write_text(_spans_file(cfg, world.rank), json.dumps(walled))
 
 
 def _spans_file(cfg: TrainConfig, rank: int) -> Path:
@@ -303,13 +326,13 @@ class _Job(ps.Observer):
     def _merge_trace(self, report: ps.ServerReport) -> dict:
         """The server's spans and every finished worker's (from the files they leave: a lost
         worker has none) into trace.json, timeline.png and the summary."""
-        by_rank = {0: trace_report.to_wall(trace.stop())}
+        by_rank = {0: trace_report.to_wall(spans.stop())}
         lost = {w for w, _ in report.lost}
         for rank in range(1, self.workers + 1):
             path, deadline = _spans_file(self.cfg, rank), time.monotonic() + TRACE_WAIT_S
             while rank not in lost and not path.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if path.exists():
-                by_rank[rank] = [trace.Span(**s) for s in json.loads(path.read_text())]
+                by_rank[rank] = [spans.Span(**s) for s in json.loads(path.read_text())]
                 path.unlink()
         return trace_report.write(by_rank, self.out)

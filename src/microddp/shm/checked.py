@@ -1,8 +1,8 @@
 """Every shared-memory collective checked, in the synchronisation it makes anyway.
 
-A group whose ranks share this host already agrees through its segment (shm_agree.py): each
+A group whose ranks share this host already agrees through its segment (agreement.py): each
 rank writes a few numbers and posts a counter. A shared-memory collective posts a counter too,
-once its input is in its slot (shm_group.py). So a checked call posts the agreement's counter
+once its input is in its slot (group.py). So a checked call posts the agreement's counter
 in place of that first one: the ranks' numbers (which collective, shape, dtype, op, root, ...)
 travel with no extra wait, and are compared (in C) before any rank reads another's data.
 When they differ, every rank raises the agreement's error (agree.judge: it names the rank and
@@ -12,7 +12,7 @@ A rank that refuses its own arguments (not a tensor, sparse, elements that share
 list of the wrong length) still posts the agreement, saying so, then raises: the others,
 waiting in their first synchronisation, raise too instead of waiting for it. Calls that go
 through gloo on such a group (a tensor shared memory cannot carry) agree the same way first
-(`agree_in_order`). Every agreement of a group runs on its lane (shm_lane.py), after the
+(`agree_in_order`). Every agreement of a group runs on its lane (lane.py), after the
 calls queued there, so that each rank's agreements are in the order of its calls.
 """
 
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from ..transport.peers import Peers
-from .shm_agree import Check, SharedAgreement
+from .agreement import Check, SharedAgreement
 
-# agree.py, handed in when it loads (`use`): it imports shm.py, which imports this module, so
+# collectives/agreement/agree.py, handed in when it loads (`use`): it imports shm/collectives.py, which imports this module, so
 # this one cannot import it. Every path here runs after microddp.collectives has loaded it.
 agree: Any = None
 
@@ -80,7 +80,7 @@ def _peers(group, box: SharedAgreement):
 
 def check(box: SharedAgreement, group, where: str, fields: dict) -> Check:
     """The Check a shared-memory call of `where` makes in its first synchronisation
-    (shm_group.py). `group`: the microddp group, or False for the torch backend's."""
+    (group.py). `group`: the microddp group, or False for the torch backend's."""
     mine, full = numbers(where, fields)
 
     def refuse(seq: int) -> None:

@@ -1,36 +1,24 @@
 """The ring's metadata check on 2 gloo ranks, carried beside its data instead of in front of it.
 
-The agreement (agree.py) is a round of its own: every rank waits for it before it posts a
-single byte of data, and on 2 ranks that round cost as much as the ring's two steps at small
-sizes (1.74-1.98x gloo's time at 4 KiB, against the unchecked ring's ~1x; chapter 4). Here
-each rank still sends the very same numbers (its header: shape, dtype, op, settings), on the
-same connection and tag as an agreement, so it meets a rank that called another collective
-and both raise the same errors. What changes is the order around it:
+The agreement (agree.py) is a round of its own that every rank waits for before it posts a
+byte of data; on 2 ranks it cost as much as the ring's two steps at small sizes (chapter 4).
+Here each rank still sends the very same numbers (its header: shape, dtype, op, settings), on
+the agreement's connection and tag, so it meets a rank that called another collective and
+both raise the same errors; only the order around it changes:
 
-1. post both data receives, into tags no other call uses (a per-process counter: the tag
-   base, which the header carries, so the other rank knows where to send);
+1. post both data receives, on tags no other call uses (a per-process tag base, carried in
+   the header so the other rank knows where to send);
 2. send the header, receive the other's;
-3. compare: on a mismatch, raise. Nothing size-dependent has been *sent* yet, so no rank can
-   get a message of the wrong size (which gloo answers by aborting the process), and the
-   other rank, which holds the same two headers, raises too. The two receives stay posted,
-   on tags no later call uses (see _next_base), so no later message lands in them;
-4. otherwise send the data, to the other's tag base, and run the ring's two steps.
+3. compare: on a mismatch, raise. Nothing size-dependent has been sent yet, so gloo cannot
+   abort on a message of the wrong size, and the other rank raises too. The receives stay
+   posted on tags no later call uses (_next_base);
+4. otherwise send the data to the other's tag base and run the ring's two steps.
 
-So the only thing in front of the data is one small message that travels while the data
-receives are being announced; with the repeat-call memo (ring_plan.py) nothing else is either.
-This takes only 2 ranks: on more, a rank hears from one neighbour only, and a rank whose
-neighbour agrees with it would send on to one that gave up (the butterfly is kept there).
-
-For a small tensor that message is a whole round of latency out of three (header, then the
-ring's two steps): a 4 KiB call took 1.5x the unchecked ring's time. So where the first step's
-chunk fits in INLINE_MAX_CHUNK bytes, the header *is* the first step: the chunk travels in the
-header's message, after the numbers (inline_ring_all_reduce_). That is safe because the
-message's size does not depend on the data: on 2 such ranks every message on the agreement's
-tag, an agreement's, a header's with its chunk or a header alone, is PAIR_WORDS long (agree.py).
-Whatever the other rank called (a small or a large tensor, another dtype or op, another
-collective's agreement), the two messages that meet are of one size, each rank compares the
-numbers before it uses a byte of the data, and on a mismatch both raise with nothing else
-sent (the second step's receive stays posted on a tag no later call uses, as above).
+Only on 2 ranks: on more, a rank hears from one neighbour only. Where the first step's chunk
+fits in INLINE_MAX_CHUNK bytes, the header *is* the first step (inline_ring_all_reduce_):
+safe, because every message on the agreement's tag between 2 ranks is PAIR_WORDS long
+(agree.py), so the two messages that meet are of one size whatever either rank called, and
+the numbers are compared before a byte of the data is used.
 """
 
 from __future__ import annotations
@@ -40,9 +28,9 @@ import itertools
 
 import torch
 
-from ..transport.peers import COMBINE, Peers
+from ...transport.peers import COMBINE, Peers
+from ..ring.plan import RingPlan
 from .agree import FIRST_TAG, PAIR_WORDS, SLOTS, described, encode, judge
-from .ring_plan import RingPlan
 
 # Where a header carries its sender's tag base. It is past every field an agreement compares
 # (at most 9), so a rank running `agree` reads the rest of the header and ignores it.
@@ -63,7 +51,7 @@ def _next_base() -> int:
 
 class Header:
     """One rank's header for one kind of call, and a buffer for the other rank's; kept with the
-    call (ring_plan.py), so a repeat call only stamps its tag base in and sends it."""
+    call (ring/plan.py), so a repeat call only stamps its tag base in and sends it."""
 
     def __init__(self, where: str, fields: dict, settings: dict):
         self.where, self.settings = where, settings

@@ -1,5 +1,5 @@
-"""Memory and traffic measured, not computed: bytes of the live tensors a rank holds, and the
-bytes it sends per step.
+"""Memory measured, not computed: bytes of the live tensors a rank holds, for every strategy
+(dp, the pipelines, ZeRO; what the training job's `memory` record reports).
 
 Tensors are counted by storage, once each: a parameter that is a view of a flat buffer counts
 the buffer, and a buffer emptied between uses (ZeRO-3) counts zero. So the numbers are what
@@ -46,28 +46,3 @@ def measure(params: Iterable[torch.Tensor] | nn.Module,
             state += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
     out["optimizer_state"] = _storage_bytes(state, seen)
     return out
-
-
-class CountingAllReduce:
-    """A DDP comm hook (torch's contract, for microddp's DDP and torch's) that averages a
-    bucket with all_reduce and counts what a ring sends for it: a reduce-scatter and an
-    all-gather, `N - 1` chunks of `ceil(n / N)` elements each. `last_step` holds the count
-    since the previous `end_step()`."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.last_step = 0
-        self._at_step = 0
-
-    def __call__(self, _state, bucket):
-        import torch.distributed as dist
-
-        flat = bucket.buffer()
-        n = dist.get_world_size()
-        self.total += 2 * (n - 1) * (-(-flat.numel() // n)) * flat.element_size()
-        flat.div_(n)
-        return dist.all_reduce(flat, async_op=True).get_future().then(lambda f: f.value()[0])
-
-    def end_step(self) -> None:
-        """Close the step's window: what went out since the previous step ended."""
-        self.last_step, self._at_step = self.total - self._at_step, self.total

@@ -1,40 +1,33 @@
 """The ring on 2 ranks that share memory: checked in shared memory, its first step sent at once.
 
-A checked call must not let a byte of data leave before it knows the other rank's tensor is
-alike (gloo aborts on a size mismatch), and waiting for the other rank's check before sending
-puts the other rank's arrival, a wake-up and the first step's whole transfer in front of every
-call: measured, the check then cost about what the header message of ring_carried.py did.
-Here the check is in front of nothing. On 2 gloo ranks of a group that shares memory
-(shm_agree.py), with a connection per direction (transport/duplex.py), a call:
+A checked call must not let data leave before it knows the other rank's tensor is alike
+(gloo aborts on a size mismatch), and waiting for the other's check before sending puts its
+arrival, a wake-up and the first step's transfer in front of every call. Here the check is in
+front of nothing. On 2 gloo ranks of a group that shares memory (shm/agreement.py), with a
+connection per direction (transport/duplex.py), a call:
 
 1. posts its check in shared memory (the agreement's numbers, plus where it sends and posts its
    first step early: EXTRA words beside them), without waiting for anyone;
 2. posts both data receives (the first step's on its sized tag, sized_tags.py; the second's on
-   a tag of this agreement's own: both ranks are at the same agreement, so no tag base has to
-   travel), then sends its first step on its sized tag;
-3. reads the check: once the other rank has posted it (it has, in the common case: its data is
-   on the way), compare. On a mismatch, settle (sized_tags.py: each rank takes or fills what
-   the other sent or posted early, so nothing is left on a sized tag for a later call) and
-   raise, on both ranks, what the agreement would have raised. What arrived early sits in a
-   scratch buffer and was never used. The second step's receive stays posted, on a tag no
-   later call uses within _WRAP agreements, so no later message lands in it;
+   a tag of this agreement's own), then sends its first step on its sized tag;
+3. reads the check and compares. On a mismatch, settles (sized_tags.py: each rank takes or
+   fills what the other sent or posted early) and raises on both ranks what the agreement
+   would have; what arrived early was never used;
 4. otherwise adds what arrived, sends the second step and finishes.
 
-The check's cost is then writing twenty-two numbers and comparing twenty, not a message or a
-wait; kept to a few Python steps (shm_agree.py's `agrees`), because right after the data moved
-each step finds its objects out of cache: measured, the first version's post and read took
-17 and 16 us of this thread's CPU time per 1 MiB call (chapter 4). Only chunks
-that are not empty take this path (a 1-element tensor has an empty chunk; it agrees first).
+The check is then writing and comparing a few numbers, kept to a few Python steps
+(shm/agreement.py's `agrees`), since right after the data moved each step finds its objects
+out of cache (chapter 4 has what it cost). Only non-empty chunks take this path.
 """
 
 from __future__ import annotations
 
 import array
 
-from ..transport.peers import COMBINE, Peers
+from ...transport.peers import COMBINE, Peers
+from ..ring.plan import RingPlan
 from .agree import described, encode, read_in_memory, shared_agreement
-from .ring_carried import gather_step_
-from .ring_plan import RingPlan
+from .carried import gather_step_
 from .sized_tags import sized_tag
 
 # The second step's tags: 4 per agreement from here, below 2**30 where the sized tags begin.
@@ -44,7 +37,7 @@ _WRAP = 1 << 27
 
 class EarlyCall:
     """What a repeat call of one kind sends with its check: the agreement's numbers and the
-    sized tags of its first step (kept with the call, ring_plan.py's memo)."""
+    sized tags of its first step (kept with the call, ring/plan.py's memo)."""
 
     def __init__(self, where: str, fields: dict, settings: dict, plan: RingPlan):
         self.where, self.settings = where, settings

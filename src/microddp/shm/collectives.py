@@ -8,7 +8,7 @@ Each group gets its own segment and lane on its first collective here (a collect
 every rank of the group must make it), kept as long as the group object lives or until
 microddp.shutdown(). A group whose ranks are not all on this host, or MICRODDP_TRANSPORT=gloo,
 gets none: these functions then raise, and `route.all_reduce_path` picks gloo instead.
-Results are the same bits on every rank (shm_group.py says in which order the ranks' values
+Results are the same bits on every rank (shm/group.py says in which order the ranks' values
 are combined); like the other collectives here, a write bumps the tensor's autograd version.
 """
 
@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comms import args as comms_args
-from ..comms.world import group_rank, group_size
 from ..errors import MicroDDPError
 from ..transport.peers import written
-from ..transport.shm_attach import attach, wanted
-from . import shm_checked
-from .shm_group import DTYPES, SharedGroup, segment_bytes, sizes
-from .shm_lane import Lane, ShmWork
+from ..world import args as comms_args
+from ..world.world import group_rank, group_size
+from . import checked as shm_checked
+from .attach import attach, wanted
+from .group import DTYPES, SharedGroup, segment_bytes, sizes
+from .lane import Lane, ShmWork
 
 __all__ = ["shm_all_reduce", "shm_reduce_scatter", "shm_all_gather", "shm_broadcast",
            "shared", "close_all"]
@@ -86,7 +86,7 @@ def open_shared(store: dist.Store, kind: str, name: str, rank: int, size: int,
                 timeout_s: float) -> _State:
     """Set up a group's shared memory through `store` (collective over the group's ranks):
     its segment and lane, or a state without them where the ranks may not share memory
-    (transport/shm_attach.py decides). `kind` keeps apart the users of one store (microddp's
+    (shm/attach.py decides). `kind` keeps apart the users of one store (microddp's
     own groups, the torch backend's)."""
     # A prefix of its own for every set-up: the same on every rank of the group (each sets
     # up a group of this name as often as the others), never one used before in this job.
