@@ -40,7 +40,7 @@ def ddp_cases(world):
 
     out["frozen"] = _attempt(frozen)
     out["bucket"] = _attempt(lambda: mdp.DDP(Small(), bucket_cap_mb=1 if odd else 25))
-    out["same"] = _attempt(lambda: mdp.DDP(Small(), bucket_cap_mb=2))
+    out["same"] = _attempt(lambda: mdp.DDP(Small(), bucket_cap_mb=2.0 if odd else 2))
     return out
 
 
@@ -51,8 +51,8 @@ def test_ddp_refuses_a_parameter_frozen_or_a_bucket_size_on_one_rank_only():
     assert ("parameter 'a.bias' is not the same everywhere (rank 0: trainable; rank 1: frozen)"
             in out["frozen"]), out["frozen"]
     assert ("DistributedDataParallel was built with different arguments on different ranks: "
-            "bucket_cap_mb is not the same everywhere (rank 0: bucket_cap_mb=25; "
-            "rank 1: bucket_cap_mb=1)") in out["bucket"], out["bucket"]
+            "bucket_cap_mb is not the same everywhere (rank 0: bucket_cap_mb=25.0; "
+            "rank 1: bucket_cap_mb=1.0)") in out["bucket"], out["bucket"]
     assert out["same"] == "built"
 
 
@@ -103,7 +103,7 @@ def test_zero_refuses_a_model_or_argument_that_differs_on_one_rank():
         "rank 1: optimizer=torch.optim.adam.Adam)"), out["optimizer"]
     assert "optimizer options is not the same everywhere" in out["lr"], out["lr"]
     assert ("bucket_cap_mb is not the same everywhere (rank 0: bucket_cap_mb=None; "
-            "rank 1: bucket_cap_mb=1)") in out["bucket"], out["bucket"]
+            "rank 1: bucket_cap_mb=1.0)") in out["bucket"], out["bucket"]
     assert out["same"] == "built"
     assert out["inf"] == "bucket_cap_mb must be a positive number of MiB, finite and not a " \
                          "string, got inf"

@@ -38,6 +38,11 @@ from .torch_api import TorchDDPApi, to_device
 from .unused import output_tensors
 
 
+def _mb(bucket_cap_mb: float | None) -> float | None:
+    """As the ranks compare it: 25 and 25.0 are the same size."""
+    return None if bucket_cap_mb is None else float(bucket_cap_mb)
+
+
 class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
     """Replicate `module` on every rank and average its gradients during backward."""
 
@@ -104,7 +109,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
             # bucket sizes too: different caps put different parameters in one bucket's
             # all-reduce, a wrong average on some ranks rather than an error
             verify_same_model(module, process_group, buffers=buffers,
-                              settings={"bucket_cap_mb": bucket_cap_mb})
+                              settings={"bucket_cap_mb": _mb(bucket_cap_mb)})
             sync_module_states(module, self.src_rank(), process_group, buffers=init_buffers)
             choose_hierarchy(process_group)  # ranks on several hosts: all-reduce by host first
         self._build_reducer()

@@ -74,9 +74,10 @@ class Zero(nn.Module):
         # One rank with another layer size, a frozen parameter, stage, optimizer or bucket
         # size would train on with diverging losses (or abort inside gloo): refuse it here.
         optimizer = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        given_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)  # 25 is 25.0
         verify_same_model(module, wrapper="Zero", settings={
-            "stage": stage, "optimizer": optimizer, "optimizer options": dict(sorted(
-                defaults.items())), "bucket_cap_mb": bucket_cap_mb})
+            "stage": stage, "optimizer": optimizer,
+            "optimizer options": dict(sorted(defaults.items())), "bucket_cap_mb": given_mb})
         self._sync_initial_state()
         params, groups, options = trainable_groups(module, param_groups)
         if not params:
