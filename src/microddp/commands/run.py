@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Launch the workers, restarting up to --max-restarts times; return the exit code."""
+    from ..shm.group import sizes
+    sizes(2)  # a bad MICRODDP_SHM_* size: one line here, not a traceback from every rank
     if args.nnodes != 1 or args.master_addr is not None:
         if args.expendable:  # torchrun, which runs the hosts' workers, stops all on any failure
             raise MicroDDPError("--expendable works on one host only: with --nnodes, torchrun "

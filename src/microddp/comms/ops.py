@@ -314,7 +314,7 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
         peer(dst, None, None, "send")
         dist.isend(tensor, dst, group, tag, group_dst=group_dst)
         return
-    dist.send(tensor, _sender_to(dst, group_dst, group, "send"), group, tag)
+    dist.send(tensor.contiguous(), _sender_to(dst, group_dst, group, "send"), group, tag)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
@@ -324,7 +324,11 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
     check_tensor(tensor, "recv")
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
-    return dist.recv(tensor, peer(src, group_src, group, "recv"), group, tag)
+    into = tensor.contiguous()  # gloo refuses a strided view (a transpose): a buffer, copied
+    sender = dist.recv(into, peer(src, group_src, group, "recv"), group, tag)
+    if into is not tensor:
+        tensor.copy_(into)
+    return sender
 
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
@@ -333,7 +337,9 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     check_tensor(tensor, "isend", written=False)
     if _outside(group):
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
-    work = dist.isend(tensor, _sender_to(dst, group_dst, group, "isend"), group, tag)
+    # a strided view goes as a contiguous copy, which the Work keeps until it is done
+    work = dist.isend(tensor.contiguous(), _sender_to(dst, group_dst, group, "isend"), group,
+                      tag)
     return Handle(work, result=[tensor])
 
 
@@ -343,8 +349,10 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     check_tensor(tensor, "irecv")
     if _outside(group):
         return dist.irecv(tensor, src, group, tag, group_src=group_src)
-    work = dist.irecv(tensor, peer(src, group_src, group, "irecv"), group, tag)
-    return Handle(work, result=[tensor])
+    into = tensor.contiguous()  # as recv: a buffer, copied into `tensor` when it is done
+    work = dist.irecv(into, peer(src, group_src, group, "irecv"), group, tag)
+    return Handle(work, None if into is tensor else (lambda: tensor.copy_(into)),
+                  result=[tensor])
 
 
 def _skipped_root(name: str, rank: int | None, group_rank: int | None) -> dict:

@@ -7,15 +7,30 @@ bucket exactly as PyTorch's reducer does, so bucket boundaries (and hence result
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from collections.abc import Hashable, Sequence
 
 import torch
 
+from ..errors import MicroDDPError
+
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25  # PyTorch's default bucket size
 FIRST_BUCKET_BYTES = 1 * MiB  # PyTorch's small first bucket, so the first all-reduce starts early
 NO_LIMIT = sys.maxsize
+
+
+def check_bucket_cap(bucket_cap_mb) -> None:
+    """None (the default) or a finite positive number of MiB; a string or inf would fail deep
+    inside the bucket plan (or never end), so refuse it here in one line."""
+    if bucket_cap_mb is None:
+        return
+    if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real)
+            or not math.isfinite(bucket_cap_mb) or not bucket_cap_mb > 0):
+        raise MicroDDPError(f"bucket_cap_mb must be a positive number of MiB, finite and not "
+                            f"a string, got {bucket_cap_mb!r}")
 
 
 def plan_buckets(params: Sequence[torch.Tensor], limits: Sequence[int],

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.join import Joinable, _JoinConfig
 from ..collectives.hierarchical import choose as choose_hierarchy
 from ..comms import distributed, given_group
 from ..errors import MicroDDPError
-from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
+from .buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB, check_bucket_cap
 from .comm_hooks import BUILTIN, CommHook, check_hook
 from .compiled import as_active, not_traced
 from .join import Join, TorchJoinHook
@@ -38,6 +38,11 @@ from .sync import (
 )
 from .torch_api import TorchDDPApi, to_device
 from .unused import output_tensors
+
+
+def _mb(bucket_cap_mb: float | None) -> float | None:
+    """As the ranks compare it: 25 and 25.0 are the same size."""
+    return None if bucket_cap_mb is None else float(bucket_cap_mb)
 
 
 class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
@@ -93,9 +98,7 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
         if not any(p.requires_grad for p in module.parameters()):
             raise MicroDDPError("the module has no parameter that requires a gradient, so there "
                                 "is nothing to average; wrap a trainable module")
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise MicroDDPError(f"bucket_cap_mb must be a positive number of MiB, got "
-                                f"{bucket_cap_mb!r}")
+        check_bucket_cap(bucket_cap_mb)
         cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * MiB)
         first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
         self._caps, self._bucket_cap_default = (cap, first), bucket_cap_mb is None
@@ -104,7 +107,10 @@ class DistributedDataParallel(TorchDDPApi, nn.Module, Joinable):
             # Buffers are compared only where they will be overwritten with rank 0's: with
             # broadcast_buffers=False they may be rank-local, of any shape.
             buffers = init_buffers or self.forward_sync_buffers
-            verify_same_model(module, process_group, buffers=buffers)
+            # bucket sizes too: different caps put different parameters in one bucket's
+            # all-reduce, a wrong average on some ranks rather than an error
+            verify_same_model(module, process_group, buffers=buffers,
+                              settings={"bucket_cap_mb": _mb(bucket_cap_mb)})
             sync_module_states(module, self.src_rank(), process_group, buffers=init_buffers)
             choose_hierarchy(process_group)  # ranks on several hosts: all-reduce by host first
         self._build_reducer()

@@ -53,8 +53,11 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, group=Non
 
 
 def describe(module: nn.Module, buffers: bool = True) -> list[tuple]:
-    """Name, shape, dtype and strides of every parameter (and buffer, without strides): what
-    all replicas must agree on.
+    """Name, shape, dtype, strides and requires_grad of every parameter (and buffer, without
+    strides): what all replicas must agree on.
+
+    requires_grad: a parameter frozen on one rank only gets no gradient there, so the ranks
+    would put different tensors in one bucket (a wrong average, then a mismatched collective).
 
     Strides, as torch checks them: a gradient lands in its bucket in its parameter's memory
     order, so one rank's channels_last weight against another's row-major one would add
@@ -62,7 +65,8 @@ def describe(module: nn.Module, buffers: bool = True) -> list[tuple]:
     """
     def entry(kind: str, name: str, t: torch.Tensor, strides: bool) -> tuple:
         return (f"{kind} '{name}'", tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                tuple(t.stride()) if strides else None)
+                tuple(t.stride()) if strides else None,
+                ("trainable" if t.requires_grad else "frozen") if strides else None)
 
     items = [entry("parameter", n, t, True) for n, t in module.named_parameters()]
     if buffers:
@@ -70,44 +74,73 @@ def describe(module: nn.Module, buffers: bool = True) -> list[tuple]:
     return items
 
 
-def verify_same_model(module: nn.Module, group=None, buffers: bool = True) -> None:
+def verify_same_model(module: nn.Module, group=None, buffers: bool = True,
+                      settings: dict | None = None, wrapper: str = "DistributedDataParallel",
+                      ) -> None:
     """Raise MicroDDPError on every rank (not a hang on some) if the replicas' layouts differ.
-    `buffers`: compare the buffers too (they will be overwritten with rank 0's)."""
+    `buffers`: compare the buffers too (they will be overwritten with rank 0's). `settings`:
+    the wrapper's own arguments that must agree too (bucket sizes, a ZeRO stage), by name;
+    one exchange carries both."""
     if not distributed(group):
         return
     mine = describe(module, buffers)
+    gathered = all_gather_values([mine, {k: v if isinstance(v, str) else repr(v)
+                                         for k, v in (settings or {}).items()}],
+                                 group=group)
     # JSON turns tuples into lists; back to tuples, so every rank's entries compare and print alike
     everyone = [[tuple(tuple(x) if isinstance(x, list) else x for x in e) for e in desc]
-                for desc in all_gather_values(mine, group=group)]
+                for desc, _ in gathered]
     problem = first_difference(everyone)
     if problem:
         raise MicroDDPError(
             f"the model differs across ranks: {problem}; build the same model (same code, same "
-            "arguments) on every rank before wrapping it in DistributedDataParallel")
+            f"arguments) on every rank before wrapping it in {wrapper}")
+    problem = setting_difference([chosen for _, chosen in gathered])
+    if problem:
+        raise MicroDDPError(f"{wrapper} was built with different arguments on different ranks: "
+                            f"{problem}; pass the same arguments on every rank")
+
+
+def _by_rank(seen: dict[str, list[int]]) -> str:
+    """"ranks 0, 2: x; rank 1: y": who holds which value."""
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {w}"
+                     for w, r in seen.items())
+
+
+def setting_difference(everyone: list[dict[str, str]]) -> str | None:
+    """Describe the first setting whose value is not the same on every rank."""
+    for name in dict.fromkeys(k for chosen in everyone for k in chosen):
+        seen: dict[str, list[int]] = {}
+        for rank, chosen in enumerate(everyone):
+            seen.setdefault(f"{name}={chosen.get(name, 'missing')}", []).append(rank)
+        if len(seen) > 1:
+            return f"{name} is not the same everywhere ({_by_rank(seen)})"
+    return None
 
 
 def first_difference(everyone: list[list[tuple]]) -> str | None:
-    """Describe the first parameter or buffer whose name, shape, dtype or strides are not the
-    same everywhere (strides are named only when shape and dtype agree)."""
+    """Describe the first parameter or buffer whose name, shape, dtype, strides or
+    requires_grad are not the same everywhere (each named only when the ones before agree)."""
     tables = [{name: rest for name, *rest in desc} for desc in everyone]
     names = list(dict.fromkeys(name for desc in everyone for name, *_ in desc))
     for name in names:
-        for aspect in ("shape", "strides"):
+        for aspect in ("shape", "strides", "requires_grad"):
             seen: dict[str, list[int]] = {}
             for rank, table in enumerate(tables):
                 if name not in table:
                     what = "no such entry"
                 elif aspect == "shape":
                     what = f"shape {table[name][0]} {table[name][1]}"
-                else:
+                elif aspect == "strides":
                     what = f"strides {table[name][2]}"
+                else:
+                    what = f"{table[name][3]}"
                 seen.setdefault(what, []).append(rank)
             if len(seen) > 1:
-                parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {w}"
-                                  for w, r in seen.items())
-                hint = (" (a memory format such as channels_last on some ranks only?)"
-                        if aspect == "strides" else "")
-                return f"{name} is not the same everywhere ({parts}){hint}"
+                hint = {"strides": " (a memory format such as channels_last on some ranks only?)",
+                        "requires_grad": " (requires_grad differs: freeze the same parameters "
+                                         "on every rank)"}.get(aspect, "")
+                return f"{name} is not the same everywhere ({_by_rank(seen)}){hint}"
     orders = {tuple(name for name, *_ in desc) for desc in everyone}
     if len(orders) > 1:
         return "parameters and buffers are registered in a different order on different ranks"

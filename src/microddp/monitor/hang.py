@@ -172,14 +172,23 @@ class Monitor:
             first = self.store.add(self.key("request"), 1) == 1
             self._answer()
             if first:
+                waited = self._waited(stalled) if own else None
                 statuses = self._statuses()
                 self.report = format_report(self.rank, stalled, statuses, self.world_size,
-                                            self.timeout_s if own else None, why,
-                                            self._dump_folder())
+                                            waited, why, self._dump_folder())
                 self.store.set(self.key("report"), self.report)
             else:
                 self.report = self._fetch_report()
             return self.report
+
+    def _waited(self, stalled: Entry | None) -> float:
+        """The seconds the report's head names: the monitor's threshold, unless the wait
+        ended before it (the group's own, shorter timeout ran out first: a gloo recv, a
+        shared-memory wait), then the time it really waited."""
+        if stalled is None:
+            return self.timeout_s
+        waited = time.monotonic() - stalled.started
+        return self.timeout_s if waited >= self.timeout_s else round(waited, 1)
 
     def _dump_folder(self) -> str | None:
         return str(self.dumped[0].parent) if self.dumped else None

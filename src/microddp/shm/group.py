@@ -50,13 +50,25 @@ def sizes(size: int) -> tuple[int, int]:
     """(slot, small) bytes for a group of `size` ranks: the defaults above, or
     MICRODDP_SHM_SLOT_BYTES and MICRODDP_SHM_SMALL_BYTES (the same on every rank; tests use
     them to cross every threshold with small tensors). A slot is whole 64-byte lines."""
-    slot = int(os.environ.get("MICRODDP_SHM_SLOT_BYTES", SLOT_BYTES)) // 64 * 64
-    small = int(os.environ.get("MICRODDP_SHM_SMALL_BYTES",
-                               slot if size == 2 else SMALL_BYTES))
-    if slot < 64 or small < 0:
-        raise MicroDDPError(f"MICRODDP_SHM_SLOT_BYTES must be at least 64 and "
-                            f"MICRODDP_SHM_SMALL_BYTES at least 0, got {slot} and {small}")
+    slot = _env_bytes("MICRODDP_SHM_SLOT_BYTES", SLOT_BYTES, 64) // 64 * 64
+    small = _env_bytes("MICRODDP_SHM_SMALL_BYTES", slot if size == 2 else SMALL_BYTES, 0)
     return slot, small
+
+
+def _env_bytes(name: str, default: int, least: int) -> int:
+    """A whole number of bytes, at least `least`, from environment variable `name`; the
+    value as the user wrote it in the one-line refusal (not as rounded or parsed)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise MicroDDPError(f"{name} must be a whole number of bytes, at least {least}, "
+                            f"got {raw!r}; unset it for the default ({default})")
+    return value
 FOLDS = {"sum": torch.add, "avg": torch.add, "product": torch.mul,
          "min": torch.minimum, "max": torch.maximum}
 DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
@@ -84,15 +96,22 @@ def fold(op: str, parts: list[torch.Tensor], out: torch.Tensor) -> None:
 def fold_into(op: str, parts: list[torch.Tensor], own: torch.Tensor, rank: int) -> None:
     """`fold` of `parts` into `own`, which holds parts[rank] (this rank's input) and so need
     not be read from its slot. Ranks 0 and 1 start in place, own = op(own, parts[1 - rank]):
-    x1 + x0 is x0 + x1 to the bit (IEEE addition and multiplication commute, as do min and
-    max), and an in-place op moves a quarter less memory than one with a separate output (no
-    read of the destination before it is written over: 0.38 against 0.55 ms for an add of
-    4 MiB here). A later rank must start from parts[0] + parts[1], so it cannot."""
+    x1 + x0 is x0 + x1 to the bit (IEEE addition and multiplication commute; min and max do
+    not, for signed zeros, so rank 1 keeps the order x0, x1 there), and an in-place op moves
+    a quarter less memory than one with a separate output (no read of the destination
+    before it is written over: 0.38 against 0.55 ms for an add of 4 MiB here). A later rank
+    must start from parts[0] + parts[1], so it cannot."""
     if rank > 1:
         fold(op, parts, own)
         return
     fn = FOLDS[op]
-    fn(own, parts[1 - rank], out=own)
+    if rank == 1 and op in ("min", "max"):
+        # min and max do not commute to the bit: of +0.0 and -0.0 (equal) each returns its
+        # first argument, so rank 1 keeps rank 0's order, x0 first (an output that is also
+        # an input is fine for an element-wise op).
+        fn(parts[0], own, out=own)
+    else:
+        fn(own, parts[1 - rank], out=own)
     for t in parts[2:]:
         fn(own, t, out=own)
 

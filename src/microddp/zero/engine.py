@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from .. import comms, spans
-from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB
+from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, MiB, check_bucket_cap
+from ..dp.sync import verify_same_model
 from ..errors import MicroDDPError
 from ..monitor.memory import measure
 from .comm import Sent, broadcast_shards, trace_when_done
@@ -67,8 +68,16 @@ class Zero(nn.Module):
             raise MicroDDPError("LBFGS needs the whole gradient at once (a line search over "
                                 "all parameters), so it cannot step a shard; use an element-wise "
                                 "optimizer such as SGD, Adam or AdamW")
+        check_bucket_cap(bucket_cap_mb)
         self.module, self.stage = module, stage
         self.world_size, self.rank = comms.group_size(), comms.group_rank()
+        # One rank with another layer size, a frozen parameter, stage, optimizer or bucket
+        # size would train on with diverging losses (or abort inside gloo): refuse it here.
+        optimizer = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+        given_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)  # 25 is 25.0
+        verify_same_model(module, wrapper="Zero", settings={
+            "stage": stage, "optimizer": optimizer,
+            "optimizer options": dict(sorted(defaults.items())), "bucket_cap_mb": given_mb})
         self._sync_initial_state()
         params, groups, options = trainable_groups(module, param_groups)
         if not params:
