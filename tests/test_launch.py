@@ -161,9 +161,12 @@ def test_microddp_workers_run_unchanged_under_torchrun():
     assert "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1" in out.stdout
 
 
-def test_a_backend_used_unregistered_gets_the_line_that_registers_it(tmp_path):
-    """dist.init_process_group("microddp") without `import microddp.backend`: torch's own
-    error (an AssertionError: "Unknown backend type microddp") says nothing about the cure."""
+def test_a_backend_used_unregistered_gets_the_line_that_registers_it(tmp_path, monkeypatch):
+    """dist.init_process_group("microddp") without `import microddp.backend`, where torch's
+    autoload of installed backends is off (an installed microddp registers it through its
+    `torch.backends` entry point otherwise: tests/test_backend_autoload.py): torch's own error
+    ("Unknown backend type microddp") says nothing about the cure."""
+    monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     script = write(tmp_path, "noimport.py", """
         import torch.distributed as dist
         dist.init_process_group("microddp")
