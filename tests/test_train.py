@@ -165,6 +165,7 @@ def test_metrics_after_a_mid_epoch_resume_equal_an_uninterrupted_run(tmp_path):
     path = tmp_path / "old" / "checkpoints" / "ckpt-00000007.pt"
     state = torch.load(path, weights_only=True)
     del state["interval_loss"]
+    del state["digest"]  # a file from before the meter was from before digests too
     torch.save(state, path)
     old = _spawn(2, tmp_path / "old", **run, resume=True)[0]
     _assert_equal(old["params"], ref["params"])

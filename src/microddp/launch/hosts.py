@@ -61,9 +61,10 @@ def launch_hosts(script: str, script_args: Sequence[str], *,
     if join_timeout <= 0:
         raise MicroDDPError(f"--join-timeout must be positive, got {join_timeout:g} seconds")
     if kw["nnodes"] > 1:
-        _warn_without_secret(kw["master_addr"], kw.get("master_port") or DEFAULT_PORT)
         roll_call(kw["master_addr"], kw.get("master_port") or DEFAULT_PORT, kw["nnodes"],
                   kw["node_rank"], join_timeout)
+        # after the roll call: a mistake in the addresses is the one line, not this warning
+        _warn_without_secret(kw["master_addr"], kw.get("master_port") or DEFAULT_PORT)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)
