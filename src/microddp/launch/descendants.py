@@ -74,19 +74,14 @@ class Descendants:
         children: dict[int, list[int]] = {}
         for pid, (ppid, _) in table.items():
             children.setdefault(ppid, []).append(pid)
-        todo = list(workers)
-        while todo:
-            for child in children.get(todo.pop(), ()):
-                if child not in self.seen:
-                    self.seen[child] = table[child][1]
-                    todo.append(child)
         worker_set = set(workers)
-        for pid, (ppid, start) in table.items():  # re-parented to us: orphans of the job
-            if ppid == self.me and pid not in worker_set and pid not in self.before \
-                    and start >= self.since and pid not in self.seen:
-                self.seen[pid] = start
-                todo.append(pid)
-        while todo:  # and what those orphans started
+        orphans = [pid for pid, (ppid, start) in table.items()  # re-parented to us
+                   if ppid == self.me and pid not in worker_set and pid not in self.before
+                   and start >= self.since and pid not in self.seen]
+        for pid in orphans:
+            self.seen[pid] = table[pid][1]
+        todo = [*workers, *orphans]  # and everything below them
+        while todo:
             for child in children.get(todo.pop(), ()):
                 if child not in self.seen:
                     self.seen[child] = table[child][1]
