@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..errors import MicroDDPError
 from .descendants import Descendants
+from .elastic_watch import ElasticWatch
 from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 MAX_WORKERS = 1024
@@ -125,10 +126,12 @@ def _command(script: str, script_args: list[str], module: bool) -> list[str]:
 
 
 def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
-              run_id: str, out: _Output, expendable: frozenset[int] = frozenset()) -> int:
+              run_id: str, out: _Output, expendable: frozenset[int] = frozenset(),
+              elastic: bool = False) -> int:
     """One attempt: start all workers, wait; on the first failure of a rank that is not
-    expendable stop the rest."""
+    expendable stop the rest (elastic: none stops the rest, launch/elastic_watch.py)."""
     agent = AgentStore.start(port)
+    watch = ElasticWatch(agent) if elastic else None
     envs = [worker_env(os.environ, r, n, agent, restart, max_restarts, run_id=run_id)
             for r in range(n)]
     tree = Descendants()  # before the workers: what they start, setsid or not, ends with them
@@ -142,6 +145,12 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
                 tree.watch(pids)
             polls += 1
             codes = [w.proc.poll() for w in workers]
+            if watch is not None:
+                code = watch.poll(codes)
+                if code is not None:
+                    return code
+                time.sleep(0.05)
+                continue
             failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
             spared = [w for w in failed if w.rank in expendable]
             failed = [w for w in failed if w.rank not in expendable]
@@ -164,6 +173,8 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
         tree.stop(pids, grace=1)
         for w in workers:
             w.reader.join(timeout=2)
+        if watch is not None:
+            watch.close()
         agent.close()
 
 
@@ -243,7 +254,8 @@ def _signals_stop_the_job():
 
 
 def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: bool = False,
-           max_restarts: int = 0, master_port: int = 0, expendable: Iterable[int] = ()) -> int:
+           max_restarts: int = 0, master_port: int = 0, expendable: Iterable[int] = (),
+           elastic: bool = False) -> int:
     """Run `script` (a module name with module=True, as `python -m`) on `nproc` local workers,
     restarting all of them up to `max_restarts` times; return the job's exit code.
 
@@ -268,7 +280,8 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: 
     out, run_id = _Output(), new_run_id()
     with _signals_stop_the_job():
         for attempt in range(max_restarts + 1):
-            code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out, spare)
+            code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out, spare,
+                             elastic)
             if out.closed.is_set():
                 return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
             if code == 0:

@@ -65,6 +65,9 @@ class TrainConfig:
     staleness: str = "0"  # async: the bound S, a whole number or "inf"
     staleness_lr: bool = False  # async: divide each gradient's step by its staleness
     backup_workers: int = 0  # async, staleness 0: each update takes the first N-b gradients
+    elastic: bool = False  # dp: lose ranks and go on in place (train/elastic.py)
+    min_ranks: int = 1  # --elastic: below this many ranks the job stops
+    elastic_timeout: float = 10.0  # --elastic: seconds a collective may block before it fails
 
     def __post_init__(self) -> None:
         # The GPT reads text: --model gpt without a --dataset means --dataset text.
@@ -188,6 +191,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--backup-workers", type=int, default=d.backup_workers, metavar="B",
       help="async with --staleness 0: each update uses the first N-B gradients to arrive "
            f"(default {d.backup_workers})")
+    add_elastic_arguments(p)
+
+
+def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
+    """--elastic and its settings (train/elastic.py)."""
+    d = TrainConfig()
+    p.add_argument("--elastic", action="store_true",
+                   help="dp: when a rank dies the others form a new group and go on in "
+                        "place, the global batch kept (no restart, nothing read from disk)")
+    p.add_argument("--min-ranks", type=int, default=d.min_ranks,
+                   help=f"--elastic: stop (with a checkpoint) below this many ranks "
+                        f"(default {d.min_ranks})")
+    p.add_argument("--elastic-timeout", type=float, default=d.elastic_timeout,
+                   help="--elastic: seconds a collective may block before it counts as "
+                        f"failed (default {d.elastic_timeout:g})")
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

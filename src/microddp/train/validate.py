@@ -65,6 +65,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.seed > MAX_SEED:  # NumPy's generators take 32 bits, torch's 64
         raise MicroDDPError(f"--seed must be at most {MAX_SEED} (2**32 - 1), got {cfg.seed}")
     at_least(1, tp=cfg.tp, heads=cfg.heads)
+    if cfg.elastic:
+        from .elastic_check import check as check_elastic
+
+        check_elastic(cfg, world_size)
     _check_size(cfg)
     n = cfg.nproc if world_size is None else world_size
     _check_model(cfg, n)

@@ -1,0 +1,66 @@
+"""The launcher's part in an elastic job (`microddp train --elastic`): no rank's end stops it.
+
+A worker that dies is reported and marked dead in the job's store (so the survivors need not
+wait for its heartbeat to stall: train/elastic_group.py); the survivors go on among themselves.
+The job ends when every worker has ended, or a while after the first finished the training
+(a rank fenced out while frozen may never wake on its own). Its exit code is 0 if a worker
+finished the training, else the first failure's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .procs import AgentStore
+
+def dead_key(member: int) -> str:
+    """The store key that says member `member`'s process has ended (train/elastic_group.py
+    reads it)."""
+    return f"elastic/dead/{member}"
+
+
+GRACE_S = 20.0  # after one worker finished: how long the others get to finish too
+
+
+class ElasticWatch:
+    """What the launcher's poll loop asks, for an elastic job."""
+
+    def __init__(self, agent: AgentStore) -> None:
+        self.agent = agent
+        self.marked: set[int] = set()
+        self.first_done: float | None = None
+        self.first_failure: int | None = None
+        self._store = None
+
+    def _mark_dead(self, rank: int) -> None:
+        from ..world.store_client import AuthStore  # noqa: PLC0415 (torch: only when needed)
+
+        try:
+            if self._store is None:
+                self._store = AuthStore(self.agent.addr, self.agent.secure_port,
+                                        self.agent.secret)
+            self._store.set(dead_key(rank), "1")
+        except Exception:  # noqa: BLE001 (the heartbeat watch notices it anyway)
+            pass
+
+    def poll(self, codes: list[int | None]) -> int | None:
+        """The job's exit code once it is over, else None; marks newly ended failures."""
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and rank not in self.marked:
+                self.marked.add(rank)
+                self._mark_dead(rank)
+                if self.first_failure is None:
+                    self.first_failure = code if code > 0 else 128 - code
+        if any(c == 0 for c in codes):
+            self.first_done = self.first_done or time.monotonic()
+            if all(c is not None for c in codes) or \
+                    time.monotonic() - self.first_done > GRACE_S:
+                return 0
+        elif all(c is not None for c in codes):
+            return self.first_failure or 1
+        return None
+
+    def close(self) -> None:
+        """Let go of the store connection."""
+        if self._store is not None:
+            self._store.close()

@@ -1,0 +1,187 @@
+"""Who is in an elastic job now: generations of members, heartbeats, fencing, all in the store.
+
+`microddp train --elastic` forms a new process group whenever a member is lost, without a
+coordinator process: the job's store (served by the launcher, or torchrun's agent, so it
+outlives any rank, rank 0 included) holds everything. Each membership is a *generation* g:
+its member ids are written once, by compare-and-set, at `elastic/g{g}/members`, and its gloo
+group meets under the prefix `elastic/g{g}/pg`, so nothing of an old group mixes with a new.
+
+A member that sees its group fail announces itself for generation g+1 with the step it
+completed; the first to see every old member either announced or dead (its heartbeat counter
+stalled, or the launcher marked it) writes the list, and everyone reads that one list. A rank
+left out (frozen by SIGSTOP, then woken) finds itself missing from the list it reads: it is
+fenced, and exits without writing anything of the new generation. A rank frozen inside a
+collective is noticed by the others' heartbeat watch, which aborts their wait on the group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..errors import MicroDDPError
+from ..launch.elastic_watch import dead_key
+from ..world.teardown import before_group, release, watch
+
+PREFIX = "elastic"
+HEARTBEAT_S = 0.1  # how often a member bumps its counter and reads the others'
+STALE_S = 1.0  # a counter still for this long is a member that is gone (dead or frozen)
+
+
+class Fenced(MicroDDPError):
+    """This rank was left out of the newest generation: it must stop and write nothing."""
+
+
+class Membership:
+    """This rank's view of the elastic job: its id, the generation it is in, its members."""
+
+    def __init__(self, store: dist.Store, me: int, timeout_s: float) -> None:
+        self.store, self.me, self.timeout_s = store, me, timeout_s
+        self.gen, self.members = -1, []
+        self._seen: dict[int, tuple[int, float]] = {}  # id -> (counter, when it last moved)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True,
+                                      name="microddp-elastic-heartbeat")
+
+    # -- keys -----------------------------------------------------------------------------
+    def _key(self, *parts) -> str:
+        return "/".join([PREFIX, *map(str, parts)])
+
+    # -- heartbeats ------------------------------------------------------------------------
+    def start(self, members: list[int]) -> None:
+        """Begin beating and watching, in generation 0 with `members`."""
+        self.store.add(self._key("hb", self.me), 1)
+        self._set_members(0, members)
+        self._beat.start()
+
+    def _set_members(self, gen: int, members: list[int]) -> None:
+        with self._lock:
+            self.gen, self.members = gen, list(members)
+            now = time.monotonic()
+            self._seen = {m: self._seen.get(m, (-1, now)) for m in members}
+
+    def _heartbeat(self) -> None:
+        # A thread of its own with its own store connection (AuthStore keeps one per thread):
+        # the main thread may sit in a collective for as long as the group's timeout.
+        aborted = -1  # the generation whose group this thread aborted (once is enough)
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.add(self._key("hb", self.me), 1)
+                with self._lock:
+                    watched, gen = list(self._seen), self.gen
+                now = time.monotonic()
+                for m in watched:
+                    count = self.store.add(self._key("hb", m), 0)  # add 0: a read that never waits
+                    with self._lock:
+                        last = self._seen.get(m)
+                        if last is not None and count != last[0]:
+                            self._seen[m] = (count, now)
+                if gen > aborted and any(self.gone(m) for m in watched if m != self.me):
+                    with self._lock:  # a frozen member: do not wait for gloo's timeout
+                        if self.gen == gen:  # never a group formed after the snapshot
+                            self._abort_group()
+                            aborted = gen
+            except Exception:  # noqa: BLE001 (the store went away: the job is ending)
+                if self._stop.is_set():
+                    return
+
+    def gone(self, member: int) -> bool:
+        """Whether `member` has stopped beating, or the launcher saw its process end."""
+        if member == self.me:
+            return False
+        with self._lock:
+            last = self._seen.get(member)
+        stalled = last is not None and time.monotonic() - last[1] > STALE_S
+        return stalled or self.store.check([dead_key(member)])
+
+    def _abort_group(self) -> None:
+        try:
+            if dist.is_initialized():
+                dist.distributed_c10d._get_default_group().abort()
+        except Exception:  # noqa: BLE001 (no abort on this backend: its timeout ends the wait)
+            pass
+
+    # -- groups ----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank's place in the current generation (its slice of every global batch)."""
+        return self.members.index(self.me)
+
+    @property
+    def size(self) -> int:
+        """How many members the current generation has."""
+        return len(self.members)
+
+    @property
+    def leader(self) -> bool:
+        """The lowest id of the generation: the one that prints, logs and saves."""
+        return self.members[0] == self.me
+
+    def form(self) -> None:
+        """Form this generation's process group (under its own prefix of the store)."""
+        before_group()
+        prefixed = dist.PrefixStore(self._key(f"g{self.gen}", "pg"), self.store)
+        dist.init_process_group("gloo", store=prefixed, rank=self.rank, world_size=self.size,
+                                timeout=timedelta(seconds=self.timeout_s))
+
+    def leave_group(self, broken: bool = False) -> None:
+        """Destroy the current process group, if any (local to this rank on gloo); a broken
+        one is aborted first, so that its connections close and its peers stop waiting."""
+        if dist.is_initialized():
+            if broken:
+                self._abort_group()
+            groups = watch()
+            dist.destroy_process_group()
+            release(groups)
+
+    def reform(self, completed: int) -> dict[int, int]:
+        """Leave the broken group and join the next generation; return every new member's
+        completed step. Raises Fenced if the next generation was formed without this rank."""
+        self.leave_group(broken=True)
+        gen = self.gen + 1
+        while True:
+            self.store.set(self._key(f"g{gen}", "in", self.me), str(completed))
+            members = self._decide(gen)
+            if self.me not in members:
+                raise Fenced(f"fenced out: generation {gen} formed without id {self.me} "
+                             f"(members {members})")
+            if self.store.check([self._key(f"g{gen + 1}", "members")]):
+                gen += 1  # already superseded while we were away: keep up
+                continue
+            self._set_members(gen, members)
+            self.store.set(self._key("gen"), str(gen))
+            steps = {m: int(self.store.get(self._key(f"g{gen}", "in", m))) for m in members}
+            self.form()
+            return steps
+
+    def _decide(self, gen: int) -> list[int]:
+        """The members of generation `gen`: decided once by whoever gets there first."""
+        where = self._key(f"g{gen}", "members")
+        deadline = time.monotonic() + 2 * self.timeout_s + STALE_S
+        while not self.store.check([where]):
+            announced = [m for m in self.members
+                         if self.store.check([self._key(f"g{gen}", "in", m)])]
+            waiting = [m for m in self.members if m not in announced and not self.gone(m)]
+            if not waiting or time.monotonic() > deadline:
+                self.store.compare_set(where, "", json.dumps(sorted(announced)))
+                break
+            time.sleep(0.02)
+        return json.loads(self.store.get(where))
+
+    def stop(self) -> None:
+        """Stop beating, then leave the group."""
+        self._stop.set()
+        if self._beat.is_alive():
+            self._beat.join(timeout=2)
+        self.leave_group()
+
+
+def member_id() -> int:
+    """This process's id in the elastic job: its launcher rank (a replacement gets a new one)."""
+    return int(os.environ.get("MICRODDP_ELASTIC_ID", os.environ.get("RANK", "0")))
