@@ -4,7 +4,7 @@ A worker that dies is reported and marked dead in the job's store (so the surviv
 wait for its heartbeat to stall: train/elastic_group.py); the survivors go on among themselves.
 The job ends when every worker has ended, or a while after the first finished the training
 (a rank fenced out while frozen may never wake on its own). Its exit code is 0 if a worker
-finished the training, else the first failure's.
+finished the training, else the last failure's (the survivors' verdict).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from .procs import AgentStore
+
 
 def dead_key(member: int) -> str:
     """The store key that says member `member`'s process has ended (train/elastic_group.py
@@ -29,7 +30,7 @@ class ElasticWatch:
         self.agent = agent
         self.marked: set[int] = set()
         self.first_done: float | None = None
-        self.first_failure: int | None = None
+        self.last_failure: int | None = None
         self._store = None
 
     def _mark_dead(self, rank: int) -> None:
@@ -49,15 +50,16 @@ class ElasticWatch:
             if code not in (None, 0) and rank not in self.marked:
                 self.marked.add(rank)
                 self._mark_dead(rank)
-                if self.first_failure is None:
-                    self.first_failure = code if code > 0 else 128 - code
+                # The last to end decides: the survivors' own verdict (below --min-ranks),
+                # not the first loss, which they were built to survive.
+                self.last_failure = code if code > 0 else 128 - code
         if any(c == 0 for c in codes):
             self.first_done = self.first_done or time.monotonic()
             if all(c is not None for c in codes) or \
                     time.monotonic() - self.first_done > GRACE_S:
                 return 0
         elif all(c is not None for c in codes):
-            return self.first_failure or 1
+            return self.last_failure or 1
         return None
 
     def close(self) -> None:

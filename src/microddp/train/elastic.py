@@ -17,8 +17,8 @@ finished the all-reduce), the one furthest on sends its state to the others.
 
 from __future__ import annotations
 
+import io
 import json
-import math
 import os
 import signal
 import subprocess
@@ -37,7 +37,7 @@ from ..monitor.memory import measure
 from ..world.rendezvous import store_args
 from .build import build_model, build_optimizer
 from .config import TrainConfig
-from .elastic_group import Fenced, Membership, member_id
+from .elastic_group import Fenced, MemberLost, Membership, member_id
 
 FAULT_ENV = "MICRODDP_ELASTIC_FAULT"  # tests: "kill:ID:STEP" or "stop:ID:STEP:SECONDS"
 FENCED_EXIT = 3
@@ -76,6 +76,24 @@ def _fault(me: int, step: int, out: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _to_bytes(state: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _broadcast_bytes(group: Membership, data: bytes | None, root: int) -> dict:
+    """`data` (a torch.save'd state) from group rank `root` to every member, loaded."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    group.wait(group.pg.broadcast([size], opts))
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
+           else torch.empty(int(size), dtype=torch.uint8))
+    group.wait(group.pg.broadcast([buf], opts))
+    return torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True)
+
+
 class ElasticJob:
     """One member's state: model, optimizer, where it is in the data, and its log files."""
 
@@ -109,12 +127,14 @@ class ElasticJob:
         grads = [p.grad for p in self.module.parameters()]
         flat = torch.cat([*(g.reshape(-1) for g in grads), loss_sum.detach().reshape(1)
                           / len(batch), used])
-        dist.all_reduce(flat)  # raises when a member is lost (or the heartbeat aborts it)
+        # Raises when a member is lost: gloo's error for a dead peer, MemberLost for a frozen one.
+        self.group.wait(self.group.pg.allreduce([flat]))
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         loss, counts = flat[offset].item(), flat[offset + 1:]
+        self.group.check_current()  # a woken, fenced rank stops here, before any write
         self.optimizer.step()
         self.step += 1
         with self.samples_log.open("a") as f:  # what the reduction says this step used
@@ -138,12 +158,12 @@ class ElasticJob:
         if all(s == best for s in steps.values()):
             return None
         source = min(m for m, s in steps.items() if s == best)
-        box = [self.state() if self.group.me == source else None]
-        dist.broadcast_object_list(box, src=self.group.members.index(source))
+        state = _broadcast_bytes(self.group, _to_bytes(self.state()) if self.group.me == source
+                                 else None, self.group.members.index(source))
         if self.group.me != source:
-            self.module.load_state_dict(box[0]["model"])
-            self.optimizer.load_state_dict(box[0]["optimizer"])
-            self.step = box[0]["step"]
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = state["step"]
         return source
 
     def save(self) -> Path:
@@ -178,12 +198,19 @@ def run(cfg: TrainConfig) -> int:
     group.form()
     job = ElasticJob(cfg, group)
     try:
-        return _train(job)
+        code = _train(job)
     except Fenced as e:
         print(f"[id {me}] {e}; exiting without writing", file=sys.stderr, flush=True)
-        return FENCED_EXIT
-    finally:
-        group.stop()
+        code = FENCED_EXIT
+    group.stop()
+    if group.abandoned:
+        # A group left with a call still waiting on a frozen peer: its thread ends only at
+        # gloo's timeout, and freeing it at exit would wait for that (or abort the process).
+        # Everything of ours is written and flushed: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _train(job: ElasticJob) -> int:
@@ -201,22 +228,27 @@ def _train(job: ElasticJob) -> int:
         error = None
         try:
             loss = job.run_step()
-        except (RuntimeError, dist.DistError) as e:
-            # Out of the except block before the group is destroyed: the traceback's frames
-            # hold the broken group, whose connections must close now (its peers wait on them).
-            error = type(e).__name__
+        except (RuntimeError, MemberLost, dist.DistError) as e:
+            # Re-formed out of the except block: the traceback's frames hold the old group.
+            text = str(e).splitlines()[0] if str(e) else ""
+            error = f"{type(e).__name__}: {text.rpartition('] ')[2][:100]}"  # no gloo path
         if error is not None:
             failed_at = failed_at or time.time()
             before = group.members
-            steps = group.reform(job.step)
-            lost = [m for m in before if m not in group.members]
-            if group.size < cfg.min_ranks:
-                path = job.save() if group.leader else None
-                _say(job, f"microddp train --elastic: {group.size} rank(s) left, fewer than "
-                          f"--min-ranks {cfg.min_ranks}; stopping at step {job.step}; last "
-                          f"checkpoint {path}")
-                return BELOW_MIN_EXIT
-            source = job.sync_from(steps)
+            while True:  # a member lost while the new group forms: form the next one
+                steps = group.reform(job.step)
+                lost = [m for m in before if m not in group.members]
+                if group.size < cfg.min_ranks:
+                    path = job.save() if group.leader else None
+                    _say(job, f"microddp train --elastic: {group.size} rank(s) left, fewer "
+                              f"than --min-ranks {cfg.min_ranks}; stopping at step {job.step}; "
+                              f"last checkpoint {path}")
+                    return BELOW_MIN_EXIT
+                try:
+                    source = job.sync_from(steps)
+                    break
+                except (RuntimeError, MemberLost):
+                    continue
             _say(job, f"lost id(s) {lost} at step {job.step + 1} ({error}); "
                       f"generation {group.gen}: {group.size} ranks {group.members}"
                       + (f", state from id {source}" if source is not None else ""))

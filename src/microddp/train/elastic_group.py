@@ -26,11 +26,15 @@ import torch.distributed as dist
 
 from ..errors import MicroDDPError
 from ..launch.elastic_watch import dead_key
-from ..world.teardown import before_group, release, watch
 
 PREFIX = "elastic"
 HEARTBEAT_S = 0.1  # how often a member bumps its counter and reads the others'
-STALE_S = 1.0  # a counter still for this long is a member that is gone (dead or frozen)
+STALE_S = 1.0
+POLL_S = 0.0005  # how often a waiting collective looks at the heartbeat verdict  # a counter still for this long is a member that is gone (dead or frozen)
+
+
+class MemberLost(RuntimeError):
+    """A member of the current generation stopped beating during a collective."""
 
 
 class Fenced(MicroDDPError):
@@ -43,6 +47,10 @@ class Membership:
     def __init__(self, store: dist.Store, me: int, timeout_s: float) -> None:
         self.store, self.me, self.timeout_s = store, me, timeout_s
         self.gen, self.members = -1, []
+        self.pg = None  # this generation's gloo group
+        self.suspect = False  # the heartbeat watch found a member of this generation gone
+        self._in_flight = None  # a call given up on (MemberLost)
+        self.abandoned: list = []  # groups left with a call in flight, and those calls
         self._seen: dict[int, tuple[int, float]] = {}  # id -> (counter, when it last moved)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -57,19 +65,19 @@ class Membership:
     def start(self, members: list[int]) -> None:
         """Begin beating and watching, in generation 0 with `members`."""
         self.store.add(self._key("hb", self.me), 1)
+        self.store.compare_set(self._key("gen"), "", "0")
         self._set_members(0, members)
         self._beat.start()
 
     def _set_members(self, gen: int, members: list[int]) -> None:
         with self._lock:
-            self.gen, self.members = gen, list(members)
+            self.gen, self.members, self.suspect = gen, list(members), False
             now = time.monotonic()
             self._seen = {m: self._seen.get(m, (-1, now)) for m in members}
 
     def _heartbeat(self) -> None:
         # A thread of its own with its own store connection (AuthStore keeps one per thread):
         # the main thread may sit in a collective for as long as the group's timeout.
-        aborted = -1  # the generation whose group this thread aborted (once is enough)
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(self._key("hb", self.me), 1)
@@ -82,11 +90,10 @@ class Membership:
                         last = self._seen.get(m)
                         if last is not None and count != last[0]:
                             self._seen[m] = (count, now)
-                if gen > aborted and any(self.gone(m) for m in watched if m != self.me):
-                    with self._lock:  # a frozen member: do not wait for gloo's timeout
-                        if self.gen == gen:  # never a group formed after the snapshot
-                            self._abort_group()
-                            aborted = gen
+                lost = any(self.gone(m) for m in watched if m != self.me)
+                with self._lock:
+                    if self.gen == gen:  # not a verdict on a group formed since the snapshot
+                        self.suspect = lost
             except Exception:  # noqa: BLE001 (the store went away: the job is ending)
                 if self._stop.is_set():
                     return
@@ -100,12 +107,16 @@ class Membership:
         stalled = last is not None and time.monotonic() - last[1] > STALE_S
         return stalled or self.store.check([dead_key(member)])
 
-    def _abort_group(self) -> None:
-        try:
-            if dist.is_initialized():
-                dist.distributed_c10d._get_default_group().abort()
-        except Exception:  # noqa: BLE001 (no abort on this backend: its timeout ends the wait)
-            pass
+    def wait(self, work) -> None:
+        """Wait for `work` of this generation's group; raise MemberLost as soon as the
+        heartbeat watch finds a member gone (a frozen member never makes gloo fail: only its
+        timeout would, and gloo's abort does not end a wait)."""
+        while not work.is_completed():
+            if self.suspect:
+                self._in_flight = work  # still running: the group must outlive it
+                raise MemberLost(f"a member of generation {self.gen} stopped beating")
+            time.sleep(POLL_S)
+        work.wait()  # raises the group's error, if the call failed
 
     # -- groups ----------------------------------------------------------------------------
     @property
@@ -124,26 +135,24 @@ class Membership:
         return self.members[0] == self.me
 
     def form(self) -> None:
-        """Form this generation's process group (under its own prefix of the store)."""
-        before_group()
+        """Form this generation's gloo group (under its own prefix of the store). A group of
+        its own, not torch's default one: a broken group can then be left while a call of
+        it still waits on a frozen peer, which destroying the default group would wait for."""
         prefixed = dist.PrefixStore(self._key(f"g{self.gen}", "pg"), self.store)
-        dist.init_process_group("gloo", store=prefixed, rank=self.rank, world_size=self.size,
-                                timeout=timedelta(seconds=self.timeout_s))
+        self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size,
+                                        timedelta(seconds=self.timeout_s))
 
-    def leave_group(self, broken: bool = False) -> None:
-        """Destroy the current process group, if any (local to this rank on gloo); a broken
-        one is aborted first, so that its connections close and its peers stop waiting."""
-        if dist.is_initialized():
-            if broken:
-                self._abort_group()
-            groups = watch()
-            dist.destroy_process_group()
-            release(groups)
+    def leave_group(self) -> None:
+        """Let go of the current group. One with a call still in flight is kept referenced
+        (its thread waits out gloo's timeout): freeing it would join that thread now."""
+        if self._in_flight is not None:
+            self.abandoned.append((self.pg, self._in_flight))
+        self.pg, self._in_flight = None, None
 
     def reform(self, completed: int) -> dict[int, int]:
         """Leave the broken group and join the next generation; return every new member's
         completed step. Raises Fenced if the next generation was formed without this rank."""
-        self.leave_group(broken=True)
+        self.leave_group()
         gen = self.gen + 1
         while True:
             self.store.set(self._key(f"g{gen}", "in", self.me), str(completed))
@@ -173,6 +182,14 @@ class Membership:
                 break
             time.sleep(0.02)
         return json.loads(self.store.get(where))
+
+    def check_current(self) -> None:
+        """Raise Fenced if a newer generation has formed (without this rank, or it would have
+        left this one): what a rank frozen and woken finds before it writes anything."""
+        newest = int(self.store.get(self._key("gen")))
+        if newest != self.gen:
+            raise Fenced(f"fenced out: generation {newest} formed while id {self.me} was in "
+                         f"generation {self.gen}")
 
     def stop(self) -> None:
         """Stop beating, then leave the group."""
