@@ -83,3 +83,26 @@ def test_below_min_ranks_the_job_stops_with_its_checkpoint(tmp_path):
     assert saved["step"] == 2
     assert max((saved["model"][k] - ref[k]).abs().max().item() for k in ref) <= ATOL
     assert leftovers(out) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_replacement_joins_with_a_live_ranks_state(tmp_path, monkeypatch):
+    # Each step sleeps a little, so that the replacement (a new process: torch, the data)
+    # is ready while the job still runs.
+    monkeypatch.setenv("MICRODDP_ELASTIC_STEP_S", "0.5")
+    out = tmp_path / "run"
+    job = run_elastic(out, 4, "kill:1:3", "--replacements", "1", settings={"epochs": 4})
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "microddp run: starting id 4 in slot 1" in job.stderr
+    changes = membership(out)
+    assert [(c["lost"], c.get("joined", [])) for c in changes] == [([1], []), ([], [4])]
+    assert changes[-1]["members"] == [0, 2, 3, 4]
+    assert "[id 4] joined generation 2 at step" in job.stdout
+    joined_at = changes[-1]["step"]
+    # The newcomer's first step is the one after it joined: state from a live rank, not disk.
+    first = json.loads((out / "samples-4.jsonl").read_text().splitlines()[0])
+    assert first["step"] == joined_at + 1 and first["members"] == [0, 2, 3, 4]
+    assert max_diff(out, reference(tmp_path / "ref", epochs=4)) <= ATOL
+    check_samples(out, steps=48)
+    assert leftovers(out) == []

@@ -26,8 +26,12 @@ GRACE_S = 20.0  # after one worker finished: how long the others get to finish t
 class ElasticWatch:
     """What the launcher's poll loop asks, for an elastic job."""
 
-    def __init__(self, agent: AgentStore) -> None:
-        self.agent = agent
+    def __init__(self, agent: AgentStore, n: int, replacements: int = 0) -> None:
+        self.agent, self.budget = agent, replacements
+        self.ids = list(range(n))  # each worker's member id, in the launcher's order
+        self.slots = list(range(n))  # each worker's launcher slot (a replacement takes over one)
+        self.next_id = n
+        self._pending: list[tuple[int, int]] = []
         self.marked: set[int] = set()
         self.first_done: float | None = None
         self.last_failure: int | None = None
@@ -46,10 +50,17 @@ class ElasticWatch:
 
     def poll(self, codes: list[int | None]) -> int | None:
         """The job's exit code once it is over, else None; marks newly ended failures."""
-        for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in self.marked:
-                self.marked.add(rank)
-                self._mark_dead(rank)
+        for pos, code in enumerate(codes):
+            if code not in (None, 0) and pos not in self.marked:
+                self.marked.add(pos)
+                self._mark_dead(self.ids[pos])
+                alive = any(c is None for c in codes)
+                if self.budget > 0 and alive and not any(c == 0 for c in codes):
+                    self.budget -= 1  # a replacement takes the lost worker's slot
+                    self._pending.append((self.slots[pos], self.next_id))
+                    self.ids.append(self.next_id)
+                    self.slots.append(self.slots[pos])
+                    self.next_id += 1
                 # The last to end decides: the survivors' own verdict (below --min-ranks),
                 # not the first loss, which they were built to survive.
                 self.last_failure = code if code > 0 else 128 - code
@@ -61,6 +72,17 @@ class ElasticWatch:
         elif all(c is not None for c in codes):
             return self.last_failure or 1
         return None
+
+    def take_replacements(self) -> list[tuple[int, int]]:
+        """(slot, new member id) of each replacement to start now; the slot's environment is
+        the lost worker's (its LOCAL_RANK: its device)."""
+        out, self._pending = self._pending, []
+        return out
+
+    @staticmethod
+    def replacement_env(member: int) -> dict[str, str]:
+        """What tells a new worker it joins a running elastic job, and under which id."""
+        return {"MICRODDP_ELASTIC_ID": str(member), "MICRODDP_ELASTIC_JOIN": "1"}
 
     def close(self) -> None:
         """Let go of the store connection."""

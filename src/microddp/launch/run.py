@@ -127,11 +127,11 @@ def _command(script: str, script_args: list[str], module: bool) -> list[str]:
 
 def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
               run_id: str, out: _Output, expendable: frozenset[int] = frozenset(),
-              elastic: bool = False) -> int:
+              elastic: bool = False, replacements: int = 0) -> int:
     """One attempt: start all workers, wait; on the first failure of a rank that is not
     expendable stop the rest (elastic: none stops the rest, launch/elastic_watch.py)."""
     agent = AgentStore.start(port)
-    watch = ElasticWatch(agent) if elastic else None
+    watch = ElasticWatch(agent, n, replacements) if elastic else None
     envs = [worker_env(os.environ, r, n, agent, restart, max_restarts, run_id=run_id)
             for r in range(n)]
     tree = Descendants()  # before the workers: what they start, setsid or not, ends with them
@@ -149,6 +149,12 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
                 code = watch.poll(codes)
                 if code is not None:
                     return code
+                for slot, member in watch.take_replacements():  # the lost rank's slot, a new id
+                    print(f"microddp run: starting id {member} in slot {slot} (a replacement; "
+                          f"it joins the others at a step boundary)", file=sys.stderr, flush=True)
+                    env = {**envs[slot], **watch.replacement_env(member)}
+                    workers.append(_Worker(member, cmd, env, out))
+                    pids.append(workers[-1].proc.pid)
                 time.sleep(0.05)
                 continue
             failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
@@ -255,7 +261,7 @@ def _signals_stop_the_job():
 
 def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: bool = False,
            max_restarts: int = 0, master_port: int = 0, expendable: Iterable[int] = (),
-           elastic: bool = False) -> int:
+           elastic: bool = False, replacements: int = 0) -> int:
     """Run `script` (a module name with module=True, as `python -m`) on `nproc` local workers,
     restarting all of them up to `max_restarts` times; return the job's exit code.
 
@@ -281,7 +287,7 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: 
     with _signals_stop_the_job():
         for attempt in range(max_restarts + 1):
             code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out, spare,
-                             elastic)
+                             elastic, replacements)
             if out.closed.is_set():
                 return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
             if code == 0:

@@ -67,7 +67,7 @@ def start(cfg: TrainConfig) -> int:
         expendable = range(1, cfg.nproc) if strategy_entry(cfg.strategy).expendable else ()
         code = launch("microddp.train", cfg.to_argv(), nproc=cfg.nproc, module=True,
                       max_restarts=cfg.max_restarts, expendable=expendable,
-                      elastic=cfg.elastic)
+                      elastic=cfg.elastic, replacements=cfg.replacements)
         return code
     finally:
         # A run stopped or failed before it wrote anything leaves no empty folder behind.

@@ -68,6 +68,7 @@ class TrainConfig:
     elastic: bool = False  # dp: lose ranks and go on in place (train/elastic.py)
     min_ranks: int = 1  # --elastic: below this many ranks the job stops
     elastic_timeout: float = 10.0  # --elastic: seconds a collective may block before it fails
+    replacements: int = 0  # --elastic: ranks the launcher may start to replace lost ones
 
     def __post_init__(self) -> None:
         # The GPT reads text: --model gpt without a --dataset means --dataset text.
@@ -98,7 +99,7 @@ class TrainConfig:
         defaults = TrainConfig()
         for f in fields(self):
             value, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
-            if value == getattr(defaults, f.name) or f.name in ("nproc", "max_restarts"):
+            if value == getattr(defaults, f.name) or f.name in ("nproc", "max_restarts", "replacements"):
                 continue
             if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + flag[2:])
@@ -206,6 +207,9 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--elastic-timeout", type=float, default=d.elastic_timeout,
                    help="--elastic: seconds a collective may block before it counts as "
                         f"failed (default {d.elastic_timeout:g})")
+    p.add_argument("--replacements", type=int, default=d.replacements,
+                   help="--elastic: start up to K new ranks in place of lost ones; each joins at "
+                        "a step boundary with the state of a live rank (default 0)")
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

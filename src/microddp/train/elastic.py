@@ -39,6 +39,8 @@ from .build import build_model, build_optimizer
 from .config import TrainConfig
 from .elastic_group import Fenced, MemberLost, Membership, member_id
 
+JOIN_ENV = "MICRODDP_ELASTIC_JOIN"  # set by the launcher for a replacement rank
+STEP_SLEEP_ENV = "MICRODDP_ELASTIC_STEP_S"  # tests: seconds each step sleeps (room to join)
 FAULT_ENV = "MICRODDP_ELASTIC_FAULT"  # tests: "kill:ID:STEP" or "stop:ID:STEP:SECONDS"
 FENCED_EXIT = 3
 BELOW_MIN_EXIT = 1
@@ -109,6 +111,8 @@ class ElasticJob:
         total = self.per_epoch * cfg.epochs
         self.total = min(total, cfg.max_steps) if cfg.max_steps else total
         self.step = 0  # optimizer steps completed
+        self.grow = False  # the last step's reduction said a replacement waits to join
+        self.source: int | None = None  # whose state the last regrouping sent, if any
         self.samples_log = self.out / f"samples-{group.me}.jsonl"
 
     # -- one step --------------------------------------------------------------------------
@@ -125,15 +129,19 @@ class ElasticJob:
         used = torch.zeros(len(self.train_set))
         used[mine] = 1.0
         grads = [p.grad for p in self.module.parameters()]
-        flat = torch.cat([*(g.reshape(-1) for g in grads), loss_sum.detach().reshape(1)
-                          / len(batch), used])
+        # A member that saw a replacement register says so in the step's own reduction, so
+        # every member grows the group after the same step.
+        joining = torch.tensor([1.0 if self.group.join_pending() else 0.0])
+        flat = torch.cat([*(g.reshape(-1) for g in grads), joining,
+                          loss_sum.detach().reshape(1) / len(batch), used])
         # Raises when a member is lost: gloo's error for a dead peer, MemberLost for a frozen one.
         self.group.wait(self.group.pg.allreduce([flat]))
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        loss, counts = flat[offset].item(), flat[offset + 1:]
+        self.grow = flat[offset].item() > 0
+        loss, counts = flat[offset + 1].item(), flat[offset + 2:]
         self.group.check_current()  # a woken, fenced rank stops here, before any write
         self.optimizer.step()
         self.step += 1
@@ -194,11 +202,20 @@ def run(cfg: TrainConfig) -> int:
     store = store_args(None, None, int(os.environ.get("RANK", "0")), n,
                        timedelta(seconds=60))["store"]
     group = Membership(store, me, cfg.elastic_timeout)
-    group.start(list(range(n)))
-    group.form()
+    joiner = os.environ.get(JOIN_ENV) == "1"
+    # Data and model first: their imports and loading would otherwise hold up this member's
+    # heartbeats (and a replacement's way in) for seconds.
     job = ElasticJob(cfg, group)
     try:
-        code = _train(job)
+        if joiner:  # a replacement: in at a step boundary, its state from a live member
+            steps = group.join()
+            job.source = job.sync_from(steps)
+            print(f"[id {me}] joined generation {group.gen} at step {job.step}: "
+                  f"{group.size} ranks {group.members}, state from id {job.source}", flush=True)
+        else:
+            group.start(list(range(n)))
+            group.form()
+        code = _train(job, fresh=not joiner)
     except Fenced as e:
         print(f"[id {me}] {e}; exiting without writing", file=sys.stderr, flush=True)
         code = FENCED_EXIT
@@ -213,9 +230,29 @@ def run(cfg: TrainConfig) -> int:
     return code
 
 
-def _train(job: ElasticJob) -> int:
+def _regroup(job: ElasticJob, broken: bool) -> bool:
+    """Form the next generation (again, if a member is lost meanwhile) and bring every member
+    to the furthest member's state; False if fewer than --min-ranks are left (then the
+    leader has saved a checkpoint and said so in one line)."""
+    group, cfg = job.group, job.cfg
+    while True:
+        steps = group.reform(job.step, broken=broken)
+        if group.size < cfg.min_ranks:
+            path = job.save() if group.leader else None
+            _say(job, f"microddp train --elastic: {group.size} rank(s) left, fewer than "
+                      f"--min-ranks {cfg.min_ranks}; stopping at step {job.step}; last "
+                      f"checkpoint {path}")
+            return False
+        try:
+            job.source = job.sync_from(steps)
+            return True
+        except (RuntimeError, MemberLost):
+            broken = True
+
+
+def _train(job: ElasticJob, fresh: bool = True) -> int:
     cfg, group = job.cfg, job.group
-    if group.leader:
+    if group.leader and fresh:
         (job.out / "metrics.jsonl").write_text("")
     _say(job, f"microddp train --elastic: {group.size} ranks, dp over gloo, {cfg.dataset}, "
               f"global batch {cfg.batch_size}, {job.total} steps; survives losing ranks down "
@@ -235,24 +272,25 @@ def _train(job: ElasticJob) -> int:
         if error is not None:
             failed_at = failed_at or time.time()
             before = group.members
-            while True:  # a member lost while the new group forms: form the next one
-                steps = group.reform(job.step)
-                lost = [m for m in before if m not in group.members]
-                if group.size < cfg.min_ranks:
-                    path = job.save() if group.leader else None
-                    _say(job, f"microddp train --elastic: {group.size} rank(s) left, fewer "
-                              f"than --min-ranks {cfg.min_ranks}; stopping at step {job.step}; "
-                              f"last checkpoint {path}")
-                    return BELOW_MIN_EXIT
-                try:
-                    source = job.sync_from(steps)
-                    break
-                except (RuntimeError, MemberLost):
-                    continue
+            if not _regroup(job, broken=True):
+                return BELOW_MIN_EXIT
+            lost = [m for m in before if m not in group.members]
             _say(job, f"lost id(s) {lost} at step {job.step + 1} ({error}); "
                       f"generation {group.gen}: {group.size} ranks {group.members}"
-                      + (f", state from id {source}" if source is not None else ""))
+                      + (f", state from id {job.source}" if job.source is not None else ""))
             continue
+        if job.grow:  # every member saw the same flag in the same reduction
+            before, t_grow = group.members, time.time()
+            if not _regroup(job, broken=False):
+                return BELOW_MIN_EXIT
+            joined = [m for m in group.members if m not in before]
+            _say(job, f"joined id(s) {joined} after step {job.step}: generation {group.gen}, "
+                      f"{group.size} ranks {group.members}, state from id {job.source}")
+            _log(job, {"kind": "membership", "step": job.step, "gen": group.gen,
+                       "joined": joined, "lost": [m for m in before if m not in group.members],
+                       "members": group.members, "pause_s": round(time.time() - t_grow, 3)})
+        if os.environ.get(STEP_SLEEP_ENV):
+            time.sleep(float(os.environ[STEP_SLEEP_ENV]))
         if failed_at is not None:  # the first step completed after a loss: the pause ends
             pause = time.time() - failed_at
             _log(job, {"kind": "membership", "step": job.step, "gen": group.gen,

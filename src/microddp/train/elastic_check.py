@@ -24,6 +24,8 @@ def check(cfg: TrainConfig, world_size: int | None = None) -> None:
         if bad:
             raise MicroDDPError(f"--elastic does not take {flag} yet (it averages one flat "
                                 "gradient over gloo per step); drop one of them")
+    if cfg.replacements < 0:
+        raise MicroDDPError(f"--replacements must be 0 or more, got {cfg.replacements}")
     n = cfg.nproc if world_size is None else world_size
     if not 1 <= cfg.min_ranks <= n:
         raise MicroDDPError(f"--min-ranks must be between 1 and the {n} ranks, got "

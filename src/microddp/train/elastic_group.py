@@ -50,7 +50,10 @@ class Membership:
         self.pg = None  # this generation's gloo group
         self.suspect = False  # the heartbeat watch found a member of this generation gone
         self._in_flight = None  # a call given up on (MemberLost)
+        self._window = 0  # bumped each time a group forms: heartbeat verdicts start afresh
         self.abandoned: list = []  # groups left with a call in flight, and those calls
+        self.absorbed = 0  # replacements registered before the current generation formed
+        self.joining = 0  # replacements registered so far (the heartbeat thread reads it)
         self._seen: dict[int, tuple[int, float]] = {}  # id -> (counter, when it last moved)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -81,8 +84,9 @@ class Membership:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(self._key("hb", self.me), 1)
+                self.joining = int(self.store.add(self._key("joining"), 0))
                 with self._lock:
-                    watched, gen = list(self._seen), self.gen
+                    watched, gen, window = list(self._seen), self.gen, self._window
                 now = time.monotonic()
                 for m in watched:
                     count = self.store.add(self._key("hb", m), 0)  # add 0: a read that never waits
@@ -90,9 +94,11 @@ class Membership:
                         last = self._seen.get(m)
                         if last is not None and count != last[0]:
                             self._seen[m] = (count, now)
-                lost = any(self.gone(m) for m in watched if m != self.me)
-                with self._lock:
-                    if self.gen == gen:  # not a verdict on a group formed since the snapshot
+                # A group another member has left is broken too: stop waiting on it now.
+                lost = (self.store.check([self._key(f"g{gen}", "broken")])
+                        or any(self.gone(m) for m in watched if m != self.me))
+                with self._lock:  # no verdict from before the group formed, or another one
+                    if (self.gen, self._window) == (gen, window):
                         self.suspect = lost
             except Exception:  # noqa: BLE001 (the store went away: the job is ending)
                 if self._stop.is_set():
@@ -141,6 +147,12 @@ class Membership:
         prefixed = dist.PrefixStore(self._key(f"g{self.gen}", "pg"), self.store)
         self.pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size,
                                         timedelta(seconds=self.timeout_s))
+        # Forming holds the GIL while the members connect, so heartbeats pause meanwhile (the
+        # slowest member's start-up): every member starts from a fresh window once formed.
+        with self._lock:
+            now = time.monotonic()
+            self._seen = {m: (count, now) for m, (count, _) in self._seen.items()}
+            self.suspect, self._window = False, self._window + 1
 
     def leave_group(self) -> None:
         """Let go of the current group. One with a call still in flight is kept referenced
@@ -149,9 +161,11 @@ class Membership:
             self.abandoned.append((self.pg, self._in_flight))
         self.pg, self._in_flight = None, None
 
-    def reform(self, completed: int) -> dict[int, int]:
+    def reform(self, completed: int, broken: bool = True) -> dict[int, int]:
         """Leave the broken group and join the next generation; return every new member's
         completed step. Raises Fenced if the next generation was formed without this rank."""
+        if broken:  # not when growing: then every member is at the same step boundary
+            self.store.set(self._key(f"g{self.gen}", "broken"), "1")
         self.leave_group()
         gen = self.gen + 1
         while True:
@@ -170,7 +184,8 @@ class Membership:
             return steps
 
     def _decide(self, gen: int) -> list[int]:
-        """The members of generation `gen`: decided once by whoever gets there first."""
+        """The members of generation `gen`: decided once by whoever gets there first (the old
+        members that announced themselves, and the joiners registered so far)."""
         where = self._key(f"g{gen}", "members")
         deadline = time.monotonic() + 2 * self.timeout_s + STALE_S
         while not self.store.check([where]):
@@ -178,10 +193,52 @@ class Membership:
                          if self.store.check([self._key(f"g{gen}", "in", m)])]
             waiting = [m for m in self.members if m not in announced and not self.gone(m)]
             if not waiting or time.monotonic() > deadline:
-                self.store.compare_set(where, "", json.dumps(sorted(announced)))
+                upto = int(self.store.add(self._key("joining"), 0))
+                joiners = [int(self.store.get(self._key("joiner", i)))
+                           for i in range(self.absorbed + 1, upto + 1)]
+                joiners = [j for j in joiners if j not in announced and not self.gone(j)]
+                self.store.compare_set(where, "", json.dumps(
+                    {"members": sorted(announced) + joiners, "absorbed": upto}))
                 break
             time.sleep(0.02)
-        return json.loads(self.store.get(where))
+        decided = json.loads(self.store.get(where))
+        self.absorbed = decided["absorbed"]
+        return decided["members"]
+
+    def join_pending(self) -> bool:
+        """Whether a replacement has registered since the last generation formed (what the
+        heartbeat thread last read: no store call on the training path)."""
+        return self.joining > self.absorbed
+
+    def join(self) -> dict[int, int]:
+        """A replacement's way in: register, wait for a generation that lists this id (the
+        members form it at a step boundary), join its group; every member's completed step."""
+        self.store.add(self._key("hb", self.me), 1)
+        slot = int(self.store.add(self._key("joining"), 1))
+        self.store.set(self._key("joiner", slot), str(self.me))
+        self._beat.start()
+        deadline = time.monotonic() + 60 * self.timeout_s
+        while time.monotonic() < deadline:
+            newest = int(self.store.get(self._key("gen")))
+            for gen in (newest, newest + 1):  # the members may have moved "gen" on already
+                where = self._key(f"g{gen}", "members")
+                if not self.store.check([where]):
+                    continue
+                decided = json.loads(self.store.get(where))
+                if self.me in decided["members"]:
+                    self.absorbed = decided["absorbed"]
+                    self.store.set(self._key(f"g{gen}", "in", self.me), "-1")
+                    self._set_members(gen, decided["members"])
+                    steps = {m: int(self.store.get(self._key(f"g{gen}", "in", m)))
+                             for m in decided["members"]}
+                    self.form()
+                    return steps
+                if slot <= decided["absorbed"]:
+                    raise Fenced(f"generation {gen} formed without replacement id "
+                                 f"{self.me}")
+            time.sleep(0.05)
+        raise Fenced(f"replacement id {self.me} was not taken in within "
+                     f"{60 * self.timeout_s:g} s")
 
     def check_current(self) -> None:
         """Raise Fenced if a newer generation has formed (without this rank, or it would have

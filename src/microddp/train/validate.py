@@ -65,6 +65,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.seed > MAX_SEED:  # NumPy's generators take 32 bits, torch's 64
         raise MicroDDPError(f"--seed must be at most {MAX_SEED} (2**32 - 1), got {cfg.seed}")
     at_least(1, tp=cfg.tp, heads=cfg.heads)
+    if cfg.replacements and not cfg.elastic:
+        raise MicroDDPError("--replacements needs --elastic (only an elastic job takes a new "
+                            "rank in); add --elastic or drop --replacements")
     if cfg.elastic:
         from .elastic_check import check as check_elastic
 
