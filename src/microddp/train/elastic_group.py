@@ -245,8 +245,8 @@ class Membership:
         left this one): what a rank frozen and woken finds before it writes anything."""
         newest = int(self.store.get(self._key("gen")))
         if newest != self.gen:
-            raise Fenced(f"fenced out: generation {newest} formed while id {self.me} was in "
-                         f"generation {self.gen}")
+            raise Fenced(f"fenced out: generation {newest} formed without id {self.me} (it "
+                         f"was in generation {self.gen})")
 
     def stop(self) -> None:
         """Stop beating, then leave the group."""
