@@ -35,7 +35,6 @@ from ..world.args import (
 )
 from ..world.world import (
     World,
-    distributed,
     given_group,
     group_rank,
     group_size,
@@ -43,7 +42,7 @@ from ..world.world import (
     is_initialized,
 )
 from .handle import Handle
-from .session import get_world, init, shutdown
+from .session import distributed, get_world, init, shutdown
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
