@@ -16,6 +16,9 @@ from elastic_helpers import (
     run_elastic,
 )
 from launch_helpers import microddp
+from microddp.errors import MicroDDPError
+from microddp.train.config import TrainConfig
+from microddp.train.validate import validate
 from shm_leftovers import dev_shm_clean  # noqa: F401 (a fixture)
 
 
@@ -34,14 +37,25 @@ def test_rank_0_killed_mid_step_the_others_finish_the_epoch(tmp_path, dev_shm_cl
     assert leftovers(out) == []
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--strategy", "zero1"], "--elastic works with --strategy dp only"),
-    (["--accumulate", "2"], "--elastic does not take --accumulate"),
-    (["--min-ranks", "5"], "--min-ranks must be between 1 and the 4 ranks"),
-    (["--elastic-timeout", "0"], "--elastic-timeout must be a positive number"),
-])
-def test_what_elastic_is_not_built_for_is_one_line(tmp_path, extra, message):
-    job = microddp("train", "--elastic", "--nproc", "4", "--out", str(tmp_path / "r"), *extra)
+def test_elastic_with_zero_is_refused_in_one_line(tmp_path):
+    job = microddp("train", "--elastic", "--strategy", "zero1", "--nproc", "4", "--out",
+                   str(tmp_path / "r"))
     assert job.returncode == 2
     lines = job.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], job.stderr
+    assert len(lines) == 1 and "--elastic works with --strategy dp only" in lines[0], job.stderr
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"strategy": "async"}, "--elastic works with --strategy dp only"),
+    ({"strategy": "pp"}, "--elastic works with --strategy dp only"),
+    ({"accumulate": 2}, "--elastic does not take --accumulate"),
+    ({"engine": "torch"}, "--elastic does not take --engine"),
+    ({"min_ranks": 5}, "--min-ranks must be between 1 and the 4 ranks"),
+    ({"elastic_timeout": 0.0}, "--elastic-timeout must be a positive number"),
+    ({"replacements": -1}, "--replacements must be 0 or more"),
+    ({"elastic": False, "replacements": 1}, "--replacements needs --elastic"),
+])
+def test_what_elastic_is_not_built_for_is_refused(settings, message):
+    cfg = TrainConfig(**{"elastic": True, "nproc": 4, **settings})
+    with pytest.raises(MicroDDPError, match=message.replace("-", r"\-")):
+        validate(cfg)

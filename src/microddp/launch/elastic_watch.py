@@ -9,9 +9,10 @@ finished the training, else the last failure's (the survivors' verdict).
 
 from __future__ import annotations
 
+import sys
 import time
 
-from .procs import AgentStore
+from .procs import AgentStore, describe_exit
 
 
 def dead_key(member: int) -> str:
@@ -54,6 +55,8 @@ class ElasticWatch:
             if code not in (None, 0) and pos not in self.marked:
                 self.marked.add(pos)
                 self._mark_dead(self.ids[pos])
+                print(f"microddp run: id {self.ids[pos]} ended ({describe_exit(code)}); "
+                      "--elastic: the others go on without it", file=sys.stderr, flush=True)
                 alive = any(c is None for c in codes)
                 if self.budget > 0 and alive and not any(c == 0 for c in codes):
                     self.budget -= 1  # a replacement takes the lost worker's slot
