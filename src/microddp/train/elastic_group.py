@@ -11,7 +11,7 @@ completed; the first to see every old member either announced or dead (its heart
 stalled, or the launcher marked it) writes the list, and everyone reads that one list. A rank
 left out (frozen by SIGSTOP, then woken) finds itself missing from the list it reads: it is
 fenced, and exits without writing anything of the new generation. A rank frozen inside a
-collective is noticed by the others' heartbeat watch, which aborts their wait on the group.
+collective is noticed by the others' heartbeat watch, which ends their wait on the group.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ from ..launch.elastic_watch import dead_key
 
 PREFIX = "elastic"
 HEARTBEAT_S = 0.1  # how often a member bumps its counter and reads the others'
+# A counter still for this long is a member that is gone (frozen; a dead one is marked by the
+# launcher, or fails gloo's connections, sooner). Verdicts restart whenever a group forms
+# (forming holds the GIL); a live rank taken for frozen costs one regrouping, not correctness.
 STALE_S = 1.0
-POLL_S = 0.0005  # how often a waiting collective looks at the heartbeat verdict  # a counter still for this long is a member that is gone (dead or frozen)
+POLL_S = 0.0005  # how often a waiting collective looks at the heartbeat verdict
 
 
 class MemberLost(RuntimeError):
