@@ -1,8 +1,9 @@
 """Who is in an elastic job now: generations of members, heartbeats, fencing, all in the store.
 
 `microddp train --elastic` forms a new process group whenever a member is lost, without a
-coordinator process: the job's store (served by the launcher, or torchrun's agent, so it
-outlives any rank, rank 0 included) holds everything. Each membership is a *generation* g:
+coordinator process: the job's store (served by `microddp run`, so it outlives any rank, rank
+0 included; under torchrun, whose agent restarts every worker on a failure, this is untried)
+holds everything. Each membership is a *generation* g:
 its member ids are written once, by compare-and-set, at `elastic/g{g}/members`, and its gloo
 group meets under the prefix `elastic/g{g}/pg`, so nothing of an old group mixes with a new.
 
