@@ -65,7 +65,10 @@ def group_name(group: Any) -> str:
     """The name a report uses for `group`: `world` for the default one."""
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
-    return str(getattr(group, "group_name", id(group)))
+    try:
+        return str(getattr(group, "group_name", id(group)))
+    except RuntimeError:  # a ProcessGroup built directly has none ("ProcessGroup name not set")
+        return f"group {id(group):x}"
 
 
 def _detail(arguments: dict) -> str:
