@@ -33,7 +33,7 @@ from ..monitor import note
 from .activations import hold
 from .boundary import TENSOR_TAG_STRIDE, as_tuple, grad_like, input_grads, mark_inputs, pairs
 from .schedules import COMPUTE, RECVS, SENDS, Action, Schedule, message_key
-from .step_check import agree_step
+from .step_check import start_agreement
 
 CHECKED_STAGES = 32  # stages whose widths run_schedule's agreement compares (3 words each)
 STAGE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -80,12 +80,12 @@ def _output_width(module: nn.Module) -> int:
 
 
 def check_step(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
-               y: torch.Tensor, group) -> None:
-    """run_schedule's agreement (step_check.py): every rank passed the same batch and
-    schedule, and each stage's input width and dtype are what the stage before it gives,
-    or the same MicroDDPError on every rank, before any activation moves (a mismatch used to
-    abort gloo on a message of the wrong size, or wait to the timeout). Widths are checked
-    for the first CHECKED_STAGES stages."""
+               y: torch.Tensor, group) -> Callable[[], None]:
+    """run_schedule's agreement (step_check.py), started: the function it returns waits for
+    it and raises, alike on every rank, unless every rank passed the same batch and schedule
+    and each stage's input width and dtype are what the stage before it gives. The step calls
+    it before its first message, so nothing of the wrong size moves (a mismatch used to abort
+    gloo, or wait to the timeout). Widths are checked for the first CHECKED_STAGES stages."""
     rank, where = comms.group_rank(group), f"run_schedule({schedule.name})"
     problem, slots = None, [0] * (3 * CHECKED_STAGES)
     try:
@@ -104,10 +104,16 @@ def check_step(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor
                                           if dtype in STAGE_DTYPES else 99]
     except MicroDDPError as error:
         problem = error
-    _, got = agree_step(group, where, problem, equal={
+    agreement = start_agreement(group, where, problem, equal={
         "schedule": schedule.name, "ranks": schedule.ranks, "stages": schedule.stages,
         "microbatches": schedule.microbatches, "batch size": len(x)}, slots=slots,
         device=x.device)
+    if problem is not None:
+        agreement.result()  # raises: this rank's step cannot even start
+    return lambda: _check_widths(schedule, where, agreement.result()[1])
+
+
+def _check_widths(schedule: Schedule, where: str, got: list[int]) -> None:
     for s in range(min(schedule.stages, CHECKED_STAGES) - 1):
         (_, out, before), (inp, _, after) = (got[3 * s:3 * s + 3], got[3 * s + 3:3 * s + 6])
         if out and inp and (out, before) != (inp, after):
@@ -171,12 +177,15 @@ class _Step:
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], group, rank: int,
                  feed: Callable[[int], tuple], finish: Callable,
                  kwargs: Callable[[int], dict] | None = None,
-                 act_like: Callable[[Action], torch.Tensor] | None = None):
+                 act_like: Callable[[Action], torch.Tensor] | None = None,
+                 ready: Callable[[], object] | None = None):
         self.schedule, self.stages, self.group, self.rank = schedule, stages, group, rank
         self.feed = feed          # mb -> the first stage's positional inputs
         self.finish = finish      # (last stage's output, mb) -> what its backward starts from
         self.kwargs = kwargs or (lambda mb: {})  # mb -> keyword inputs of every stage
         self.act_like = act_like  # RECV_ACT -> new empty tensor(s) shaped as its message
+        # waited for before this rank's first message (the step's agreement: step_check.py)
+        self.ready = ready
         self.forward_only = not any(a.kind in ("B", "I", "W") for a in schedule.actions[rank])
         self.inputs: dict = {}     # (stage, mb) -> the stage's input (a leaf needing grad)
         self.outputs: dict = {}    # (stage, mb) -> the stage's output, or the loss last
@@ -192,8 +201,15 @@ class _Step:
         self.window = window(schedule, rank)
         self.done_after = _sends_done_after(schedule, rank)
 
+    def settle(self) -> None:
+        """Wait for the step's agreement, once, before the first message is posted."""
+        if self.ready is not None:
+            ready, self.ready = self.ready, None
+            ready()
+
     def send(self, a: Action, values: tuple[torch.Tensor, ...]) -> None:
         """Post the sends of message `a`: one per tensor of the boundary value."""
+        self.settle()
         peer = self.schedule.peer(a)
         where = {"dst": peer} if self.group is None else {"group_dst": peer}
         tag = _tag(message_key(a), self.schedule.microbatches)
@@ -218,6 +234,7 @@ class _Step:
         """Post the next receives in program order while fewer than the window are posted
         and not yet waited for, stopping at a gradient whose forward has not run yet."""
         while self.next_post < len(self.receives) and len(self.posted) < self.window:
+            self.settle()
             a = self.receives[self.next_post]
             like = self._buffer_like(a)
             if like is None:
@@ -290,7 +307,7 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     if comms.group_size(group) != p:
         raise MicroDDPError(f"schedule {schedule.name} is for {p} ranks but the group has "
                             f"{comms.group_size(group)}; build it with p = the number of stages' ranks")
-    check_step(schedule, stages, x, y, group)
+    ready = check_step(schedule, stages, x, y, group)
     m, n = schedule.microbatches, len(x)
     xs, ys = x.tensor_split(m), y.tensor_split(m)
     total = [0.0]
@@ -305,8 +322,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
         return xs[a.mb].new_empty(len(xs[a.mb]), _input_width(module),
                                   dtype=next(module.parameters()).dtype)
 
-    st = _Step(schedule, stages, group, rank, lambda mb: (xs[mb],), finish, act_like=act_like)
+    st = _Step(schedule, stages, group, rank, lambda mb: (xs[mb],), finish, act_like=act_like,
+               ready=ready)
     execute(st, record=record, messages=messages)
+    st.settle()  # a program with no message (one rank) still ends with the agreement
     if sent is not None:
         sent.append(st.sent_bytes)
     return total[0] if schedule.stages - 1 in stages else None

@@ -34,7 +34,7 @@ from .schedules import (
     zero_bubble_h1,
 )
 from .stage import PipelineStage, _meta_device, infer
-from .step_check import agree_step
+from .step_check import agree_step, start_agreement
 from .zbv import zbv_zero_bubble
 
 
@@ -109,17 +109,28 @@ class _PipelineSchedule:
                                     "schedule.step(target=y)")
         # Every rank learns the batch size (only the first stage's rank has the batch) and
         # every refusal, at once: see step_check.py.
-        told, _ = agree_step(
+        agreement = start_agreement(
             group, name, problem, equal={"n_microbatches": m, "step": int(train)},
             known={"batch": len(args[0]) if first and problem is None else None,
                    "target": len(target) if last and target is not None and
                    hasattr(target, "__len__") else None},
             device=_meta_device(self._stages[0]))
-        n = told["batch"]
-        if told["target"] is not None and told["target"] != n:
-            raise MicroDDPError(f"{name}: the target has {told['target']} samples but the batch "
-                                f"{n}; pass the target of this very batch")
-        sizes = microbatch_sizes(n, m)  # raises, alike on every rank, if n < m
+
+        def agreed() -> int:
+            told, _ = agreement.result()
+            if told["target"] is not None and told["target"] != told["batch"]:
+                raise MicroDDPError(f"{name}: the target has {told['target']} samples but the "
+                                    f"batch {told['batch']}; pass the target of this very batch")
+            microbatch_sizes(told["batch"], m)  # raises, alike on every rank, if n < m
+            return told["batch"]
+
+        # The first stage's rank knows the batch: while it stays the size the shapes were
+        # learnt for, the agreement is waited for only before this rank's first message
+        # (its round trip overlaps the first forward). Every other rank needs its answer now
+        # (the last stage's, before its loss meets a target of a size not yet checked).
+        steady = first and not last and problem is None and len(args[0]) == self._batch
+        n = len(args[0]) if steady else agreed()
+        sizes = microbatch_sizes(n, m)
         arg_mbs = [_split(a, m) for a in args] if first else []
         kwarg_mbs = {k: _split(a, m) for k, a in kwargs.items()}
 
@@ -156,8 +167,9 @@ class _PipelineSchedule:
         program = self.program if train else self.forward_program
         st = _Step(program, {i: s.submod for i, s in stages.items()}, self._stages[0].group,
                    self._stages[0].group_rank, lambda mb: tuple(c[mb] for c in arg_mbs),
-                   finish, kwargs=kw, act_like=act_like)
+                   finish, kwargs=kw, act_like=act_like, ready=agreed if steady else None)
         execute(st)
+        st.settle()  # a program with no message (one rank) still ends with the agreement
         if train and self.scale_grads and m > 1:
             # as torch: the summed micro-batch gradients become their mean, after the last
             # backward (so a gradient left from before the step is divided too)

@@ -40,11 +40,66 @@ def agree_step(group, where: str, problem: Exception | None, *, equal: dict,
     MicroDDPError on every rank if any rank had a problem or the `equal` fields differ or
     two ranks know a `known` field differently. Returns ({known field: its value, or None
     if no rank knows it}, the slots' maximum over ranks). Collective over `group`."""
+    return start_agreement(group, where, problem, equal=equal, known=known, slots=slots,
+                           device=device).result()
+
+
+class Agreement:
+    """An agreement under way (its all-reduce posted): `result()` waits for it and returns
+    what agree_step does, raising what it raises. Started early, its round trip overlaps the
+    first stage's first forward, which needs no message: a step pays little for it."""
+
+    def __init__(self, where: str, problem: Exception | None, equal: dict, known: dict,
+                 slots: list[int], me: int, buf: torch.Tensor | None, handle) -> None:
+        self.where, self.problem, self.equal, self.known = where, problem, equal, known
+        self.slots, self.me, self.buf, self.handle = slots, me, buf, handle
+
+    def result(self) -> tuple[dict, list[int]]:
+        if self.buf is None:  # a world of one: nothing was sent
+            if self.problem is not None:
+                raise self.problem
+            return dict(self.known), list(self.slots)
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        got = self.buf.tolist()
+        where, equal, me = self.where, self.equal, self.me
+        if got[0]:
+            if self.problem is not None:
+                raise self.problem
+            raise MicroDDPError(f"{where}: group rank {got[0] - 1} of the pipeline refused "
+                                "this step (its error says why); every rank stops here")
+        at = 1
+        differ = []
+        for name in equal:
+            if got[at] != -got[at + 1]:
+                differ.append(name)
+            at += 2
+        if differ:
+            mine = ", ".join(f"{n}={equal[n]}" for n in differ)
+            raise MicroDDPError(f"{where}: the pipeline's ranks disagree on "
+                                f"{' and '.join(differ)} (this rank, group rank {me}: {mine}); "
+                                "every rank must call it alike")
+        values = {}
+        for name in self.known:
+            high, low = got[at], -got[at + 1]
+            if high >= 0 and low != -UNKNOWN and high != low:
+                raise MicroDDPError(f"{where}: the ranks that know {name} disagree on it "
+                                    f"({low} and {high}); pass the same on every rank that "
+                                    "passes it")
+            values[name] = high if high >= 0 else None
+            at += 2
+        return values, got[at:]
+
+
+def start_agreement(group, where: str, problem: Exception | None, *, equal: dict,
+                    known: dict | None = None, slots: list[int] | None = None,
+                    device: torch.device | None = None) -> Agreement:
+    """agree_step's all-reduce, posted and not waited for (waited for at once when this rank
+    has a problem: nothing else may start)."""
     known, slots = known or {}, slots or []
     if not distributed(group) or comms.group_size(group) == 1:
-        if problem is not None:
-            raise problem
-        return dict(known), list(slots)
+        return Agreement(where, problem, equal, known, slots, 0, None, None)
     me = comms.group_rank(group)
     words = [me + 1 if problem is not None else 0]
     for value in equal.values():
@@ -56,30 +111,5 @@ def agree_step(group, where: str, problem: Exception | None, *, equal: dict,
     if uses_nccl(group) and place.type != "cuda":
         place = torch.device("cuda", torch.cuda.current_device())
     buf = torch.tensor(words, dtype=torch.int64, device=place)
-    comms.all_reduce(buf, op="max", group=group)
-    got = buf.tolist()
-    if got[0]:
-        if problem is not None:
-            raise problem
-        raise MicroDDPError(f"{where}: group rank {got[0] - 1} of the pipeline refused this "
-                            "step (its error says why); every rank stops here")
-    at = 1
-    differ = []
-    for name in equal:
-        if got[at] != -got[at + 1]:
-            differ.append(name)
-        at += 2
-    if differ:
-        mine = ", ".join(f"{n}={equal[n]}" for n in differ)
-        raise MicroDDPError(f"{where}: the pipeline's ranks disagree on {' and '.join(differ)} "
-                            f"(this rank, group rank {me}: {mine}); every rank must call it "
-                            "alike")
-    values = {}
-    for name in known:
-        high, low = got[at], -got[at + 1]
-        if high >= 0 and low != -UNKNOWN and high != low:
-            raise MicroDDPError(f"{where}: the ranks that know {name} disagree on it ({low} "
-                                f"and {high}); pass the same on every rank that passes it")
-        values[name] = high if high >= 0 else None
-        at += 2
-    return values, got[at:]
+    handle = comms.all_reduce(buf, op="max", group=group, async_op=problem is None)
+    return Agreement(where, problem, equal, known, slots, me, buf, handle)
