@@ -75,8 +75,17 @@ def _input_width(module: nn.Module) -> int:
     return first.in_features
 
 
-def _output_width(module: nn.Module) -> int:
-    return [mod for mod in module.modules() if isinstance(mod, nn.Linear)][-1].out_features
+def _widths(module: nn.Module) -> tuple[int, int]:
+    """(input width, output width) of a stage whose first and last modules holding parameters
+    are nn.Linear (a FullMLP's slices); 0 for an end that is not, which the agreement then
+    leaves unchecked rather than guess (a GPT stage starts with an embedding)."""
+    holders = [mod for mod in module.modules()
+               if next(mod.parameters(recurse=False), None) is not None]
+    if not holders:
+        return 0, 0
+    first, last = holders[0], holders[-1]
+    return (first.in_features if isinstance(first, nn.Linear) else 0,
+            last.out_features if isinstance(last, nn.Linear) else 0)
 
 
 def check_step(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
@@ -99,8 +108,7 @@ def check_step(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor
         for s, module in stages.items():
             if s < CHECKED_STAGES:
                 dtype = next(module.parameters(), torch.empty(0)).dtype
-                slots[3 * s:3 * s + 3] = [_input_width(module), _output_width(module),
-                                          STAGE_DTYPES.index(dtype) + 1
+                slots[3 * s:3 * s + 3] = [*_widths(module), STAGE_DTYPES.index(dtype) + 1
                                           if dtype in STAGE_DTYPES else 99]
     except MicroDDPError as error:
         problem = error
@@ -205,6 +213,9 @@ class _Step:
         """Wait for the step's agreement, once, before the first message is posted."""
         if self.ready is not None:
             ready, self.ready = self.ready, None
+            # a hang report names it: a rank stuck here waits for a rank not in this step
+            note(f"{self.schedule.name}: the step's agreement (every rank of the pipeline "
+                 "starts the step)")
             ready()
 
     def send(self, a: Action, values: tuple[torch.Tensor, ...]) -> None:
