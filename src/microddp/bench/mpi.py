@@ -132,6 +132,34 @@ def contenders(t: torch.Tensor, p: int, control: bool) -> dict[str, Callable[[],
     return out
 
 
+def same_results(world, n: int) -> dict[str, bool]:
+    """Whether each pair of contenders computes the same thing, on random float32 inputs of
+    `n` elements (different on every rank): what a comparison of their times presumes.
+    Sums of two ranks' values, so the bits are equal whatever order each adds in."""
+    from mpi4py import MPI
+
+    from .. import comms
+    from ..collectives import shm_all_gather, shm_reduce_scatter
+
+    comm, p = MPI.COMM_WORLD, world.world_size
+    g = torch.Generator().manual_seed(world.rank)
+    x = torch.randn(n * p, generator=g)
+    ours, theirs = x.clone(), x.clone()
+    comms.all_reduce(ours)
+    comm.Allreduce(MPI.IN_PLACE, theirs.numpy())
+    out = {"all_reduce": torch.equal(ours, theirs)}
+    mine, theirs_rs = torch.empty(n), torch.empty(n)
+    shm_reduce_scatter(mine, list(x.view(p, n)))
+    comm.Reduce_scatter_block(x.numpy(), theirs_rs.numpy())
+    out["reduce_scatter"] = torch.equal(mine, theirs_rs)
+    block = x[:n].clone()
+    gathered, theirs_ag = torch.empty(p, n), torch.empty(p, n)
+    shm_all_gather(list(gathered), block)
+    comm.Allgather(block.numpy(), theirs_ag.numpy())
+    out["all_gather"] = torch.equal(gathered, theirs_ag)
+    return out
+
+
 def table(rows: list[dict]) -> tuple[list[str], list[dict]]:
     """Lines to print and JSON records: per size and collective, microddp's and MPI's median
     and the ratio of medians (microddp / MPI; below 1 = faster than MPI) with its interval;

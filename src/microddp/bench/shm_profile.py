@@ -65,21 +65,37 @@ def steps(t: torch.Tensor) -> dict[str, float]:
         lambda: checked.all_reduce_check(g.agreement, None, t, "sum"))
     out["lane: run_now (empty task)"] = _per_call(lambda: state.lane.run_now(lambda: None))
     out["group: step, cut"] = _per_call(lambda: g.cut(t.dtype, t.numel()))
-    out["copy into the slot"] = _per_call(lambda: cut.inputs[g.rank].copy_(flat))
+    out["copy into the slot"] = _per_call(_copy(cut.inputs[g.rank], flat))
     out["post (write numbers, counter, fence)"] = _post_cost(g)
     out["add the peer's slot"] = _per_call(lambda: fold_into("sum", cut.inputs, flat, 1))
     return out
 
 
 def _monitor_cost(patch) -> float:
-    """The hang monitor's wrapper around a function that does nothing, as it wraps the route."""
+    """The hang monitor's wrapper around a function that does nothing, as it wraps the route
+    (lean: monitor/patch.py's `leanly`, where this version of it has one)."""
     mon = patch.active()
     if mon is None:
         return 0.0
-    wrapped = patch._wrap("all_reduce", lambda tensor, op="sum", group=None,
-                          async_op=False: None, torch_own=True)
+
+    def nothing(tensor, op="sum", group=None, async_op=False):
+        return None
+    nothing.ends_itself = nothing.lean = True
+    try:
+        wrapped = patch._wrap("all_reduce", nothing, torch_own=True, lean=True)
+    except TypeError:  # a version without the lean log
+        wrapped = patch._wrap("all_reduce", nothing, torch_own=True)
     t = torch.zeros(1)
     return _per_call(lambda: wrapped(t, "sum", None, False))
+
+
+def _copy(slot: torch.Tensor, flat: torch.Tensor):
+    """The copy into the slot as group.py makes it (a memmove up to MEMMOVE_BYTES)."""
+    from ..shm import group
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes <= getattr(group, "MEMMOVE_BYTES", -1):
+        return lambda: group._memmove(slot.data_ptr(), flat.data_ptr(), nbytes)
+    return lambda: slot.copy_(flat)
 
 
 def _post_cost(g) -> float:
@@ -104,8 +120,7 @@ def _post_cost(g) -> float:
 def _setting(name: str, state) -> None:
     """Put the path in one of the SETTINGS (every rank at once: the calls stay in step)."""
     from ..monitor import patch
-    from ..shm import checked
-    from ..shm import segment
+    from ..shm import checked, segment
     g = state.group
     rows = (g.arrive, g.reduced, g.agreement.told)
     if patch.active() is not None and "monitor" in name:
@@ -114,7 +129,8 @@ def _setting(name: str, state) -> None:
         patch.install(_setting.mon)
     checked.CHECKING = "check" not in name
     for flags in rows:  # "sleep at once": the wait before the adaptive spin (SPINS reads)
-        flags.spin_s = 0.0 if "sleep" in name else max(flags.spin_s, segment.SPIN_MIN_S)
+        least = getattr(segment, "SPIN_MIN_S", 0.0)  # 0: a version without the spin
+        flags.spin_s = 0.0 if "sleep" in name else max(getattr(flags, "spin_s", 0.0), least)
 
 
 SETTINGS = ("default", "default, sleeping at once", "no monitor", "no monitor, no check")
