@@ -89,3 +89,37 @@ def test_bench_allreduce_against_mpi(tmp_path, capsys):
         assert float(ours) > 0 and float(theirs) > 0
         assert float(ratio) == pytest.approx(float(ours) / float(theirs), rel=0.02, abs=0.01)
         assert 0 < float(lo) <= float(hi)
+
+
+def test_a_lean_log_entry_finds_its_caller_on_its_thread_while_the_call_runs():
+    """The monitor logs a blocking shared-memory all-reduce without its caller's frame
+    (monitor/patch.py's `leanly`); a report asking while the call runs finds the frame below
+    the wrapper on the calling thread, and after the call nothing is kept."""
+    import threading
+
+    from microddp.monitor import log
+
+    book = log.CollectiveLog()
+    seen = {}
+
+    def wrapper(ask: bool = True):  # the monitor's wrapper: its code is where the walk stops
+        entry = book.begin("world", "all_reduce")
+        entry._thread = threading.get_ident()
+        if ask:
+            seen["during"] = entry.caller
+        book.end(entry)
+        seen["entry"] = entry
+
+    log.WRAPPER_CODES.add(wrapper.__code__)
+    try:
+        wrapper()  # LINE-CALLER
+        wrapper(ask=False)
+    finally:
+        log.WRAPPER_CODES.discard(wrapper.__code__)
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if "# LINE-CALLER" in text
+                    and "wrapper()" in text)
+    assert seen["during"] == (f"test_a_lean_log_entry_finds_its_caller_on_its_thread_while_"
+                              f"the_call_runs at test_shm_latency.py:{line}")
+    ended = seen["entry"]
+    assert ended.location() == () and ended._frame_now() is None
