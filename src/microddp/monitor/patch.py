@@ -301,7 +301,6 @@ def _wrap(name: str, fn: Callable, torch_own: bool, lean: bool = False) -> Calla
         if lean and first is None and not (mon.interrupt or mon.debug
                                            or sig.async_op(args, kwargs)):
             return leanly(mon, group, args, kwargs)
-            return fn(*args, **kwargs)
         # The arguments and the caller's frame, held while the call runs: described only if
         # a report (or debug mode) asks, not on every call.
         # frame 2: the caller of wrapper() or of after(), which call this directly

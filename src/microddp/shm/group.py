@@ -70,11 +70,14 @@ def _env_bytes(name: str, default: int, least: int) -> int:
         raise MicroDDPError(f"{name} must be a whole number of bytes, at least {least}, "
                             f"got {raw!r}; unset it for the default ({default})")
     return value
+
+
 # Up to this, a piece goes into its slot by memmove (ctypes): same bytes as torch's copy_,
 # without its dispatch, which costs more than the copy itself at a few KiB; beyond it torch's
 # copy, which may split the work among threads.
 MEMMOVE_BYTES = 256 << 10
 _memmove = ctypes.memmove
+
 FOLDS = {"sum": torch.add, "avg": torch.add, "product": torch.mul,
          "min": torch.minimum, "max": torch.maximum}
 IN_PLACE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "product": torch.Tensor.mul_}
