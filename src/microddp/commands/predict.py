@@ -135,6 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mg.add_argument("--per-host", type=int, default=8,
                     help="ranks per host: a group wider than this crosses --inter-hardware "
                     "(default 8)")
+    mg.add_argument("--device-memory", type=float,
+                    help="GiB per device: meshes that need more rank last (default: no limit)")
     zm = p.add_argument_group("memory")
     zm.add_argument("--zero", action="store_true", help="print the model state per rank of "
                     "plain DP and ZeRO-1/2/3 for --params (or the model) on each --world "
@@ -165,7 +167,8 @@ def _mesh(args: argparse.Namespace) -> int:
     if args.mesh_world is not None:
         if args.mesh_world < 1:
             raise MicroDDPError(f"--mesh-world must be at least 1, got {args.mesh_world}")
-        rows = mesh3d.rank(shape, args.mesh_world, hw, **kw)
+        capacity = None if args.device_memory is None else args.device_memory * 2**30
+        rows = mesh3d.rank(shape, args.mesh_world, hw, capacity, **kw)
     else:
         tp, pp = args.tp or 1, args.pp or 1
         dp = args.dp or 1

@@ -147,14 +147,18 @@ def predict_mesh(shape: GPTShape, dp: int, pp: int, tp: int, hw: Hardware, *,
             "tp_crosses_hosts": tp > per_host}
 
 
-def rank(shape: GPTShape, world: int, hw: Hardware, **kw) -> list[dict]:
-    """Every mesh of `world` ranks, fastest predicted step first."""
+def rank(shape: GPTShape, world: int, hw: Hardware, capacity: float | None = None,
+         **kw) -> list[dict]:
+    """Every mesh of `world` ranks, fastest predicted step first; with `capacity` (bytes of
+    a device's memory) the meshes that do not fit come after every one that does."""
     m = kw.get("microbatches", 1)
     rows = [predict_mesh(shape, *mesh, hw, **kw) for mesh in meshes(world, shape, m)]
     if not rows:
         raise MicroDDPError(f"no mesh of {world} ranks fits the GPT (heads {shape.n_head}, "
                             f"blocks {shape.n_layer}, batch {shape.batch})")
-    return sorted(rows, key=lambda r: r["step_s"])
+    for r in rows:
+        r["fits"] = capacity is None or r["memory_bytes"] <= capacity
+    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"]))
 
 
 def table(rows: list[dict]) -> str:
@@ -166,7 +170,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         mesh = f"{r['dp']:>3} x{r['pp']:>3} x{r['tp']:>3}" + ("*" if r["tp_crosses_hosts"] else " ")
         lines.append(f"  {mesh} {1e3 * r['step_s']:10.2f}  {r['bubble']:6.2f} {mb(r['tp_bytes'])}"
-                     f"{mb(r['pp_bytes'])}{mb(r['dp_bytes'])}  {mb(r['memory_bytes'])}")
+                     f"{mb(r['pp_bytes'])}{mb(r['dp_bytes'])}  {mb(r['memory_bytes'])}"
+                     + ("" if r.get("fits", True) else "  does not fit"))
     if any(r["tp_crosses_hosts"] for r in rows):
         lines.append("  * TP group spans hosts: its all-reduces, every block, cross the slow link")
     return "\n".join(lines)
