@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import microddp
-from microddp.comms.mesh3d import Mesh3D
 from microddp.commands import main
+from microddp.comms.mesh3d import Mesh3D
 from microddp.gpt import GPT, GPTConfig
 from microddp.tp.stages import TensorParallelStage, blocks_per_stage, gather, stage_of
 from microddp.tp.threads import ThreadMesh, run

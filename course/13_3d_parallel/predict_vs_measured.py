@@ -34,7 +34,7 @@ def worker(world, kw):
     marks = []
     cfg = TrainConfig(**{**JOB, "out": tempfile.mkdtemp(prefix="mesh-"), **kw})
     loop.train(world, cfg, on_step=lambda step: marks.append(time.perf_counter()))
-    return [b - a for a, b in zip(marks, marks[1:])]
+    return [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
 
 def step_time(n, steps, **kw):

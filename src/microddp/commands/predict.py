@@ -125,10 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "pipeline`: predict its job and print its measurements beside (default: "
                     "none; hardware: calibrated if saved, else cpu-loopback)")
     mg = p.add_argument_group("a GPT on a dp x pp x tp mesh (--batch is the global batch)")
-    mg.add_argument("--tp", type=int, help="tensor-parallel ranks per stage")
-    mg.add_argument("--pp", type=int, help="pipeline stages")
+    mg.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default 1 with --pp or --dp)")
+    mg.add_argument("--pp", type=int, help="pipeline stages (default 1 with --tp or --dp)")
     mg.add_argument("--dp", type=int, help="data-parallel replicas (default 1)")
-    mg.add_argument("--mesh-world", type=int, help="rank every mesh of this many ranks")
+    mg.add_argument("--mesh-world", type=int, help="rank every mesh of this many ranks (default: none; one mesh from --tp/--pp/--dp)")
     mg.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     mg.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     mg.add_argument("--vocab", type=int, default=256, help="vocabulary (default 256: bytes)")
