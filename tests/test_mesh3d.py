@@ -5,10 +5,11 @@ train/strategies/mesh3d.py) against one process.
 - the stages chained by hand on a thread mesh (tp 3 with a padded vocabulary, pp 3 with an
   uneven split): loss, every gradient and the logits equal one GPT's;
 - `microddp train --model gpt --tp T --pp P` on real ranks: parameters after 4 SGD steps equal
-  `--nproc 1`'s (1x1x2 and 1x2x2 here; 2x2x1, 2x1x2 and 2x2x2 slow), and model.pt is the whole
-  model;
-- a checkpoint saved on one mesh resumes on another (pp 2 -> tp 2 here; tp 2 -> tp 1 and
-  2x2x2 -> 1x2x2 slow) to the uninterrupted run's parameters;
+  `--nproc 1`'s (dp x pp x tp 1x2x1, 1x2x2 and 2x2x1 with ZeRO-2 over dp here; 2x1x2, 2x2x1,
+  2x1x2 with ZeRO-1, 2x2x2 and 2x2x2 with ZeRO-2 slow), and model.pt is the whole model;
+- a checkpoint saved on one mesh resumes on another (pp 2 -> tp 2 here; tp 2 -> tp 1,
+  2x2x2 -> 1x2x2 and ZeRO-2 on 2x2x1 -> 2x1x2 slow) to the uninterrupted run's
+  parameters;
 - bad input: one line, exit 2.
 
 Tolerance: the mesh adds the same terms in another order (TP's all-reduces, micro-batches'
@@ -122,15 +123,18 @@ def _worst(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-MESHES = [(2, {"pp": 2}), (4, {"tp": 2, "pp": 2}),
+MESHES = [(2, {"pp": 2}), (4, {"tp": 2, "pp": 2}), (4, {"pp": 2, "strategy": "zero2"}),
           pytest.param(4, {"tp": 2}, marks=pytest.mark.slow),
           pytest.param(4, {"pp": 2}, marks=pytest.mark.slow),
-          pytest.param(8, {"tp": 2, "pp": 2}, marks=pytest.mark.slow)]
+          pytest.param(4, {"tp": 2, "strategy": "zero1"}, marks=pytest.mark.slow),
+          pytest.param(8, {"tp": 2, "pp": 2}, marks=pytest.mark.slow),
+          pytest.param(8, {"tp": 2, "pp": 2, "strategy": "zero2"}, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("n, kw", MESHES, ids=["1x1x2", "1x2x2", "2x2x1", "2x1x2", "2x2x2"])
+@pytest.mark.parametrize("n, kw", MESHES, ids=["1x2x1", "1x2x2", "2x2x1-zero2", "2x1x2",
+                                               "2x2x1", "2x1x2-zero1", "2x2x2", "2x2x2-zero2"])
 def test_mesh_trains_to_one_process(tmp_path, reference, n, kw):
-    """dp x tp x pp as the ids say (dp = n / (tp * pp))."""
+    """dp x pp x tp as the ids say (dp = n / (tp * pp)); zero1/2: ZeRO over the mesh's DP."""
     ranks = _spawn(n, tmp_path, **kw)
     assert [r["step"] for r in ranks] == [4] * n
     torch.manual_seed(0)
@@ -145,11 +149,14 @@ def test_mesh_trains_to_one_process(tmp_path, reference, n, kw):
 RESUMES = [((2, {"pp": 2}), (2, {"tp": 2})),
            pytest.param((4, {"tp": 2, "pp": 2}), (2, {"pp": 2}), marks=pytest.mark.slow),
            pytest.param((8, {"tp": 2, "pp": 2}), (4, {"tp": 2, "pp": 2}),
+                        marks=pytest.mark.slow),
+           pytest.param((4, {"pp": 2, "strategy": "zero2"}), (4, {"tp": 2, "strategy": "zero2"}),
                         marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("saved, resumed", RESUMES,
-                         ids=["1x1x2-to-1x2x1", "1x2x2-to-1x1x2", "2x2x2-to-1x2x2"])
+                         ids=["1x2x1-to-1x1x2", "1x2x2-to-1x2x1", "2x2x2-to-1x2x2",
+                              "2x2x1-zero2-to-2x1x2-zero2"])
 def test_checkpoint_resumes_on_another_mesh(tmp_path, reference, saved, resumed):
     """Two steps on one mesh, a checkpoint, two more on another: one process's four steps
     (SGD's momentum travels in the shards too)."""
@@ -172,7 +179,8 @@ def test_bad_mesh_is_one_line_and_exit_2(capsys, monkeypatch):
          "the GPT's pipeline runs gpipe | 1f1b"),
         (["--nproc", "2", "--pp", "2", "--microbatches", "9", "--batch-size", "8"],
          "--microbatches 9 is more than the 8 samples"),
-        (["--nproc", "4", "--pp", "2", "--strategy", "zero2"], "ZeRO over the data-parallel"),
+        (["--nproc", "4", "--pp", "2", "--strategy", "zero3"], "ZeRO-3 over the data-parallel"),
+        (["--nproc", "4", "--pp", "2", "--strategy", "pp"], "--strategy pp is one pipeline"),
     ]
     for args, message in cases:
         assert main(["train", "--model", "gpt", *args]) == 2, args

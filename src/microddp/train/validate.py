@@ -74,7 +74,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             where = "one per GPU" if torch.cuda.is_available() else "4 per CPU core"
             raise MicroDDPError(f"--nproc must be between 1 and {limit} here ({where}), got {n}")
     entry = strategies.entry(cfg.strategy)
-    if not entry.pipeline and not (cfg.model == "gpt" and cfg.strategy == "dp"):
+    if not entry.pipeline and not (cfg.model == "gpt" and cfg.strategy in MESH_STRATEGIES):
         for flag, value, default in (("--pp", cfg.pp, None),
                                      ("--microbatches", cfg.microbatches, None),
                                      ("--schedule", cfg.schedule, "1f1b")):
@@ -131,6 +131,7 @@ def _refuse_size(cfg: TrainConfig, params: int) -> None:
 
 
 GPT_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp", "dp-pp")
+MESH_STRATEGIES = ("dp", "zero1", "zero2")  # --pp with the GPT: its mesh (dp, ZeRO over dp)
 
 
 def _check_model(cfg: TrainConfig, n: int) -> None:
@@ -164,9 +165,10 @@ def _check_model(cfg: TrainConfig, n: int) -> None:
             raise MicroDDPError(f"--tp {cfg.tp} must divide --nproc {n}: each replica is --tp "
                                 f"ranks and replicas = nproc / tp")
         check_split(GPTConfig(n_head=cfg.heads, d_model=cfg.hidden), cfg.tp)
-    if cfg.strategy.startswith("zero"):
-        raise MicroDDPError(f"--tp {cfg.tp} / --pp runs under --strategy dp (or pp, dp-pp); "
-                            f"ZeRO over the data-parallel ranks of a mesh is not built yet")
+    if cfg.strategy == "zero3":
+        raise MicroDDPError(f"--tp {cfg.tp} / --pp runs under --strategy dp, zero1, zero2 (or "
+                            f"pp, dp-pp); ZeRO-3 over the data-parallel ranks of a mesh is not "
+                            f"built yet")
 
 
 def _choice(value, allowed: tuple, what: str) -> None:

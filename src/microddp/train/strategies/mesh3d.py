@@ -180,20 +180,22 @@ class Mesh3DParallel(Strategy):
         """Bytes of this rank's shards, their gradients and optimizer state, and bytes sent."""
         return dict(self._memory)
 
-    def pieces(self, saving: bool) -> list[sharded.Piece]:
-        """This rank's parameters as runs of the whole parameters' elements (padding left
-        out). Saving, only replica 0 writes, and a replicated parameter only its tensor rank 0."""
+    def runs(self, saving: bool, every_replica: bool = False) -> list[tuple]:
+        """This rank's parameters as runs of the whole parameters' elements, padding left out:
+        (name, first element in the whole parameter, local parameter, first local element,
+        length). Saving, only replica 0 writes (unless `every_replica`), and a replicated
+        parameter only its tensor rank 0."""
         g, out = self.groups, []
-        if saving and g.replica != 0:
+        if saving and g.replica != 0 and not every_replica:
             return out
         seen = set()
         for name, p, dim, whole in self.stage.layout():
-            if id(p) in seen:  # a tied head: the embedding's pieces already
+            if id(p) in seen:  # a tied head: the embedding's runs already
                 continue
             seen.add(id(p))
             if dim is None:
                 if not (saving and g.tp_rank != 0):
-                    out.append(sharded.Piece(name, 0, p.data.view(-1), p))
+                    out.append((name, 0, p, 0, p.numel()))
                 continue
             per = p.shape[dim]
             lo = g.tp_rank * per
@@ -202,12 +204,15 @@ class Mesh3DParallel(Strategy):
                 continue
             if dim == 0:
                 row = p[0].numel() if p.dim() > 1 else 1
-                out.append(sharded.Piece(name, lo * row, p.data[:valid].reshape(-1), p))
+                out.append((name, lo * row, p, 0, valid * row))
             else:  # a row-parallel weight (out, in / p): one run per output row
-                for i in range(p.shape[0]):
-                    out.append(sharded.Piece(name, i * whole + lo, p.data[i, :valid], p,
-                                             at=i * per))
+                out += [(name, i * whole + lo, p, i * per, valid) for i in range(p.shape[0])]
         return out
+
+    def pieces(self, saving: bool) -> list[sharded.Piece]:
+        """The runs as checkpoint pieces, each stepped by the optimizer as its own parameter."""
+        return [sharded.Piece(name, start, p.data.view(-1).narrow(0, at, n), p, at=at)
+                for name, start, p, at, n in self.runs(saving)]
 
     def save_shards(self, folder: Path, run: str, common, keep: int) -> None:
         """Write this rank's shard of a checkpoint folder."""
@@ -239,6 +244,9 @@ def check(cfg: TrainConfig, n: int) -> None:
     if p > 1 and cfg.schedule not in SCHEDULES:
         raise MicroDDPError(f"--schedule {cfg.schedule}: the GPT's pipeline runs "
                             f"{' | '.join(SCHEDULES)}; pick one of them")
+    if cfg.strategy == "pp" and n != cfg.tp * p:
+        raise MicroDDPError(f"--strategy pp is one pipeline (no replicas): --tp {cfg.tp} x --pp "
+                            f"{p} must be --nproc {n}; use --strategy dp for replicas")
     if cfg.engine != TrainConfig.engine:
         raise MicroDDPError(f"--tp {cfg.tp} --pp {p} averages gradients over its own "
                             f"data-parallel groups, not through --engine {cfg.engine}; drop "
