@@ -30,15 +30,16 @@ JOB = {"model": "gpt", "hidden": 128, "depth": 4, "heads": 4, "plot": False, "ba
 SEQ, VOCAB = 32, 256  # the job's text windows and bytes
 
 
-def worker(world, kw):
+def worker(world, out, kw):
     marks = []
-    cfg = TrainConfig(**{**JOB, "out": tempfile.mkdtemp(prefix="mesh-"), **kw})
+    cfg = TrainConfig(**{**JOB, "out": out, **kw})
     loop.train(world, cfg, on_step=lambda step: marks.append(time.perf_counter()))
     return [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
 
 def step_time(n, steps, **kw):
-    gaps = mdp.spawn(worker, n, args=({"max_steps": steps, **kw},), timeout=900)[0]
+    out = tempfile.mkdtemp(prefix="mesh-")  # one run folder for all the ranks
+    gaps = mdp.spawn(worker, n, args=(out, {"max_steps": steps, **kw}), timeout=900)[0]
     return statistics.median(gaps[2:] if len(gaps) > 4 else gaps)
 
 
