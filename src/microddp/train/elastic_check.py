@@ -15,7 +15,8 @@ def check(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise MicroDDPError(f"--elastic works with --strategy dp only (not built for "
                             f"{cfg.strategy}: ZeRO would have to rebuild the lost rank's "
                             "optimizer shards, a pipeline its stage); drop --elastic")
-    for flag, bad in (("--tp", cfg.tp > 1), ("--accumulate", cfg.accumulate > 1),
+    for flag, bad in (("--tp", cfg.tp > 1), ("--pp", (cfg.pp or 1) > 1),
+                      ("--cp", getattr(cfg, "cp", 1) > 1), ("--accumulate", cfg.accumulate > 1),
                       ("--amp", cfg.amp is not None), ("--resume", cfg.resume),
                       ("--model gpt", cfg.model != "mlp"), ("--trace", cfg.trace),
                       ("--straggler", bool(cfg.straggler)),
