@@ -173,7 +173,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--trace", action="store_true", help="record a timeline of every step (Chrome trace and summary)")
     a("--monitor-timeout", type=float, default=d.monitor_timeout,
       help="seconds a collective may stall before every rank reports where it is "
-           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off)")
+           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off); with --strategy "
+           "async, how long the server waits for a silent worker before dropping it")
     a("--drift-every", type=int, default=d.drift_every,
       help="every K steps check that all replicas hold the same parameters (default 0: off)")
     a("--no-plot", dest="plot", action="store_false", help="skip curves.png")

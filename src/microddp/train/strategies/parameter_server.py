@@ -25,6 +25,7 @@ import torch
 from ... import checkpoint, monitor, outputs, ps, spans
 from ...data import ShardedBatchSampler, load_dataset
 from ...errors import MicroDDPError
+from ...launch.run import PEER_GONE
 from ...trace import report as trace_report
 from ...world.world import World
 from ..build import build_model, build_optimizer
@@ -36,11 +37,17 @@ TRACE_WAIT_S = 10.0  # how long the server waits for a finished worker's spans f
 
 
 def ps_config(cfg: TrainConfig, steps: int) -> ps.PSConfig:
-    """The parameter-server settings of an async run of `steps` global batches."""
+    """The parameter-server settings of an async run of `steps` global batches.
+
+    --monitor-timeout T is how long the server waits for a computing worker before dropping
+    it; a worker waits 2T + 5 s for parameters before it concludes its server is gone, since a
+    live server may itself be waiting up to T for a frozen worker before it can answer."""
+    silent = cfg.monitor_timeout or 60.0
     return ps.PSConfig(steps=steps, lr=cfg.learning_rate,
                        staleness=ps.parse_staleness(cfg.staleness),
                        backup_workers=cfg.backup_workers, staleness_lr=cfg.staleness_lr,
-                       stragglers=ps.parse_straggler(cfg.straggler))
+                       stragglers=ps.parse_straggler(cfg.straggler),
+                       worker_timeout=silent, server_timeout=2 * silent + 5)
 
 
 def check(cfg: TrainConfig, n: int) -> None:
@@ -130,10 +137,11 @@ def _work(world: World, cfg: TrainConfig, task: ps.Task, config: ps.PSConfig) ->
     try:
         ps.run_worker(world.rank, world.world_size, task, config)
     except MicroDDPError as e:
-        # The server is gone. One line, and exit 1 rather than 2: this is no usage error, and
-        # with --max-restarts the launcher restarts everyone from the server's checkpoint.
+        # The server is gone. One line, and PEER_GONE rather than 2: this is no usage error,
+        # the launcher stops the whole job (a frozen server never exits by itself), and with
+        # --max-restarts it restarts everyone from the server's checkpoint.
         print(f"microddp train: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        raise SystemExit(PEER_GONE) from None
     if cfg.trace:  # a file the server waits for, not a gather: a lost worker would hang that
         rec = spans.stop()
         walled = [dataclasses.asdict(s) for s in trace_report.to_wall(rec)]
