@@ -31,6 +31,7 @@ from .flat import Frame, frame
 
 PARAMS, STOP, GRAD, BYE, LOST = range(5)
 TAG_FRAME = 3  # not the 1 and 2 of the header and payload messages this protocol once sent
+TAG_SHARD = 4  # a server's shard to server 0 between updates, apart from the workers' traffic
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -61,6 +62,17 @@ def recv(f: Frame, src: int, timeout: float) -> tuple[int, int, int, int, int]:
     comms.irecv(f.buf, src, tag=TAG_FRAME).wait(timedelta(seconds=timeout))
     kind, sender, version, clock, samples = f.head.tolist()
     return kind, sender, version, clock, samples
+
+
+def push_shard(f: Frame, dst: int):
+    """Start sending a copy of frame `f` to server `dst` on the shard tag (the frame itself
+    goes on changing); wait on the handle before the next."""
+    return comms.isend(f.buf.clone(), dst, tag=TAG_SHARD)
+
+
+def pull_shard(f: Frame, src: int, timeout: float) -> None:
+    """Receive server `src`'s shard, sent with push_shard, into frame `f`."""
+    comms.irecv(f.buf, src, tag=TAG_SHARD).wait(timedelta(seconds=timeout))
 
 
 @dataclass

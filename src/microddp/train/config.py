@@ -65,6 +65,7 @@ class TrainConfig:
     staleness: str = "0"  # async: the bound S, a whole number or "inf"
     staleness_lr: bool = False  # async: divide each gradient's step by its staleness
     backup_workers: int = 0  # async, staleness 0: each update takes the first N-b gradients
+    servers: int = 1  # async: ranks 0..servers-1 each serve a shard of the parameters
 
     def __post_init__(self) -> None:
         # The GPT reads text: --model gpt without a --dataset means --dataset text.
@@ -189,6 +190,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--backup-workers", type=int, default=d.backup_workers, metavar="B",
       help="async with --staleness 0: each update uses the first N-B gradients to arrive "
            f"(default {d.backup_workers})")
+    a("--servers", type=int, default=d.servers, metavar="S",
+      help="async: the parameters sharded over S server ranks (0..S-1), every worker pulling "
+           f"from and pushing to each (default {d.servers})")
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
