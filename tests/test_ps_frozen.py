@@ -55,8 +55,8 @@ def test_a_frozen_server_stops_the_job_with_one_line_and_exit_non_zero(tmp_path)
          str(TIMEOUT_S), "--out", str(tmp_path / "run")], tmp_path / "run", rank=0, after_s=2)
     assert code != 0, log
     assert "the parameter server (rank 0) is gone while waiting for parameters" in log
-    assert "microddp run: rank 1 failed (exit code 3)" in log or \
-        "microddp run: rank 2 failed (exit code 3)" in log, log
+    assert "microddp run: rank 1 failed (exit code 75)" in log or \
+        "microddp run: rank 2 failed (exit code 75)" in log, log
     assert not any(pid and psutil.pid_exists(pid) and
                    psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
     # the workers wait 2T + 5 s for parameters; the rest is the launcher stopping the job

@@ -126,8 +126,9 @@ def _command(script: str, script_args: list[str], module: bool) -> list[str]:
 
 # An expendable rank that exits with this code says a rank the job cannot lose is gone (a
 # parameter server's worker whose server stopped answering): that stops the job, as the lost
-# rank's own failure would, had it been able to fail (a frozen process never exits).
-PEER_GONE = 3
+# rank's own failure would, had it been able to fail (a frozen process never exits). 75 is
+# sysexits' EX_TEMPFAIL: a failure a restart may cure; rare enough not to be a script's own.
+PEER_GONE = 75
 # Once every rank that is not expendable has ended well, an expendable one still running this
 # long after is stopped (a worker frozen and dropped by its server would never end by itself).
 LEFTOVER_S = 10.0
