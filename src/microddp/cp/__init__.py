@@ -2,7 +2,8 @@
 
 split.py: which chunks of the sequence a rank holds (the causal load balance) and their
 positions; ring.py: ring attention, exact attention with key/value blocks passed around the ring,
-forward and backward; gpt.py: a GPT whose attention runs as ring attention.
+forward and backward; gpt.py: a GPT whose attention runs as ring attention; overlap.py: how
+much of the ring's communication the block computation hides, measured.
 """
 
 from .gpt import ContextParallelGPT
