@@ -125,6 +125,16 @@ def _command(script: str, script_args: list[str], module: bool) -> list[str]:
     return [sys.executable, "-u", str(path), *script_args]
 
 
+# An expendable rank that exits with this code says a rank the job cannot lose is gone (a
+# parameter server's worker whose server stopped answering): that stops the job, as the lost
+# rank's own failure would, had it been able to fail (a frozen process never exits). 75 is
+# sysexits' EX_TEMPFAIL: a failure a restart may cure; rare enough not to be a script's own.
+PEER_GONE = 75
+# Once every rank that is not expendable has ended well, an expendable one still running this
+# long after is stopped (a worker frozen and dropped by its server would never end by itself).
+LEFTOVER_S = 10.0
+
+
 def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
               run_id: str, out: _Output, expendable: frozenset[int] = frozenset(),
               elastic: bool = False, replacements: int = 0) -> int:
@@ -138,7 +148,7 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
     workers = [_Worker(r, cmd, env, out) for r, env in enumerate(envs)]
     pids = [w.proc.pid for w in workers]
     let_go: set[int] = set()
-    polls = 0
+    polls, ended = 0, 0.0
     try:
         while not out.closed.is_set():
             if polls % 10 == 0:
@@ -158,8 +168,9 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
                 time.sleep(0.05)
                 continue
             failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
-            spared = [w for w in failed if w.rank in expendable]
-            failed = [w for w in failed if w.rank not in expendable]
+            spared = [w for w in failed if w.rank in expendable
+                      and w.proc.returncode != PEER_GONE]
+            failed = [w for w in failed if w not in spared]
             for w in spared if not failed else ():  # else they only followed the one that failed
                 if w.rank not in let_go:
                     let_go.add(w.rank)
@@ -172,6 +183,25 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
                 return code if code > 0 else 128 - code
             if all(c == 0 or w.rank in let_go for w, c in zip(workers, codes, strict=True)):
                 return 0
+            if expendable and expendable <= let_go:
+                # every rank the job could lose is lost: a live job ends itself now (a server
+                # left without workers says so and exits); one still running is frozen
+                ended = ended or time.monotonic()
+                if time.monotonic() - ended > LEFTOVER_S:
+                    left = [w for w, c in zip(workers, codes, strict=True) if c is None]
+                    print(f"microddp run: every expendable rank failed and rank(s) "
+                          f"{', '.join(str(w.rank) for w in left)} did not end within "
+                          f"{LEFTOVER_S:g} s (frozen?); stopped them", file=sys.stderr)
+                    kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in left],
+                             grace=1)
+                    return 1
+            elif expendable and all(c == 0 for w, c in zip(workers, codes, strict=True)
+                                    if w.rank not in expendable):
+                ended = ended or time.monotonic()
+                if time.monotonic() - ended > LEFTOVER_S:
+                    _stop_leftovers([w for w, c in zip(workers, codes, strict=True)
+                                     if c is None])
+                    return 0
             time.sleep(0.05)
         return PIPE_CLOSED
     finally:
@@ -182,6 +212,13 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
         if watch is not None:
             watch.close()
         agent.close()
+
+
+def _stop_leftovers(left: list[_Worker]) -> None:
+    ranks = ", ".join(str(w.rank) for w in left)
+    print(f"microddp run: rank(s) {ranks} still running {LEFTOVER_S:g} s after the job's other "
+          "ranks ended well (frozen, and dropped by the job); stopped them", file=sys.stderr)
+    kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in left], grace=1)
 
 
 def _report(first: _Worker, workers: list[_Worker]) -> None:

@@ -64,7 +64,8 @@ def start(cfg: TrainConfig) -> int:
         print(f"microddp train: run folder {cfg.out}", flush=True)
         announced = True
         # async: a worker that dies is dropped by the server, so the launcher lets it go
-        expendable = range(1, cfg.nproc) if strategy_entry(cfg.strategy).expendable else ()
+        expendable = (range(cfg.servers, cfg.nproc) if strategy_entry(cfg.strategy).expendable
+                      else ())
         code = launch("microddp.train", cfg.to_argv(), nproc=cfg.nproc, module=True,
                       max_restarts=cfg.max_restarts, expendable=expendable,
                       elastic=cfg.elastic, replacements=cfg.replacements)

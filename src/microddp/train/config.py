@@ -65,6 +65,7 @@ class TrainConfig:
     staleness: str = "0"  # async: the bound S, a whole number or "inf"
     staleness_lr: bool = False  # async: divide each gradient's step by its staleness
     backup_workers: int = 0  # async, staleness 0: each update takes the first N-b gradients
+    servers: int = 1  # async: ranks 0..servers-1 each serve a shard of the parameters
     elastic: bool = False  # dp: lose ranks and go on in place (train/elastic.py)
     min_ranks: int = 1  # --elastic: below this many ranks the job stops
     elastic_timeout: float = 10.0  # --elastic: seconds a collective may block before it fails
@@ -178,7 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--trace", action="store_true", help="record a timeline of every step (Chrome trace and summary)")
     a("--monitor-timeout", type=float, default=d.monitor_timeout,
       help="seconds a collective may stall before every rank reports where it is "
-           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off)")
+           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off); with --strategy "
+           "async, how long the server waits for a silent worker before dropping it")
     a("--drift-every", type=int, default=d.drift_every,
       help="every K steps check that all replicas hold the same parameters (default 0: off)")
     a("--no-plot", dest="plot", action="store_false", help="skip curves.png")
@@ -193,6 +195,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--backup-workers", type=int, default=d.backup_workers, metavar="B",
       help="async with --staleness 0: each update uses the first N-B gradients to arrive "
            f"(default {d.backup_workers})")
+    a("--servers", type=int, default=d.servers, metavar="S",
+      help="async: the parameters sharded over S server ranks (0..S-1), every worker pulling "
+           f"from and pushing to each (default {d.servers})")
     add_elastic_arguments(p)
 
 

@@ -192,7 +192,7 @@ def _check_synchronous(cfg: TrainConfig, n: int) -> None:
         if not 0 <= rank < n or not factor >= 1:
             raise MicroDDPError(f"--straggler {rank}:{factor:g}: the rank must be one of 0.."
                                 f"{n - 1} and the factor >= 1 (how many times slower)")
-    if cfg.staleness != "0" or cfg.staleness_lr or cfg.backup_workers:
+    if cfg.staleness != "0" or cfg.staleness_lr or cfg.backup_workers or cfg.servers != 1:
         parse_staleness(cfg.staleness)
-        raise MicroDDPError("--staleness, --staleness-lr and --backup-workers belong to a "
-                            "parameter server: add --strategy async")
+        raise MicroDDPError("--staleness, --staleness-lr, --backup-workers and --servers belong "
+                            "to a parameter server: add --strategy async")
