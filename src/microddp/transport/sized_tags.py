@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ...transport.duplex import duplex, duplex_decided
-from ...transport.peers import Peers, wait_all
+from .duplex import duplex, duplex_decided
+from .peers import Peers, wait_all
 
 # Above the rings' per-call tags (carried.py's and early.py's end below 2**30) and,
 # with the size added, below 2**31, the largest tag gloo accepts. (A pipeline's tags grow with
