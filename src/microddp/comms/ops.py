@@ -24,18 +24,19 @@ from ..collectives.route import agree_call, all_reduce_path
 from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
 from ..monitor import messages
+from ..monitor.patch import after
 from ..world.args import (
     REDUCE_OPS,
     check_list,
     check_op_dtype,
     check_tensor,
+    even_sizes,
     op_name,
     peer,
     root,
 )
 from ..world.world import (
     World,
-    distributed,
     given_group,
     group_rank,
     group_size,
@@ -43,7 +44,7 @@ from ..world.world import (
     is_initialized,
 )
 from .handle import Handle
-from .session import get_world, init, shutdown
+from .session import distributed, get_world, init, shutdown
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
@@ -89,6 +90,10 @@ def _divide(tensor: torch.Tensor, n: int) -> Callable[[], None]:
 _CHECKED: set[tuple[str, torch.dtype]] = set()
 
 
+def _none() -> None:
+    """No agreement (a group torch does not know)."""
+
+
 def _problem(check: Callable[[], object]) -> MicroDDPError | None:
     """The error `check()` raises (this rank's own complaint about its arguments), or None:
     kept to tell the other ranks (route's agree) before raising it, so they raise too."""
@@ -105,6 +110,15 @@ def _agree(where: str, group, problem: MicroDDPError | None, tensor, **more) -> 
     agree_call(where, group, problem, tensor, **more)
     if problem is not None:
         raise problem
+
+
+def _agreed(where: str, group, problem: MicroDDPError | None, tensor, **more) -> Callable:
+    """The agreement of a call this rank can make (one it refuses raises here, on every
+    rank), to run inside the monitored call with `after`: a peer that never comes is then
+    reported as this call (`where` #n), not as "a collective"."""
+    if problem is not None:
+        _agree(where, group, problem, tensor, **more)
+    return lambda: agree_call(where, group, None, tensor, **more)
 
 
 def _all_reduce_problem(tensor, op) -> tuple[str, MicroDDPError | None]:
@@ -142,10 +156,9 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
         return _result(work, async_op, finish)
     if given and problem is not None:  # a group torch does not know: no agreement through it
         raise problem
-    if not given:
-        _agree("all_reduce", group, problem, tensor, op=name)
-    return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
-                   async_op, finish)
+    agreement = _agreed("all_reduce", group, problem, tensor, op=name) if not given else _none
+    return _result(after(agreement, dist.all_reduce, tensor, REDUCE_OPS[name], group,
+                         async_op=True), async_op, finish)
 
 
 def all_reduce_mean(tensor: torch.Tensor, group=None, async_op: bool = False) -> Handle | None:
@@ -167,8 +180,9 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
         if problem is not None:
             raise problem
         return _done(async_op, result=[tensor])
-    _agree("broadcast", group, problem, tensor, src=got[0] if got else src)
-    return _result(dist.broadcast(tensor, got[0], group, async_op=True), async_op)
+    agreement = _agreed("broadcast", group, problem, tensor, src=got[0] if got else src)
+    return _result(after(agreement, dist.broadcast, tensor, got[0], group, async_op=True),
+                   async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -177,13 +191,20 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     if _outside(group):
         return dist.all_gather(tensor_list, tensor, group, async_op)
     problem = _problem(lambda: (check_tensor(tensor, "all_gather", written=False),
-                                check_list(tensor_list, group, "tensor_list", tensor, True)))
+                                _per_rank(tensor_list, tensor, group, "all_gather", "tensor_list", True)))
     if not distributed():
         if problem is not None:
             raise problem
         return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
-    _agree("all_gather", group, problem, tensor)
-    return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
+    agreement = _agreed("all_gather", group, problem, tensor)
+    return _result(after(agreement, dist.all_gather, tensor_list, tensor, group, async_op=True),
+                   async_op)
+
+
+def _per_rank(tensors, like: torch.Tensor, group, what: str, name: str,
+              written: bool = False) -> None:
+    """One tensor per rank of `group`, each like `like` (world.args.check_list)."""
+    check_list(tensors, like, group_size(group), what, name, written, even_sizes(group, like))
 
 
 def _op_problem(op, tensor, where: str) -> tuple[str, MicroDDPError | None]:
@@ -206,14 +227,15 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
             raise problem
         return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
     problem = problem or _problem(
-        lambda: check_list(input_list, group, "input_list", output))
+        lambda: _per_rank(input_list, output, group, "reduce_scatter", "input_list"))
     if not distributed():
         if problem is not None:
             raise problem
         return _done(async_op, lambda: output.copy_(input_list[0]), [output])
-    _agree("reduce_scatter", group, problem, output, op=name)
+    agreement = _agreed("reduce_scatter", group, problem, output, op=name)
     finish = _divide(output, group_size(group)) if name == "avg" else None
-    work = dist.reduce_scatter(output, list(input_list), REDUCE_OPS[name], group, async_op=True)
+    work = after(agreement, dist.reduce_scatter, output, list(input_list), REDUCE_OPS[name],
+                 group, async_op=True)
     return _result(work, async_op, finish)
 
 
@@ -233,12 +255,12 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Op = "sum", group=N
         if problem is not None:
             raise problem
         return _done(async_op, result=[tensor])
-    _agree("reduce", group, problem, tensor, op=name, dst=got[0] if got else dst)
+    agreement = _agreed("reduce", group, problem, tensor, op=name, dst=got[0] if got else dst)
     dst = got[0]
     is_dst = dist.get_rank() == dst
     finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
-    return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
-                   async_op, finish)
+    return _result(after(agreement, dist.reduce, tensor, dst, REDUCE_OPS[name], group,
+                         async_op=True), async_op, finish)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
@@ -254,17 +276,17 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
         check_tensor(tensor, "scatter")
         got.append(root(src, group_src, group, "src"))
         if not distributed() or dist.get_rank() == got[0]:
-            check_list(scatter_list, group, "scatter_list", tensor)
+            _per_rank(scatter_list, tensor, group, "scatter", "scatter_list")
 
     problem = _problem(check)
     if not distributed():
         if problem is not None:
             raise problem
         return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
-    _agree("scatter", group, problem, tensor, src=got[0] if got else src)
+    agreement = _agreed("scatter", group, problem, tensor, src=got[0] if got else src)
     is_src = dist.get_rank() == got[0]
-    work = dist.scatter(tensor, list(scatter_list) if is_src else None, got[0], group,
-                        async_op=True)
+    work = after(agreement, dist.scatter, tensor, list(scatter_list) if is_src else None,
+                 got[0], group, async_op=True)
     return _result(work, async_op)
 
 
@@ -282,16 +304,17 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
         check_tensor(tensor, "gather", written=False)
         got.append(root(dst, group_dst, group, "dst"))
         if not distributed() or dist.get_rank() == got[0]:
-            check_list(gather_list, group, "gather_list", tensor, True)
+            _per_rank(gather_list, tensor, group, "gather", "gather_list", True)
 
     problem = _problem(check)
     if not distributed():
         if problem is not None:
             raise problem
         return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
-    _agree("gather", group, problem, tensor, dst=got[0] if got else dst)
+    agreement = _agreed("gather", group, problem, tensor, dst=got[0] if got else dst)
     is_dst = dist.get_rank() == got[0]
-    work = dist.gather(tensor, gather_list if is_dst else None, got[0], group, async_op=True)
+    work = after(agreement, dist.gather, tensor, gather_list if is_dst else None, got[0], group,
+                 async_op=True)
     return _result(work, async_op)
 
 
@@ -301,9 +324,10 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
         return _done(async_op)
     if _outside(group):
         return dist.barrier(group, async_op)
-    # No agreement first: its wait, outside the monitored call, would hide a stalled peer
-    # from the hang report (a rank at another collective is named by the report instead).
-    return _result(dist.barrier(group, async_op=True), async_op)
+    # agreed inside the monitored barrier: a rank at another collective is an error on every
+    # rank, and a stalled peer is still reported as this barrier
+    agreement = _agreed("barrier", group, None, None)
+    return _result(after(agreement, dist.barrier, group, async_op=True), async_op)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,

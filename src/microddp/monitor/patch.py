@@ -248,12 +248,14 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
             return fn(*args[:at], True, *args[at + 1:], **kwargs)
         return fn(*args, **{**kwargs, "async_op": True})
 
-    def interrupting(mon: Monitor, entry: Entry, group: Any, args: tuple, kwargs: dict) -> Any:
+    def interrupting(mon: Monitor, entry: Entry, group: Any, args: tuple, kwargs: dict,
+                     first: Callable | None) -> Any:
         """monitor.enable(interrupt=True) or debug: a blocking gloo call runs async and is
         waited on with the monitor's timeout, so its stall raises the report here."""
         entry.settle()
         if mon.debug:
             desync.check(mon, entry, group)
+        _first(mon, entry, first)
         gloo = _gloo(group)
         async_op = sig.async_op(args, kwargs)
         if async_op or (at >= 0 and gloo):
@@ -285,23 +287,27 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
     # on a loaded machine): the group and async_op are read by position here, not by calls.
     group_at, async_at, describe, pick = sig.group_at, sig.async_at, sig.describe, sig.pick
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def call(first: Callable | None, *args: Any, **kwargs: Any) -> Any:
         mon = _active
-        if mon is None:
-            return fn(*args, **kwargs)
-        group = args[group_at] if 0 <= group_at < len(args) else kwargs.get("group")
-        if group is not None and _outside(group):
+        group = None
+        if mon is not None:
+            group = args[group_at] if 0 <= group_at < len(args) else kwargs.get("group")
+        if mon is None or (group is not None and _outside(group)):
+            if first is not None:
+                first()
             return fn(*args, **kwargs)
         # The arguments and the caller's frame, held while the call runs: described only if
         # a report (or debug mode) asks, not on every call.
+        # frame 2: the caller of wrapper() or of after(), which call this directly
         entry = mon.log.begin("world" if group is None else group_name(group), name,
-                              (describe, args, kwargs, pick), sys._getframe(1))
+                              (describe, args, kwargs, pick), sys._getframe(2))
         if mon.interrupt or mon.debug:
-            return interrupting(mon, entry, group, args, kwargs)
+            return interrupting(mon, entry, group, args, kwargs, first)
         # A gloo op fails by itself at the process group's timeout (async or not): after the
         # report, the watchdog leaves the ending to it, in a MicroDDPError raised below.
         entry.ends_itself = torch_own and _gloo(group)
+        if first is not None:
+            _first(mon, entry, first)
         if args[async_at] if 0 <= async_at < len(args) else kwargs.get("async_op"):
             entry.locate_caller()  # the caller moves on; the Work keeps the tensors anyway
             work = _launch(mon, entry, fn, args, kwargs)
@@ -322,8 +328,43 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         finally:
             mon.log.end(entry)
 
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return call(None, *args, **kwargs)
+
     wrapper.__microddp_original__ = fn
+    wrapper.__microddp_after__ = call
     return wrapper
+
+
+def _first(mon: Monitor, entry: Entry, first: Callable | None) -> None:
+    """Run the step a call makes before it starts (comms' agreement of the ranks) inside the
+    call's entry: a peer that never arrives is then reported as this call. Its own waits end
+    at the group's timeout, with the report (shared memory's reporter), or refuse at once."""
+    if first is None:
+        return
+    try:
+        first()
+    except RuntimeError as e:  # a gloo wait of the agreement gave up: the report, as a call's
+        err = _reported(mon, entry, e)
+        mon.log.end(entry)
+        if err is e:
+            raise
+        raise err from None
+    except BaseException:
+        mon.log.end(entry)
+        raise
+
+
+def after(first: Callable[[], None], fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) with `first()` run just before it, as one call: where `fn` is a
+    wrapped collective, inside its log entry (comms' agreement and the call it guards are one
+    collective to the hang report); else simply one, then the other."""
+    call = getattr(fn, "__microddp_after__", None)
+    if call is None:
+        first()
+        return fn(*args, **kwargs)
+    return call(first, *args, **kwargs)
 
 
 # id(group) -> (a weak reference to it, is it gloo's): asked once per group, and then found
