@@ -3,7 +3,7 @@ dumps (issue 52), read by torch's own analyser (torchfrtrace).
 
 Two ranks run one GPipe step of a 2-stage pipeline (microddp's interpreter, its messages
 through microddp.comms' isend/irecv) and exchange one parameter-server message (ps/protocol),
-then one all-reduce; rank 1 then skips the second all-reduce. The dumps must list every
+then one all-reduce; rank 1 then skips the next all-reduce. The dumps must list every
 message as torch's recorder lists one (`gloo:send 0->1` on the sender, `gloo:recv 1<-0` on the
 receiver, numbered by p2p_seq_id, completed, with a duration), the same messages on both sides,
 and torchfrtrace must read them, pair them, and still name the skipped all-reduce and rank 1.
@@ -59,9 +59,10 @@ def _job(world, folder):
 
 def test_pipeline_and_parameter_server_messages_in_the_dumps(tmp_path):
     res = mdp.spawn(_job, 2, args=(str(tmp_path),), timeout=120)
-    assert "all_reduce #2" in res[0][0]
     folder = tmp_path / flight.FOLDER
     dumps = [pickle.loads((folder / f"fr_trace_rank_{r}").read_bytes()) for r in (0, 1)]
+    skipped = dumps[0]["entries"][-1]["collective_seq_id"]  # the one rank 1 skipped
+    assert f"all_reduce #{skipped}" in res[0][0]
     p2p = [[e for e in d["entries"] if e["is_p2p"]] for d in dumps]
     # rank 0 sends 4 activations and 2 PS messages and receives 4 gradients; rank 1 mirrors it
     names = [sorted({e["profiling_name"] for e in ranks}) for ranks in p2p]
@@ -71,9 +72,11 @@ def test_pipeline_and_parameter_server_messages_in_the_dumps(tmp_path):
     assert counts == [{"gloo:recv 0<-1": M, "gloo:send 0->1": M + 2},
                       {"gloo:recv 1<-0": M + 2, "gloo:send 1->0": M}]
     for ranks in p2p:
-        assert sorted(e["p2p_seq_id"] for e in ranks) == list(range(1, 2 * M + 3))
+        # numbered 1, 2, ... per group, negated (flight.build says why)
+        assert sorted(-e["p2p_seq_id"] for e in ranks) == list(range(1, 2 * M + 3))
         assert all(e["state"] == "completed" and e["duration_ms"] >= 0 for e in ranks)
-        assert all(e["collective_seq_id"] == 0 for e in ranks)  # before the first all-reduce
+        # all between the same two collectives: the pipeline's own check and the all-reduce
+        assert {e["collective_seq_id"] for e in ranks} == {skipped - 2}
     # a message's sizes are the same on both ends, in order, per direction
     for a, b in ((0, 1), (1, 0)):
         sent = [e["input_sizes"] for e in p2p[a] if "send" in e["profiling_name"]]
@@ -84,16 +87,16 @@ def test_pipeline_and_parameter_server_messages_in_the_dumps(tmp_path):
     assert [(f["name"], f["line"]) for f in ps_send["frames"]][-1] == ("_job", _line("PS-SEND"))
     colls = [[(e["profiling_name"], e["state"]) for e in d["entries"] if not e["is_p2p"]]
              for d in dumps]
-    assert colls[1] == [("gloo:all_reduce", "completed")]
+    assert colls[0][:-1] == colls[1] and colls[0][-1] == ("gloo:all_reduce", "started")
     text = _frtrace(folder, "-o", str(tmp_path / "db.pkl"))
-    assert "Not all ranks joining collective, sequence number: 2" in text, text
+    assert f"Not all ranks joining collective, sequence number: {skipped}" in text, text
     assert "missing ranks: {1}" in text
     assert "Traceback" not in text and "mismatch" not in text.lower(), text
     # the analyser's own database (-o): every message paired with its partner, none in error
     _, db = pickle.loads((tmp_path / "db.pkl").read_bytes())
     pairs = [c for c in db.collectives if c.collective_name.split(" ")[0] in P2P]
     assert len(pairs) == 2 * M + 2 and all(c.pass_check and not c.missing_ranks for c in pairs)
-    assert sorted(c.p2p_seq_id for c in pairs) == list(range(1, 2 * M + 3))
+    assert sorted(-c.p2p_seq_id for c in pairs) == list(range(1, 2 * M + 3))
     (stuck,) = [c for c in db.collectives if c.missing_ranks]
     assert (stuck.collective_name, stuck.collective_seq_id, stuck.missing_ranks) == (
-        "gloo:all_reduce", 2, {1})
+        "gloo:all_reduce", skipped, {1})

@@ -9,7 +9,7 @@ writes the same file format from its monitor's log (monitor/log.py): every entry
 file:line, for torch's own collectives and microddp's (logged as their torch kind, the profiling
 name says whose: `gloo:all_reduce microddp.ring_all_reduce`), and the point-to-point messages
 of microddp.comms (a pipeline's, a parameter server's: monitor/messages.py) as torch's
-`send 0->1` / `recv 1<-0` entries, numbered apart (p2p_seq_id).
+`send 0->1` / `recv 1<-0` entries, numbered apart (p2p_seq_id, negated: see build).
 
 The dump is written when the ranks are asked where they are (a hang or a backend timeout, see
 hang.py), into RUN/flight_recorder/ (set_run_dir, or MICRODDP_RUN_DIR), else into a folder the
@@ -173,7 +173,10 @@ def build(entries: list[Entry], rank: int, timeout_s: float) -> dict[str, Any]:
             "process_group": (pg, config.get(pg, {}).get("desc", "undefined")),
             "thread_name": "python", "thread_id": str(threading.main_thread().ident),
             "collective_seq_id": e.collective_seq if p2p else e.seq,
-            "p2p_seq_id": e.seq if p2p else 0, "op_id": e.seq,
+            # negated: torch's analyser takes an entry whose p2p_seq_id equals the collective
+            # before it (or whose collective_seq_id equals the message before it) as one
+            # coalesced group with it, and then fails on it; the numbers never meet so
+            "p2p_seq_id": -e.seq if p2p else 0, "op_id": e.seq,
             "profiling_name": name, "time_created_ns": started_ns,
             "input_sizes": ins, "input_dtypes": dtypes, "output_sizes": outs,
             "output_dtypes": dtypes, "state": "completed" if done else "started",
