@@ -17,7 +17,7 @@ import torch.distributed as dist
 import microddp as mdp
 from microddp import monitor, pipeline
 from microddp.monitor import flight
-from microddp.ps import protocol
+from microddp.ps import flat, protocol
 from test_monitor_flight import _frtrace, _wait_for_dump
 
 STALL_S = 1.5
@@ -40,12 +40,13 @@ def _job(world, folder):
     mine = {s: stages[s] for s in schedule.stages_of(world.rank)}
     x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
     pipeline.run_schedule(schedule, mine, x, y, torch.nn.functional.cross_entropy)
-    head = protocol.header(protocol.PARAMS, world.rank, 2, 3, 4)  # a server's parameters
+    f = flat.frame(6)  # one message: the header, then a server's parameters
     if world.rank == 0:
-        protocol.send(head, 1, torch.ones(6))  # PS-SEND
+        f.body.fill_(1.0)
+        protocol.send(f, 1, protocol.PARAMS, world.rank, 2, 3, 4)  # PS-SEND
     else:
-        got, payload = protocol.recv(0, 6, timeout=30)
-        assert got.tolist() == [protocol.PARAMS, 0, 2, 3, 4] and payload.tolist() == [1.0] * 6
+        got = protocol.recv(f, 0, timeout=30)
+        assert got == (protocol.PARAMS, 0, 2, 3, 4) and f.body.tolist() == [1.0] * 6
     t = torch.ones(4)
     error = None
     try:
@@ -64,16 +65,17 @@ def test_pipeline_and_parameter_server_messages_in_the_dumps(tmp_path):
     skipped = dumps[0]["entries"][-1]["collective_seq_id"]  # the one rank 1 skipped
     assert f"all_reduce #{skipped}" in res[0][0]
     p2p = [[e for e in d["entries"] if e["is_p2p"]] for d in dumps]
-    # rank 0 sends 4 activations and 2 PS messages and receives 4 gradients; rank 1 mirrors it
+    # rank 0 sends 4 activations and 1 PS message (header and values in one frame) and receives
+    # 4 gradients; rank 1 mirrors it
     names = [sorted({e["profiling_name"] for e in ranks}) for ranks in p2p]
     assert names == [["gloo:recv 0<-1", "gloo:send 0->1"], ["gloo:recv 1<-0", "gloo:send 1->0"]]
     counts = [{n: sum(e["profiling_name"] == n for e in ranks) for n in names[r]}
               for r, ranks in enumerate(p2p)]
-    assert counts == [{"gloo:recv 0<-1": M, "gloo:send 0->1": M + 2},
-                      {"gloo:recv 1<-0": M + 2, "gloo:send 1->0": M}]
+    assert counts == [{"gloo:recv 0<-1": M, "gloo:send 0->1": M + 1},
+                      {"gloo:recv 1<-0": M + 1, "gloo:send 1->0": M}]
     for ranks in p2p:
         # numbered 1, 2, ... per group, negated (flight.build says why)
-        assert sorted(-e["p2p_seq_id"] for e in ranks) == list(range(1, 2 * M + 3))
+        assert sorted(-e["p2p_seq_id"] for e in ranks) == list(range(1, 2 * M + 2))
         assert all(e["state"] == "completed" and e["duration_ms"] >= 0 for e in ranks)
         # all between the same two collectives: the pipeline's own check and the all-reduce
         assert {e["collective_seq_id"] for e in ranks} == {skipped - 2}
@@ -82,8 +84,8 @@ def test_pipeline_and_parameter_server_messages_in_the_dumps(tmp_path):
         sent = [e["input_sizes"] for e in p2p[a] if "send" in e["profiling_name"]]
         received = [e["output_sizes"] for e in p2p[b] if "recv" in e["profiling_name"]]
         assert sent == received and sent
-    (ps_send,) = [e for e in p2p[0] if e["input_sizes"] == [[6]]]
-    assert ps_send["input_dtypes"] == ["Float"]
+    (ps_send,) = [e for e in p2p[0] if e["input_sizes"] == [[flat.HEADER_BYTES + 4 * 6]]]
+    assert ps_send["input_dtypes"] == ["Byte"]
     assert [(f["name"], f["line"]) for f in ps_send["frames"]][-1] == ("_job", _line("PS-SEND"))
     colls = [[(e["profiling_name"], e["state"]) for e in d["entries"] if not e["is_p2p"]]
              for d in dumps]
@@ -95,8 +97,8 @@ def test_pipeline_and_parameter_server_messages_in_the_dumps(tmp_path):
     # the analyser's own database (-o): every message paired with its partner, none in error
     _, db = pickle.loads((tmp_path / "db.pkl").read_bytes())
     pairs = [c for c in db.collectives if c.collective_name.split(" ")[0] in P2P]
-    assert len(pairs) == 2 * M + 2 and all(c.pass_check and not c.missing_ranks for c in pairs)
-    assert sorted(-c.p2p_seq_id for c in pairs) == list(range(1, 2 * M + 3))
+    assert len(pairs) == 2 * M + 1 and all(c.pass_check and not c.missing_ranks for c in pairs)
+    assert sorted(-c.p2p_seq_id for c in pairs) == list(range(1, 2 * M + 2))
     (stuck,) = [c for c in db.collectives if c.missing_ranks]
     assert (stuck.collective_name, stuck.collective_seq_id, stuck.missing_ranks) == (
         "gloo:all_reduce", skipped, {1})
