@@ -33,6 +33,7 @@ from ..world.args import (
     peer,
     root,
 )
+from ..world.arrival import all_arrive
 from ..world.world import (
     World,
     distributed,
@@ -43,6 +44,7 @@ from ..world.world import (
     is_initialized,
 )
 from .handle import Handle
+from .p2p import RecvWork, SendWork
 from .session import get_world, init, shutdown
 
 __all__ = [
@@ -332,7 +334,8 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
         peer(dst, None, None, "send")
         dist.isend(tensor, dst, group, tag, group_dst=group_dst)
         return
-    dist.send(tensor.contiguous(), _sender_to(dst, group_dst, group, "send"), group, tag)
+    SendWork(tensor.contiguous(), _sender_to(dst, group_dst, group, "send"), group, tag,
+             blocking=True).wait()
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
@@ -343,10 +346,11 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # gloo refuses a strided view (a transpose): a buffer, copied
-    sender = dist.recv(into, peer(src, group_src, group, "recv"), group, tag)
+    work = RecvWork(into, peer(src, group_src, group, "recv"), group, tag)
+    work.wait()
     if into is not tensor:
         tensor.copy_(into)
-    return sender
+    return work.sender
 
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
@@ -356,8 +360,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     if _outside(group):
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
     # a strided view goes as a contiguous copy, which the Work keeps until it is done
-    work = dist.isend(tensor.contiguous(), _sender_to(dst, group_dst, group, "isend"), group,
-                      tag)
+    work = SendWork(tensor.contiguous(), _sender_to(dst, group_dst, group, "isend"), group, tag)
     return Handle(work, result=[tensor])
 
 
@@ -368,7 +371,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     if _outside(group):
         return dist.irecv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # as recv: a buffer, copied into `tensor` when it is done
-    work = dist.irecv(into, peer(src, group_src, group, "irecv"), group, tag)
+    work = RecvWork(into, peer(src, group_src, group, "irecv"), group, tag)
     return Handle(work, None if into is tensor else (lambda: tensor.copy_(into)),
                   result=[tensor])
 
@@ -414,6 +417,9 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         timeout = group_timeout()
     kwargs = {"timeout": timedelta(seconds=timeout) if isinstance(timeout, (int, float))
               else timeout}
+    if not torch_kwargs.get("use_local_synchronization"):  # else only members call it
+        seconds = kwargs["timeout"].total_seconds()
+        all_arrive("new_group", list(range(world.world_size)), world.rank, seconds)
     group = dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
                            **torch_kwargs)
     if not _outside(group):
