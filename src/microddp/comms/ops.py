@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..collectives.route import agree_call, all_reduce_path
 from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
-from ..monitor.patch import after
+from ..monitor.patch import after, point_to_point
 from ..world.args import (
     REDUCE_OPS,
     check_list,
@@ -334,8 +334,10 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
         peer(dst, None, None, "send")
         dist.isend(tensor, dst, group, tag, group_dst=group_dst)
         return
-    SendWork(tensor.contiguous(), _sender_to(dst, group_dst, group, "send"), group, tag,
-             blocking=True).wait()
+    to = _sender_to(dst, group_dst, group, "send")
+    data = tensor.contiguous()
+    point_to_point("send", "dst", to, tensor,
+                   lambda: SendWork(data, to, group, tag, blocking=True).wait())
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
@@ -346,8 +348,9 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # gloo refuses a strided view (a transpose): a buffer, copied
-    work = RecvWork(into, peer(src, group_src, group, "recv"), group, tag)
-    work.wait()
+    frm = peer(src, group_src, group, "recv")
+    work = RecvWork(into, frm, group, tag)
+    point_to_point("recv", "src", frm, tensor, work.wait)
     if into is not tensor:
         tensor.copy_(into)
     return work.sender
