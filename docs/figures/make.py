@@ -42,7 +42,7 @@ COMMANDS = {
     "async": (["bench", "async", "--steps", "100", "--rounds", "2"], "async.png"),
 }
 # drawn here from microddp's data (collectives: from a 4-rank run; draw_collectives.py)
-DRAWN = ("pipeline", "notebook", "collectives", "ring", "zero-bytes")
+DRAWN = ("pipeline", "notebook", "collectives", "ring", "zero-bytes", "cp-memory", "mesh")
 NOTEBOOK = HERE.parent / "04b-ring-vs-gloo-notebook.md"
 
 
@@ -215,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 sys.path.insert(0, str(HERE))
                 from draw_collectives import draw_collectives, draw_ring, draw_zero_bytes
+                from draw_cp import draw_cp_memory
+                from draw_mesh import draw_mesh
 
                 draw = {"pipeline": draw_pipeline, "notebook": draw_notebook,
                         "collectives": lambda t: draw_collectives(t, save_figure),
                         "ring": lambda t: draw_ring(t, save_figure),
-                        "zero-bytes": lambda t: draw_zero_bytes(t, save_figure)}[name]
+                        "zero-bytes": lambda t: draw_zero_bytes(t, save_figure),
+                        "cp-memory": lambda t: draw_cp_memory(t, save_figure),
+                        "mesh": lambda t: draw_mesh(t, save_figure)}[name]
                 command = draw(HERE / f"{name}.png")
         manifest[name] = {"command": command, "machine": where,
                           # 1-minute load average when the run started and when it ended

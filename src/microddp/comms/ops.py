@@ -29,6 +29,7 @@ from ..world.args import (
     check_list,
     check_op_dtype,
     check_tensor,
+    even_sizes,
     op_name,
     peer,
     root,
@@ -36,7 +37,6 @@ from ..world.args import (
 from ..world.arrival import all_arrive
 from ..world.world import (
     World,
-    distributed,
     given_group,
     group_rank,
     group_size,
@@ -45,7 +45,7 @@ from ..world.world import (
 )
 from .handle import Handle
 from .p2p import RecvWork, SendWork
-from .session import get_world, init, shutdown
+from .session import distributed, get_world, init, shutdown
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
@@ -192,7 +192,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     if _outside(group):
         return dist.all_gather(tensor_list, tensor, group, async_op)
     problem = _problem(lambda: (check_tensor(tensor, "all_gather", written=False),
-                                check_list(tensor_list, group, "tensor_list", tensor, True)))
+                                _per_rank(tensor_list, tensor, group, "all_gather", "tensor_list", True)))
     if not distributed():
         if problem is not None:
             raise problem
@@ -200,6 +200,12 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     agreement = _agreed("all_gather", group, problem, tensor)
     return _result(after(agreement, dist.all_gather, tensor_list, tensor, group, async_op=True),
                    async_op)
+
+
+def _per_rank(tensors, like: torch.Tensor, group, what: str, name: str,
+              written: bool = False) -> None:
+    """One tensor per rank of `group`, each like `like` (world.args.check_list)."""
+    check_list(tensors, like, group_size(group), what, name, written, even_sizes(group, like))
 
 
 def _op_problem(op, tensor, where: str) -> tuple[str, MicroDDPError | None]:
@@ -222,7 +228,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
             raise problem
         return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
     problem = problem or _problem(
-        lambda: check_list(input_list, group, "input_list", output))
+        lambda: _per_rank(input_list, output, group, "reduce_scatter", "input_list"))
     if not distributed():
         if problem is not None:
             raise problem
@@ -271,7 +277,7 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
         check_tensor(tensor, "scatter")
         got.append(root(src, group_src, group, "src"))
         if not distributed() or dist.get_rank() == got[0]:
-            check_list(scatter_list, group, "scatter_list", tensor)
+            _per_rank(scatter_list, tensor, group, "scatter", "scatter_list")
 
     problem = _problem(check)
     if not distributed():
@@ -299,7 +305,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
         check_tensor(tensor, "gather", written=False)
         got.append(root(dst, group_dst, group, "dst"))
         if not distributed() or dist.get_rank() == got[0]:
-            check_list(gather_list, group, "gather_list", tensor, True)
+            _per_rank(gather_list, tensor, group, "gather", "gather_list", True)
 
     problem = _problem(check)
     if not distributed():
