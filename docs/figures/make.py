@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,7 +67,8 @@ def run_command(name: str, out: Path) -> str:
     """Run the figure's microddp command into `out`; the command line as a user types it."""
     args, png = COMMANDS[name]
     cmd = [sys.executable, "-m", "microddp", *args, "--out", str(out)]
-    subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.PIPE, text=True)
+    (out / "stdout.txt").write_text(done.stdout)  # the table, when --keep keeps it
     shrink(out / png, HERE / f"{name}.png")
     return shlex.join(["microddp", *args])
 
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [*COMMANDS, *DRAWN]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("figures", nargs="*", help=f"which figures (default: all of {', '.join(names)})")
+    p.add_argument("--keep", type=Path, help="keep each command's run folder (its tables and "
+                   "data, and its printed output in stdout.txt) as KEEP/NAME, for the docs")
     args = p.parse_args(argv)
     unknown = set(args.figures) - set(names)
     if unknown:
@@ -212,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             if name in COMMANDS:
                 command = run_command(name, Path(tmp) / "out")
+                if args.keep:
+                    shutil.copytree(Path(tmp) / "out", args.keep / name, dirs_exist_ok=True)
             else:
                 sys.path.insert(0, str(HERE))
                 from draw_collectives import draw_collectives, draw_ring, draw_zero_bytes
