@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..collectives.route import agree_call, all_reduce_path
 from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
+from ..monitor import messages
 from ..monitor.patch import after, point_to_point
 from ..world.args import (
     REDUCE_OPS,
@@ -332,9 +333,12 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
-         group_dst: int | None = None) -> None:
+         group_dst: int | None = None, checked: bool = True) -> None:
     """Blocking send to global rank `dst` (or torch's `group_dst`); returns once the data
-    may be reused."""
+    may be reused. The receiver's size and dtype are checked against this one's (p2p.py);
+    `checked=False` skips that round trip, for callers whose ranks agreed the shapes already
+    (the pipeline's step agreement): a mismatch then is gloo's (SIGABRT or a half-filled
+    buffer)."""
     check_tensor(tensor, "send", written=False)
     if _outside(group):  # torch's isend skips it; its send would fail looking up `dst`
         peer(dst, None, None, "send")
@@ -342,47 +346,78 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
         return
     to = _sender_to(dst, group_dst, group, "send")
     data = tensor.contiguous()
-    point_to_point("send", "dst", to, tensor,
-                   lambda: SendWork(data, to, group, tag, blocking=True).wait())
+    entry = messages.begin("send", tensor, to, group, tag)
+    if checked:
+        point_to_point("send", "dst", to, tensor,
+                       lambda: SendWork(data, to, group, tag, blocking=True).wait())
+    else:
+        dist.send(data, to, group, tag)
+    messages.end(entry)  # (a failed send stays "started" in a Flight Recorder dump)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
-         group_src: int | None = None) -> int:
+         group_src: int | None = None, checked: bool = True) -> int:
     """Blocking receive into `tensor` from global rank `src` (or `group_src`; any rank if
-    neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch."""
+    neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch.
+    `checked`: as send's (both ends must pass the same)."""
     check_tensor(tensor, "recv")
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # gloo refuses a strided view (a transpose): a buffer, copied
     frm = peer(src, group_src, group, "recv")
-    work = RecvWork(into, frm, group, tag)
-    point_to_point("recv", "src", frm, tensor, work.wait)
+    entry = messages.begin("recv", tensor, frm, group, tag)
+    if checked:
+        work = RecvWork(into, frm, group, tag)
+        point_to_point("recv", "src", frm, tensor, work.wait)
+        sender = work.sender
+    else:
+        sender = dist.recv(into, frm, group, tag)
     if into is not tensor:
         tensor.copy_(into)
-    return work.sender
+    messages.end(entry)
+    return sender
 
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
-          group_dst: int | None = None) -> Handle | None:
-    """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`)."""
+          group_dst: int | None = None, checked: bool = True) -> Handle | None:
+    """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`).
+    `checked`: as send's."""
     check_tensor(tensor, "isend", written=False)
     if _outside(group):
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
     # a strided view goes as a contiguous copy, which the Work keeps until it is done
-    work = SendWork(tensor.contiguous(), _sender_to(dst, group_dst, group, "isend"), group, tag)
-    return Handle(work, result=[tensor])
+    to = _sender_to(dst, group_dst, group, "isend")
+    entry = messages.begin("send", tensor, to, group, tag, async_op=True)
+    data = tensor.contiguous()
+    work = SendWork(data, to, group, tag) if checked else dist.isend(data, to, group, tag)
+    if entry is None:
+        return Handle(work, result=[tensor])
+    entry.work = work  # a dump asks it whether the send is done, if nobody waited yet
+    return Handle(work, lambda: messages.end(entry), result=[tensor])
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
-          group_src: int | None = None) -> Handle | None:
-    """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`)."""
+          group_src: int | None = None, checked: bool = True) -> Handle | None:
+    """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`).
+    `checked`: as send's."""
     check_tensor(tensor, "irecv")
     if _outside(group):
         return dist.irecv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # as recv: a buffer, copied into `tensor` when it is done
-    work = RecvWork(into, peer(src, group_src, group, "irecv"), group, tag)
-    return Handle(work, None if into is tensor else (lambda: tensor.copy_(into)),
-                  result=[tensor])
+    source = peer(src, group_src, group, "irecv")
+    entry = messages.begin("recv", tensor, source, group, tag, async_op=True)
+    work = RecvWork(into, source, group, tag) if checked else dist.irecv(into, source, group, tag)
+    if entry is None:
+        return Handle(work, None if into is tensor else (lambda: tensor.copy_(into)),
+                      result=[tensor])
+    entry.work = work
+
+    def received() -> None:
+        if into is not tensor:
+            tensor.copy_(into)
+        messages.end(entry)
+
+    return Handle(work, received, result=[tensor])
 
 
 def _skipped_root(name: str, rank: int | None, group_rank: int | None) -> dict:
