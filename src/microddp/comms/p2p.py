@@ -188,7 +188,8 @@ class SendWork:
         return True
 
     def is_completed(self) -> bool:
-        return self._done or self._send.gone.is_set()
+        """As gloo's send: done once waited for (chapter 2), not when the bytes left."""
+        return self._done
 
     def exception(self):
         return self._send.failed or self._send.error
