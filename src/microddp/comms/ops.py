@@ -24,7 +24,7 @@ from ..collectives.route import agree_call, all_reduce_path
 from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
 from ..monitor import messages
-from ..monitor.patch import after
+from ..monitor.patch import after, point_to_point
 from ..world.args import (
     REDUCE_OPS,
     check_list,
@@ -35,6 +35,7 @@ from ..world.args import (
     peer,
     root,
 )
+from ..world.arrival import all_arrive
 from ..world.world import (
     World,
     given_group,
@@ -44,6 +45,7 @@ from ..world.world import (
     is_initialized,
 )
 from .handle import Handle
+from .p2p import RecvWork, SendWork
 from .session import distributed, get_world, init, shutdown
 
 __all__ = [
@@ -331,31 +333,45 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
-         group_dst: int | None = None) -> None:
+         group_dst: int | None = None, checked: bool = True) -> None:
     """Blocking send to global rank `dst` (or torch's `group_dst`); returns once the data
-    may be reused."""
+    may be reused. The receiver's size and dtype are checked against this one's (p2p.py);
+    `checked=False` skips that round trip, for callers whose ranks agreed the shapes already
+    (the pipeline's step agreement): a mismatch then is gloo's (SIGABRT or a half-filled
+    buffer)."""
     check_tensor(tensor, "send", written=False)
     if _outside(group):  # torch's isend skips it; its send would fail looking up `dst`
         peer(dst, None, None, "send")
         dist.isend(tensor, dst, group, tag, group_dst=group_dst)
         return
     to = _sender_to(dst, group_dst, group, "send")
+    data = tensor.contiguous()
     entry = messages.begin("send", tensor, to, group, tag)
-    dist.send(tensor.contiguous(), to, group, tag)
+    if checked:
+        point_to_point("send", "dst", to, tensor,
+                       lambda: SendWork(data, to, group, tag, blocking=True).wait())
+    else:
+        dist.send(data, to, group, tag)
     messages.end(entry)  # (a failed send stays "started" in a Flight Recorder dump)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
-         group_src: int | None = None) -> int:
+         group_src: int | None = None, checked: bool = True) -> int:
     """Blocking receive into `tensor` from global rank `src` (or `group_src`; any rank if
-    neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch."""
+    neither); returns the sender's global rank, or -1 on a rank outside `group`, as torch.
+    `checked`: as send's (both ends must pass the same)."""
     check_tensor(tensor, "recv")
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # gloo refuses a strided view (a transpose): a buffer, copied
-    source = peer(src, group_src, group, "recv")
-    entry = messages.begin("recv", tensor, source, group, tag)
-    sender = dist.recv(into, source, group, tag)
+    frm = peer(src, group_src, group, "recv")
+    entry = messages.begin("recv", tensor, frm, group, tag)
+    if checked:
+        work = RecvWork(into, frm, group, tag)
+        point_to_point("recv", "src", frm, tensor, work.wait)
+        sender = work.sender
+    else:
+        sender = dist.recv(into, frm, group, tag)
     if into is not tensor:
         tensor.copy_(into)
     messages.end(entry)
@@ -363,15 +379,17 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
 
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
-          group_dst: int | None = None) -> Handle | None:
-    """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`)."""
+          group_dst: int | None = None, checked: bool = True) -> Handle | None:
+    """Start a send; `wait()` on the handle before reusing `tensor` (None outside `group`).
+    `checked`: as send's."""
     check_tensor(tensor, "isend", written=False)
     if _outside(group):
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
     # a strided view goes as a contiguous copy, which the Work keeps until it is done
     to = _sender_to(dst, group_dst, group, "isend")
     entry = messages.begin("send", tensor, to, group, tag, async_op=True)
-    work = dist.isend(tensor.contiguous(), to, group, tag)
+    data = tensor.contiguous()
+    work = SendWork(data, to, group, tag) if checked else dist.isend(data, to, group, tag)
     if entry is None:
         return Handle(work, result=[tensor])
     entry.work = work  # a dump asks it whether the send is done, if nobody waited yet
@@ -379,15 +397,16 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
-          group_src: int | None = None) -> Handle | None:
-    """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`)."""
+          group_src: int | None = None, checked: bool = True) -> Handle | None:
+    """Start a receive; `tensor` holds the data once `wait()` returns (None outside `group`).
+    `checked`: as send's."""
     check_tensor(tensor, "irecv")
     if _outside(group):
         return dist.irecv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # as recv: a buffer, copied into `tensor` when it is done
     source = peer(src, group_src, group, "irecv")
     entry = messages.begin("recv", tensor, source, group, tag, async_op=True)
-    work = dist.irecv(into, source, group, tag)
+    work = RecvWork(into, source, group, tag) if checked else dist.irecv(into, source, group, tag)
     if entry is None:
         return Handle(work, None if into is tensor else (lambda: tensor.copy_(into)),
                       result=[tensor])
@@ -442,6 +461,9 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
         timeout = group_timeout()
     kwargs = {"timeout": timedelta(seconds=timeout) if isinstance(timeout, (int, float))
               else timeout}
+    if not torch_kwargs.get("use_local_synchronization"):  # else only members call it
+        seconds = kwargs["timeout"].total_seconds()
+        all_arrive("new_group", list(range(world.world_size)), world.rank, seconds)
     group = dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **kwargs,
                            **torch_kwargs)
     if not _outside(group):

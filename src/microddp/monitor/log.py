@@ -26,12 +26,12 @@ _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
     os.path.dirname(__file__),
     sysconfig.get_paths()["stdlib"],
 })
-# comms' typed wrappers, the handle of an async call, and the glue a failed wait goes through
-# to the monitor (comms' Handle and DDP's buckets call patch.failed_wait): where a wait sits,
-# never worth naming
+# comms' typed wrappers (and its checked send/recv), the handle of an async call, and the
+# glue a failed wait goes through to the monitor (comms' Handle and DDP's buckets call
+# patch.failed_wait): where a wait sits, never worth naming
 _ROOT = os.path.dirname(os.path.dirname(__file__))
 _COMMS = {os.path.normcase(os.path.join(_ROOT, "comms", f))
-          for f in ("ops.py", "handle.py", "session.py")}
+          for f in ("ops.py", "handle.py", "session.py", "p2p.py")}
 
 
 @functools.lru_cache(maxsize=4096)  # once per function (see _kind), and by tests

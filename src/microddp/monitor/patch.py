@@ -515,3 +515,28 @@ def uninstall() -> Monitor | None:
 def active() -> Monitor | None:
     """The monitor installed in this process, or None."""
     return _active
+
+
+def point_to_point(op: str, side: str, peer: int | None, tensor: Any,
+                   wait: Callable[[], Any]) -> Any:
+    """A blocking send or receive of comms (comms/p2p.py), logged while `wait()` runs: two
+    ranks that both receive (or both send) are then named by the hang report, each with the
+    peer it waits for (`side`: dst or src). In a log of its own ("p2p"): the ranks' sends and
+    receives differ by design, so they take no part in the collectives' numbering or their
+    comparison (debug). Its wait ends at the group's timeout, after the report."""
+    mon = _active
+    if mon is None:
+        return wait()
+    detail = f"{side}={'any' if peer is None else peer}"
+    entry = mon.log.begin("p2p", op, (lambda a, k: (describe_tensor(tensor), detail), (), {},
+                                      lambda a, k: tensor), sys._getframe(1))
+    entry.ends_itself = True
+    try:
+        return wait()
+    except RuntimeError as e:
+        err = _reported(mon, entry, e)
+        if err is e:
+            raise
+        raise err from None
+    finally:
+        mon.log.end(entry)

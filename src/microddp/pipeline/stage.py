@@ -31,7 +31,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.int32, torch.bool, torch.uint8, torch.int8, torch.int16)
 MAX_DIMS = 8
 META_WORDS = 2 + MAX_TENSORS * (2 + MAX_DIMS)  # one boundary's metadata message
-META_TAG = 2**30  # above every tag the interpreter uses (see runtime._tag)
+META_TAG = 700_000_000  # above the interpreter's tags (runtime._tag, boundary.py), below p2p.MAX_TAG
 
 
 class PipelineStage:
