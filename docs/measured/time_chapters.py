@@ -5,9 +5,11 @@ them as JSON, which docs/index.md's reading times quote.
 
     python docs/measured/time_chapters.py                   # every chapter
     python docs/measured/time_chapters.py 05 08 --out t.json
+    python docs/measured/time_chapters.py --table t.json     # the rows docs/index.md quotes
 
-Wall-clock seconds on a shared machine: the load average is printed beside each run, so a
-reader can tell an idle run from a crowded one. A script that fails is reported and counted.
+Wall-clock seconds depend on what else the machine runs, so each line also gives the CPU
+seconds the script and its ranks used (which another job's load changes far less) and the
+load average when it started. A script that fails is reported and counted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -26,16 +29,52 @@ ROOT = Path(__file__).resolve().parents[2]
 ARGS = {"07_observability/flight_recorder.py": ["skip", "{tmp}/fr-skip"]}
 
 
+WORDS_PER_MINUTE = 200  # reading technical prose; code and output are read as they run
+
+
+def prose_words(page: Path) -> int:
+    """Words of a page outside code blocks, included files and HTML comments."""
+    words, fenced = 0, False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or line.lstrip().startswith(("<!--", "--8<--")):
+            continue
+        words += len(line.split())
+    return words
+
+
+def table(times: dict) -> str:
+    """Markdown rows: per chapter, its pages' prose words and reading minutes, and its
+    scripts' wall and CPU seconds from a --out file."""
+    rows = ["| chapter | prose words | reading | scripts: wall | scripts: CPU | load |",
+            "|---|---|---|---|---|---|"]
+    for folder, t in sorted(times.items()):
+        number = folder.split("_")[0]
+        pages = sorted((ROOT / "docs").glob(f"{number}-*.md"))
+        words = sum(prose_words(pg) for pg in pages)
+        loads = [s["load_average"] for s in t["scripts"].values()]
+        rows.append(f"| {folder} | {words} | {words / WORDS_PER_MINUTE:.0f} min | "
+                    f"{t['seconds']:.0f} s | {t.get('cpu_seconds', float('nan')):.0f} s | "
+                    f"{min(loads):.1f}-{max(loads):.1f} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("chapters", nargs="*", help="chapter prefixes (default: all), e.g. 05 08")
     p.add_argument("--out", type=Path, help="write the times as JSON here")
+    p.add_argument("--table", type=Path, help="print the rows of a --out file and stop")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return 0
     folders = sorted(d for d in (ROOT / "course").iterdir() if d.is_dir()
                      and (not args.chapters or d.name.split("_")[0] in args.chapters))
     result: dict[str, dict] = {}
     for folder in folders:
-        total, scripts = 0.0, {}
+        total, total_cpu, scripts = 0.0, 0.0, {}
         for script in sorted(folder.glob("*.py")):
             if script.name.startswith("_") or script.name == "problem.py":
                 continue  # problem.py is a chapter's shared module, not a script to run
@@ -43,17 +82,23 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 extra = [a.format(tmp=tmp) for a in ARGS.get(rel, [])]
                 load = os.getloadavg()[0]
+                used = resource.getrusage(resource.RUSAGE_CHILDREN)
                 start = time.perf_counter()
                 done = subprocess.run([sys.executable, str(script), *extra], cwd=ROOT,
                                       capture_output=True, text=True, timeout=900)
                 took = time.perf_counter() - start
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (after.ru_utime - used.ru_utime) + (after.ru_stime - used.ru_stime)
             total += took
-            scripts[script.name] = {"seconds": round(took, 1), "returncode": done.returncode,
+            total_cpu += cpu
+            scripts[script.name] = {"seconds": round(took, 1), "cpu_seconds": round(cpu, 1),
+                                    "returncode": done.returncode,
                                     "load_average": round(load, 1)}
-            print(f"{rel:50s} {took:7.1f} s  exit {done.returncode}  load {load:.1f}",
-                  flush=True)
-        result[folder.name] = {"seconds": round(total, 1), "scripts": scripts}
-        print(f"{folder.name:50s} {total:7.1f} s in all", flush=True)
+            print(f"{rel:50s} {took:7.1f} s  cpu {cpu:6.1f} s  exit {done.returncode}  "
+                  f"load {load:.1f}", flush=True)
+        result[folder.name] = {"seconds": round(total, 1), "cpu_seconds": round(total_cpu, 1),
+                               "scripts": scripts}
+        print(f"{folder.name:50s} {total:7.1f} s  cpu {total_cpu:6.1f} s in all", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
