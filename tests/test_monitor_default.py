@@ -32,6 +32,27 @@ def test_init_starts_the_monitor_unless_told_not_to_and_shutdown_joins_it(flag):
     assert out == [(0, seen, True, True), (1, seen, True, True)]
 
 
+def _implicit(rank, how):
+    import torch
+
+    if how == "comms":  # never calls mdp.init(): the first collective forms the world
+        mdp.comms.all_reduce(torch.ones(4))
+    else:  # a DDP built first, as a script that swaps torch's DDP for microddp's does
+        mdp.DDP(torch.nn.Linear(2, 2))
+    on = monitor.active() is not None
+    mdp.shutdown()
+    return on, monitor.active() is None
+
+
+@pytest.mark.parametrize("how", ["comms", "ddp"])
+def test_a_world_formed_without_init_gets_the_monitor_too(how):
+    """A script that never calls mdp.init() forms its group on its first collective (RANK
+    and WORLD_SIZE from the launcher): the hang monitor starts then as init() starts it. It
+    did not after the layout change of issue 45 (the bottom layer formed the group alone)."""
+    out = mdp.spawn(_implicit, 2, args=(how,), join=False, timeout=90)
+    assert out == [(True, True), (True, True)]
+
+
 def test_the_switch_and_the_threshold(monkeypatch):
     monkeypatch.delenv("MICRODDP_MONITOR", raising=False)
     assert monitor.wanted(None) is True

@@ -53,7 +53,6 @@ def _params(out):
     (ASYNC + ["--staleness", "2", "--backup-workers", "1"], "use them with staleness 0"),
     (ASYNC + ["--accumulate", "2"], "--accumulate is for the data-parallel strategies"),
     (ASYNC + ["--batch-size", "1"], "use at least 2"),
-    (["--strategy", "bogus"], "unknown strategy 'bogus'"),
     (["--straggler", "2:4"], "--straggler 2:4: the rank must be one of 0..1"),
     (["--staleness", "3"], "add --strategy async"),
 ])

@@ -1,27 +1,17 @@
 """The `microddp` process group: torch.distributed's collectives through microddp's shared memory.
 
-A Python subclass of `torch.distributed.ProcessGroup`, which torch builds for every group
-made with the `microddp` backend (`__init__.py` registers it). Each group holds two channels:
-
-- shared memory (shm/group.py, its calls kept in order by a lane,
-  shm/lane.py), set up when the group forms, only if every rank is on this host
-  (shm/attach.py decides it from the ranks' host identities, never from
-  LOCAL_WORLD_SIZE, and MICRODDP_TRANSPORT=auto|shm|gloo forces it);
-- a gloo group, formed from the same store at the same time, registered as this group's
-  backend for CPU and CUDA: whatever this class does not override (reduce, gather, scatter,
-  all_to_all, send/recv, all_gather_into_tensor, ...) goes there through torch's own dispatch,
-  and the calls shared memory cannot carry are handed to it by the methods below.
+A Python subclass of `torch.distributed.ProcessGroup`, built by torch for every group made with
+the `microddp` backend. Each group holds two channels: shared memory (shm/group.py, its calls
+kept in order by shm/lane.py), set up only if every rank is on this host (shm/attach.py decides
+from the ranks' host identities; MICRODDP_TRANSPORT=auto|shm|gloo forces it), and a gloo group
+formed beside it and registered as its backend, which takes everything this class does not
+override (reduce, gather, scatter, all_to_all, send/recv, ...) through torch's own dispatch.
 
 Shared memory carries all_reduce, broadcast, all_gather, reduce_scatter and barrier of one
-dense contiguous CPU tensor of a dtype it knows (shm_group.DTYPES). Float sums and products on
-3 or more ranks stay on gloo unless MICRODDP_TRANSPORT=shm, for the reason route.py gives:
-gloo adds in another order there, and this backend gives gloo's bits wherever it takes a call.
-Every shared-memory call is asynchronous on the group's lane, so DDP's bucket all-reduces
-overlap its backward pass; `dist.all_reduce` without async_op simply waits on it.
-
-`calls` counts what the group was asked for, by (op, "shm" or "gloo"): what a script (torch's
-DDP, say) needs of a backend, and where each call went. The ops this class leaves to gloo
-through torch's dispatch never reach Python, so they are not counted.
+dense contiguous CPU tensor of a known dtype; float sums and products on 3+ ranks stay on gloo
+(collectives/route.py: this backend gives gloo's bits wherever it takes a call). Every
+shared-memory call is asynchronous on the group's lane, so DDP's buckets overlap its backward.
+`calls` counts what the group was asked for, by (op, "shm" or "gloo").
 """
 
 from __future__ import annotations

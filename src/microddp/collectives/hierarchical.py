@@ -1,25 +1,16 @@
 """Hierarchical all-reduce: inside each host, then across hosts, then inside each host again.
 
-A flat ring over ranks on several hosts sends every byte of the tensor across the slow link
-between hosts about twice, and pays that link's latency at each of its 2(p-1) steps. Ranks
-of one host talk over memory or the loopback, much faster, so:
+A flat ring over several hosts sends every byte across the slow link about twice and pays its
+latency at each of 2(p-1) steps. So: (1) inside each host a reduce-scatter (local rank j ends
+with the host's sum of chunk j); (2) across hosts, local rank j of every host (a "rail")
+all-reduces chunk j, all rails at once; (3) inside each host an all-gather. Steps 1 and 3 use
+the host's shared memory where collectives/route.py allows (`intra_host_path`), else gloo's
+send/recv like step 2. Hosts of unequal size cut the tensor into as many chunks as the smallest
+host has ranks; a bigger host's extra ranks join steps 1 and 3 with empty chunks.
 
-1. inside each host, a reduce-scatter: local rank j ends with the host's sum of chunk j;
-2. across hosts, local rank j of every host (a "rail") all-reduces chunk j, all rails at once;
-3. inside each host, an all-gather: every rank ends with every chunk.
-
-Steps 1 and 3 go through the host's shared memory when collectives/route.py says the host's
-ranks may use it (`intra_host_path`; MICRODDP_TRANSPORT=gloo keeps them on gloo), else through
-gloo's send/recv like step 2. Only step 2 crosses hosts: each host sends 2(h-1)/h of the tensor in all, split over its
-rails, in 2(h-1) steps. With hosts of unequal size the tensor is cut into as many chunks as
-the smallest host has ranks; the extra ranks of a bigger host take part in steps 1 and 3
-with empty chunks. Every step is written against transport's point-to-point calls.
-
-DDP starts each bucket's reduction on the hierarchy's own thread (`start`). Its waits end at
-the world's timeout (the groups are formed with it, not torch's 30 minutes for a new group),
-and the hang monitor logs each reduction (`observe_with`): a host lost without closing its
-connections (link down, power cut) ends the survivors in the monitor's report, naming the
-ranks that did not answer. After one failure the hierarchy sends nothing more: every later
+DDP starts each reduction on the hierarchy's own thread (`start`); its waits end at the world's
+timeout and the hang monitor logs each one (`observe_with`), so a host lost without a word ends
+the survivors with a report naming the ranks that did not answer. After one failure every later
 reduction fails at once with the same error, so the rank exits promptly.
 """
 

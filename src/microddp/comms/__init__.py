@@ -9,7 +9,7 @@ sits above collectives/ and monitor/ and imports what it uses from them directly
 every layer (the process group, rendezvous, hosts) is world/.
 """
 
-from ..world.world import distributed, given_group
+from ..world.world import given_group
 from .ops import (
     REDUCE_OPS,
     Handle,
@@ -19,6 +19,7 @@ from .ops import (
     all_reduce_mean,
     barrier,
     broadcast,
+    distributed,
     gather,
     get_world,
     group_rank,

@@ -28,13 +28,13 @@ from ..world.args import (
     check_list,
     check_op_dtype,
     check_tensor,
+    even_sizes,
     op_name,
     peer,
     root,
 )
 from ..world.world import (
     World,
-    distributed,
     given_group,
     group_rank,
     group_size,
@@ -42,7 +42,7 @@ from ..world.world import (
     is_initialized,
 )
 from .handle import Handle
-from .session import get_world, init, shutdown
+from .session import distributed, get_world, init, shutdown
 
 __all__ = [
     "World", "init", "shutdown", "get_world", "is_initialized", "Handle", "REDUCE_OPS",
@@ -176,13 +176,19 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     if _outside(group):
         return dist.all_gather(tensor_list, tensor, group, async_op)
     problem = _problem(lambda: (check_tensor(tensor, "all_gather", written=False),
-                                check_list(tensor_list, group, "tensor_list", tensor, True)))
+                                _per_rank(tensor_list, tensor, group, "all_gather", "tensor_list", True)))
     if not distributed():
         if problem is not None:
             raise problem
         return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
     _agree("all_gather", group, problem, tensor)
     return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
+
+
+def _per_rank(tensors, like: torch.Tensor, group, what: str, name: str,
+              written: bool = False) -> None:
+    """One tensor per rank of `group`, each like `like` (world.args.check_list)."""
+    check_list(tensors, like, group_size(group), what, name, written, even_sizes(group, like))
 
 
 def _op_problem(op, tensor, where: str) -> tuple[str, MicroDDPError | None]:
@@ -205,7 +211,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
             raise problem
         return dist.reduce_scatter(output, input_list, REDUCE_OPS[name], group, async_op)
     problem = problem or _problem(
-        lambda: check_list(input_list, group, "input_list", output))
+        lambda: _per_rank(input_list, output, group, "reduce_scatter", "input_list"))
     if not distributed():
         if problem is not None:
             raise problem
@@ -253,7 +259,7 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
         check_tensor(tensor, "scatter")
         got.append(root(src, group_src, group, "src"))
         if not distributed() or dist.get_rank() == got[0]:
-            check_list(scatter_list, group, "scatter_list", tensor)
+            _per_rank(scatter_list, tensor, group, "scatter", "scatter_list")
 
     problem = _problem(check)
     if not distributed():
@@ -281,7 +287,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
         check_tensor(tensor, "gather", written=False)
         got.append(root(dst, group_dst, group, "dst"))
         if not distributed() or dist.get_rank() == got[0]:
-            check_list(gather_list, group, "gather_list", tensor, True)
+            _per_rank(gather_list, tensor, group, "gather", "gather_list", True)
 
     problem = _problem(check)
     if not distributed():

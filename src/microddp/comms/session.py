@@ -68,6 +68,15 @@ def get_world() -> World:
     return world.get_world()
 
 
+def distributed(group=None) -> bool:
+    """world.distributed, after forming the world with `init` if this process never did: a
+    script that calls collectives (or builds a DDP) without `microddp.init()` gets the
+    group's shared memory and the hang monitor too, as one that calls it does."""
+    if not world.is_initialized():
+        init()
+    return world.distributed(group)
+
+
 def shutdown() -> None:
     """Leave the job: stop the monitor (its thread joined), let go of shared memory (lanes
     joined, segments unmapped), then destroy the process groups (world.shutdown)."""

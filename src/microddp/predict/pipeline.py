@@ -1,31 +1,17 @@
 """Predict a pipeline step: the schedule played with each action's cost and each message's.
 
-With a calibration of this host (`microddp predict --calibrate`, `pipeline_costs`), an action
-costs what the interpreter measured there, running a pipeline of its own (GPipe and 1F1B in
-turn, one stage per rank, one rank per core): a fixed cost per action and per block plus the FLOPs at a rate,
-fitted per width (a width the calibration did not run falls back to one fit over widths), so
-a micro-batch of 8 rows costs its per-operation overheads and not 1/4 of a 32-row one; the
-last stage alone adds its head, loss and `loss.item()`; and every action is stretched by the
-measured trimmed mean over median of the actions (a step pays the ones a busy host delays
-too). A message costs the measured latency plus its bytes at the measured bandwidth; its
-sender pays the interpreter's measured send and its receiver its receive's own time (posting
-the next receives, waiting for the sends its message proves done); a receive that gets
-there before its message (it waits) pays, on top, the measured wake-up: from the message's
-due arrival to the woken rank running again, which on a host whose cores the ranks share is
-much of what a message costs. Sends and receives play at their typical (trimmed mean) time;
-the rest of their mean, stalls of milliseconds that hold the whole pipeline, the step adds
-up over every message (`pipeline_messages`). The step adds its measured fixed cost (optimizer, zero_grad).
-With more ranks than cores, compute stretches by the ranks computing at once over the cores:
-they time-share them (a rank waiting in a receive leaves its core; sleep does not hold one).
+The schedule's own programs are played (`microddp.pipeline.simulate`) with costs per action
+and per message, so the bubble and the step time come out of the plan the interpreter runs,
+not out of a formula: interleaving's extra messages and zero-bubble's filled slots are counted
+as they happen.
 
-Without it (a preset), a stage's forward of one micro-batch costs its blocks' FLOPs (2 per
-weight per sample) at the rank's rate, plus, with `--sleep-ms`, the sleep `microddp bench
-pipeline --compute sleep` adds per block; a backward costs twice a forward (I and W one
-forward each). Every activation and every gradient crossing a stage boundary is one message
-of micro-batch x width x 4 bytes, costing alpha + bytes x beta. The schedule's own programs
-are then played (`microddp.pipeline.simulate`) with these costs: the bubble and the step time
-come out of the same plan the interpreter runs, not out of a formula, so interleaving's extra
-messages and zero-bubble's filled slots are counted as they happen.
+With a calibration of this host (`predict --calibrate`: pipeline_costs.py, pipeline_messages.py)
+an action costs what the interpreter measured running a pipeline of its own, a message its
+latency plus its bytes at the measured bandwidth, with the send's, the receive's and a waiting
+receive's wake-up cost as measured; with more ranks than cores, compute stretches by the ranks
+that share a core. Without one (a preset), a forward costs its FLOPs (2 per weight per sample)
+at the rank's rate, a backward twice that, and a message alpha + bytes x beta. Chapter 8 and
+docs/guides/pipeline.md show the model against measurements.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
-"""What a pipeline's actions and messages cost on this host, measured by `predict --calibrate`.
+"""What a pipeline's actions cost on this host, measured by `predict --calibrate`.
 
-A FullMLP stage's forward on a micro-batch of a few rows is not its FLOPs at a whole model's
-rate: each Linear and ReLU is a call into torch that costs its overhead whatever the rows, and
-each action of the interpreter (`run_schedule`) adds its own (autograd's graph, posting the
-next receives, the bookkeeping). So an action of a stage of k blocks on r rows of one width
-is fitted as
-
-    seconds = fixed + k x (per_block + flops_per_block(r, width) / rate)
-
-separately for forward and backward and for each width the calibration runs, by least
-squares over several k and r (`fit_width`); for any other width, one fit over all widths
-with a per-weight term beside the per-block one (`fit_actions`). The points come from the
-interpreter itself running a pipeline: GPipe and 1F1B in turn on one rank per core (at least
-two), one stage of k blocks each, one thread per rank as `microddp bench pipeline` runs its ranks, so the
-actions pay what they pay in a pipeline (gloo's threads waking on the same cores, the
-receives posted inside a forward); its recorded F and B spans, each point the slowest rank's
-median (a pipeline runs at its slowest stage's pace), fitted. A step pays every action, the ones a busy host delays
-included, not the typical one: `tail`, their trimmed mean over their median (the median
-over points), stretches every action's fitted cost. The last rank's stage is the model's
-last: its F and B include the head, the loss and `loss.item()`, which only a pipeline's last
-stage runs; they are timed apart (`_head_times`: the head's Linear, the loss and its
-backward, on the same rows), taken out of the last rank's points, and charged to the last
-stage alone. The step's fixed cost (zero_grad, the optimizer, the start and end of
-`run_schedule`) is the time before the first action and after the last, fitted as fixed +
-per_block x k. The same runs' sends and receives give what a message costs its two ranks
-(`pipeline_messages`), and a relay of two ranks its latency and bandwidth.
-
-Nothing here reads a benchmark's timeline: the figures come from these runs alone, so
+A stage's forward on a few rows is not its FLOPs at a whole model's rate: each Linear and ReLU
+costs a call into torch whatever the rows, and each interpreter action adds its own (autograd,
+posting receives, bookkeeping). So an action of k blocks on r rows of one width is fitted by
+least squares as  fixed + k x (per_block + flops_per_block(r, width) / rate),  forward and
+backward apart, per width (`fit_width`), or over all widths with a per-weight term
+(`fit_actions`). The points come from the interpreter running GPipe and 1F1B on one rank per
+core, each point the slowest rank's median; actions are stretched by `tail` (their trimmed mean
+over their median: a step pays the slow ones too). The last stage's head, loss and
+`loss.item()` are timed apart and charged to it alone; the step's fixed cost (zero_grad, the
+optimizer) is fitted the same way. Nothing here reads a benchmark's timeline, so
 `predict --compare` tests the model against a measurement it was not fitted on.
 """
 

@@ -1,36 +1,17 @@
 """What a pipeline's messages cost on this host, measured by `predict --calibrate`.
 
-Two sources, neither of which reads a benchmark's timeline:
+Two sources, neither a benchmark's timeline: a relay (two ranks hand each size back and
+forth: latency + bytes / bandwidth), and the interpreter's own sends and receives in the
+calibration's pipelines (`run_schedule(..., messages=...)`): a send's time, a receive's own
+time, and the wake-up of a receive that waits, from its message's due arrival to the wait's
+end (the woken rank waits for a core the computing ranks hold, which the relay never shows).
 
-- the relay: ranks 0 and 1 hand a message of each size back and forth, each running a stage's
-  forward before it sends; one way = latency + bytes / bandwidth;
-- the interpreter's own sends and receives, as `run_schedule(..., messages=...)` records them
-  in the calibration's pipeline runs (`pipeline_costs`): a send's time on its sender's clock
-  (the `isend` call and the runtime's bookkeeping); a receive's own time (its span less its
-  wait for the data: posting the next receives the window allows, waiting for the sends its
-  message proves done); and the **wake-up** of a receive that waits, from its message's due
-  arrival (its send's end + latency + bytes / bandwidth) to the wait's end. gloo's threads
-  and the woken rank wait for a core the computing ranks hold, and a receive posted after its
-  send pays a round trip through both ranks' gloo threads inside its `irecv`: the relay,
-  whose ranks block in every call, shows neither, so they are read where they happen.
-
-A step pays every send, receive and wake-up, the ones a busy host delays included, so each is
-charged its plain mean, per schedule and per width (`pipeline_costs` keeps them apart). But a
-slow call is not a slow copy of a typical one: now and then a send or receive stalls while
-the rank's own gloo thread spins on its core (its reading thread only tries the connection's
-lock, which the computing thread holds inside `isend` or `irecv`) until the scheduler's tick
-hands the core back (chapter 8 has the measurements). Such a stall holds its rank for
-milliseconds, far longer than any slack between actions, so
-the other ranks soon wait on it: the step pays the stalls of all ranks one after another, not
-each rank's share beside the others'. So each mean is split (`stall_costs`): its trimmed mean
-(10% cut at each end), the typical call, which the schedule plays on its rank's clock; and the
-rest, mean less trimmed mean, the stalls, which the step adds up over all its messages. A
-wake-up is counted every time (every receive that waits pays one: 1F1B waits in nearly every
-receive, GPipe in few). Each schedule at each width gives hundreds of messages.
-
-`time.perf_counter` is one clock for every process of a host (CLOCK_MONOTONIC), so a send's
-end on one rank and its receipt on the other are compared directly, as the benchmark's
-timelines are.
+A slow call is not a slow copy of a typical one: now and then a rank's own gloo thread holds
+its core for a scheduler tick, a stall of milliseconds the other ranks soon wait on. So each
+mean is split (`stall_costs`): the trimmed mean (10% cut each end), which the schedule plays
+on its rank's clock, and the rest, the stalls, which the step adds up over all messages.
+`time.perf_counter` is one clock for every process of a host, so a send's end on one rank and
+its receipt on another compare directly. Chapter 8 has the measurements.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import MicroDDPError
 from ..transport.peers import written
 from ..world import args as comms_args
+from ..world.args import check_kind, check_list
 from ..world.world import group_rank, group_size
 from . import checked as shm_checked
 from .attach import attach, wanted
@@ -126,8 +127,8 @@ def _required(group, where: str) -> _State:
 
 
 def _check(tensor, where: str, name: str = "tensor") -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise MicroDDPError(f"{where}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    """What the shared-memory path can move: a dense, contiguous CPU tensor of DTYPES."""
+    check_kind(tensor, where, name)
     if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
         raise MicroDDPError(f"{where}: {name} must be a dense, contiguous CPU tensor, got "
                             f"{tensor.layout} {tensor.device} (contiguous: "
@@ -139,16 +140,9 @@ def _check(tensor, where: str, name: str = "tensor") -> None:
 
 def _check_list(tensors: list, name: str, like: torch.Tensor, like_name: str, size: int,
                 where: str) -> None:
-    """One tensor per rank of the group, each checked and shaped and typed as `like`."""
-    if len(tensors) != size:
-        raise MicroDDPError(f"{where}: {name} must hold one tensor per rank of the group "
-                            f"({size}), got {len(tensors)}")
-    for i, t in enumerate(tensors):
-        _check(t, where, f"{name}[{i}]")
-        if t.shape != like.shape or t.dtype != like.dtype:
-            raise MicroDDPError(f"{where}: {name}[{i}] is {tuple(t.shape)} {t.dtype}, but "
-                                f"{like_name} is {tuple(like.shape)} {like.dtype}; make them "
-                                "match")
+    """One tensor per rank of the group, each passing _check, shaped and typed as `like`."""
+    check_list(tensors, like, size, where, name, like_name=like_name,
+               element=lambda t, n: _check(t, where, n))
 
 
 def flat_data(t: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ torch's own errors for these come from the backend, in its words (gloo: 'invalid
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -69,12 +71,18 @@ def overlapping(tensor: torch.Tensor) -> bool:
     return False
 
 
-def check_tensor(tensor, what: str, name: str = "tensor", written: bool = True) -> None:
-    """Refuse what a collective cannot take: a non-tensor, a sparse tensor, and, where the
-    result is `written` into it in place, one whose elements share memory (an expand()ed or
-    overlapping view: gloo writes it wrong, or hangs a rank, or corrupts the heap)."""
+def check_kind(tensor, what: str, name: str = "tensor") -> torch.Tensor:
+    """`tensor` itself if it is a torch.Tensor; else the error naming the call and argument."""
     if not isinstance(tensor, torch.Tensor):
         raise MicroDDPError(f"{what}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def check_layout(tensor: torch.Tensor, what: str, name: str = "tensor",
+                 written: bool = True) -> None:
+    """Refuse a layout a collective cannot move: a sparse tensor, and, where the result is
+    `written` into it in place, one whose elements share memory (an expand()ed or
+    overlapping view: gloo writes it wrong, or hangs a rank, or corrupts the heap)."""
     if tensor.layout != torch.strided:
         raise MicroDDPError(f"{what}: {name} is a {tensor.layout} tensor; collectives work on "
                             f"dense tensors: pass {name}.to_dense()")
@@ -85,21 +93,39 @@ def check_tensor(tensor, what: str, name: str = "tensor", written: bool = True) 
             f"hold a result in place; pass a tensor of its own, e.g. {name}.clone()")
 
 
-def check_list(tensors, group, what: str, like: torch.Tensor, written: bool = False) -> None:
-    """One tensor per rank, each of `like`'s dtype and device and, except on NCCL (which takes
-    uneven sizes), of its shape: gloo's reduce_scatter aborts the process on a wrong shape."""
-    n = group_size(group)
-    if tensors is None or isinstance(tensors, torch.Tensor) or len(tensors) != n:
-        got = ("none" if tensors is None else "a tensor, not a list"
-               if isinstance(tensors, torch.Tensor) else len(tensors))
-        raise MicroDDPError(f"{what} must hold one tensor per rank of the group ({n}), got {got}")
-    even = not (distributed() and like.is_cuda and uses_nccl(group))
+def check_tensor(tensor, what: str, name: str = "tensor", written: bool = True) -> None:
+    """Refuse what a collective cannot take: check_kind, then check_layout."""
+    check_layout(check_kind(tensor, what, name), what, name, written)
+
+
+def check_list(tensors, like: torch.Tensor, size: int, what: str, name: str,
+               written: bool = False, even: bool = True, like_name: str = "the tensor",
+               element: Callable[[torch.Tensor, str], None] | None = None) -> list:
+    """The one check of a collective's per-rank list, for every path (comms, the ring, shared
+    memory): `size` tensors, each passing `element` (check_tensor by default) and of `like`'s
+    dtype, device and, if `even` (all but NCCL, which takes uneven sizes), shape: gloo's
+    reduce_scatter aborts the process on a wrong shape."""
+    if tensors is None or isinstance(tensors, torch.Tensor) or len(tensors) != size:
+        got = ("None" if tensors is None else "a tensor, not a list"
+               if isinstance(tensors, torch.Tensor) else f"{len(tensors)}")
+        raise MicroDDPError(f"{what}: {name} must hold one tensor per rank of the group "
+                            f"({size}), got {got}")
     for i, t in enumerate(tensors):
-        check_tensor(t, what, f"{what}[{i}]", written)
+        if element is None:
+            check_tensor(t, what, f"{name}[{i}]", written)
+        else:
+            element(t, f"{name}[{i}]")
         if t.dtype != like.dtype or t.device != like.device or (even and t.shape != like.shape):
             raise MicroDDPError(
-                f"{what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the tensor is "
-                f"{tuple(like.shape)} {like.dtype} on {like.device}; make them match")
+                f"{what}: {name}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}, but "
+                f"{like_name} is {tuple(like.shape)} {like.dtype} on {like.device}; make them "
+                "match")
+    return list(tensors)
+
+
+def even_sizes(group, like: torch.Tensor) -> bool:
+    """Whether a per-rank list must hold `like`'s shape exactly: NCCL takes uneven sizes."""
+    return not (distributed() and like.is_cuda and uses_nccl(group))
 
 
 def root(rank: int | None, group_rank: int | None, group, what: str) -> int:

@@ -21,7 +21,8 @@ from ...shm import checked as shm_checked
 from ...shm import collectives as shm
 from ...shm.agreement import SharedAgreement
 from ...transport.peers import Peers, wait_all
-from .checks import check_tensor, try_layout, try_list, try_op, try_root, try_tensor
+from ...world.args import check_kind
+from .checks import try_layout, try_list, try_op, try_root, try_tensor
 from .sized_tags import settle
 
 # The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
@@ -269,7 +270,7 @@ def check_all_reduce(tensor: torch.Tensor, op: str, group, where: str,
     None off the group; the problem is still to be shared (agree, or a header: carried.py)."""
     peers = Peers(group)
     if not peers.member:
-        check_tensor(tensor, where)
+        check_kind(tensor, where)
         return None
     problem = problem or try_tensor(tensor, where)
     name = str(op)
@@ -294,7 +295,7 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
     """
     peers = Peers(group)
     if not peers.member:
-        check_tensor(tensor, where)
+        check_kind(tensor, where)
         return None
     problem = try_tensor(tensor, where)
     name = None

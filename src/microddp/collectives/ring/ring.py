@@ -15,6 +15,7 @@ import torch
 from ...errors import MicroDDPError
 from ...transport.duplex import duplex, duplex_decided, duplex_setting
 from ...transport.peers import COMBINE, Flat, Peers, bounds, scratch, wait_all, written
+from ...world.args import check_kind
 from ..agreement.agree import (
     INLINE_MAX_CHUNK,
     agree,
@@ -25,7 +26,7 @@ from ..agreement.agree import (
     shared_agreement,
 )
 from ..agreement.carried import Header, carried_ring_all_reduce_, inline_ring_all_reduce_
-from ..agreement.checks import check_tensor, try_layout, try_list, try_op, try_tensor
+from ..agreement.checks import try_layout, try_list, try_op, try_tensor
 from ..agreement.early import EarlyCall, early_ring_all_reduce_, goes_early
 from .loops import (
     pair_all_reduce_,
@@ -184,7 +185,7 @@ def ring_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op
     where = "ring_reduce_scatter"
     peers = Peers(group)
     if not peers.member:
-        check_tensor(output, where, "output")
+        check_kind(output, where, "output")
         return output
     problem, name, inputs = try_tensor(output, where, "output"), str(op), []
     if problem is None:
@@ -210,7 +211,7 @@ def ring_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group
     where = "ring_all_gather"
     peers = Peers(group)
     if not peers.member:
-        check_tensor(tensor, where)
+        check_kind(tensor, where)
         return tensor_list
     problem, outs = try_tensor(tensor, where), []
     if problem is None:
