@@ -89,6 +89,8 @@ ROWS = {
     "reduce_scatter shape": lambda w, o: mdp.comms.reduce_scatter(
         torch.zeros(5 if o else 4), _p(w, o, 5 if o else 4)),
     "reduce op": lambda w, o: mdp.comms.reduce(torch.ones(4), op="max" if o else "sum"),
+    "barrier against an all_reduce": lambda w, o: (
+        mdp.comms.barrier() if o else mdp.comms.all_reduce(torch.ones(4))),
     "gather list on the root": lambda w, o: mdp.comms.gather(  # the differing rank is the root
         torch.ones(4), _p(w, o, 4)[:1] if o else None, dst=w.world_size - 1),
 }
@@ -124,6 +126,7 @@ EXPECTED = {
     "scatter shape": ("ranks disagree on shape", None),
     "reduce_scatter shape": ("ranks disagree on shape", None),
     "reduce op": ("ranks disagree on op", None),
+    "barrier against an all_reduce": ("called different collectives", None),
     "gather list on the root": ("rejected its arguments", "must hold one tensor per rank"),
 }
 

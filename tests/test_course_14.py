@@ -31,6 +31,12 @@ def test_ring_attention_and_a_cp_gpt_equal_one_process_with_less_memory():
     assert len(cp) == 2
     for losses, ldiff, pdiff in cp:
         assert losses.split() == ref and float(ldiff) < 1e-5 and float(pdiff) < 1e-5
+    padded = re.findall(r"seq 23 \(padded by 1 to divide by 4\), rank \d: max \|loss diff\| (\S+), "
+                        r"max \|param diff\| (\S+)", out)
+    assert len(padded) == 2 and all(float(a) < 1e-5 and float(b) < 1e-5 for a, b in padded)
+    hidden = re.findall(r"ring at seq 96, rank \d: hops alone (\S+) ms, waited inside "
+                        r"forward\+backward (\S+) ms: (\d+)% hidden", out)
+    assert len(hidden) == 2 and all(float(a) > 0 and 0 <= int(h) <= 100 for a, _, h in hidden)
     memory = [tuple(map(int, m)) for m in re.findall(
         r"seq +\d+: one process +(\d+) KiB, ring attention alone +(\d+) KiB, "
         r"CP 2 per rank \(most\) +(\d+) KiB", out)]

@@ -28,7 +28,7 @@ from microddp.cp import (
     shard,
     unshard,
 )
-from microddp.cp.split import check_sequence, chunks_of
+from microddp.cp.split import check_sequence, chunks_of, padding
 from microddp.gpt import GPT, GPTConfig
 
 TOL = {"atol": 2e-5, "rtol": 1e-4}  # float32 sums in another order (blocks, the ring's all-reduce)
@@ -114,6 +114,11 @@ def test_positions_and_shards_cover_the_sequence_once():
     assert torch.equal(unshard([torch.stack([x[0, positions(length, r, p)]]) for r in range(p)], 1), x)
 
 
+def test_padding_makes_every_length_divide():
+    assert [padding(n, 2) for n in (24, 23, 21, 1)] == [0, 1, 3, 3]
+    assert padding(23, 1) == 0 and padding(23, 3) == 1 and padding(17, 4) == 7
+
+
 def test_a_sequence_that_does_not_divide_is_refused_in_one_line():
     with pytest.raises(MicroDDPError, match="sequence length 25 to divide by 2 \\* the "
                                             "context-parallel size 2 = 4"):
@@ -122,20 +127,24 @@ def test_a_sequence_that_does_not_divide_is_refused_in_one_line():
         ContextParallelGPT(GPT(GPTConfig(dropout=0.1)))
 
 
-def _config() -> GPTConfig:
-    return GPTConfig(vocab_size=64, block_size=24, n_layer=2, n_head=4, d_model=32)
+def _config(length: int = 24) -> GPTConfig:
+    return GPTConfig(vocab_size=64, block_size=length, n_layer=2, n_head=4, d_model=32)
 
 
-def _data(rows: int = 3):
+def _data(rows: int = 3, length: int = 24):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 64, (rows, 24), generator=g),
-             torch.randint(0, 64, (rows, 24), generator=g)) for _ in range(STEPS)]
+    batches = [(torch.randint(0, 64, (rows, length), generator=g),
+                torch.randint(0, 64, (rows, length), generator=g)) for _ in range(STEPS)]
+    if length != 24:  # the padded case: some targets ignored too, as a data loader may mark them
+        for _, y in batches:
+            y[0, :3] = -100
+    return batches
 
 
-def _train(model, step_loss, finish=lambda: None, rows: int = 3):
+def _train(model, step_loss, finish=lambda: None, rows: int = 3, length: int = 24):
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, first = [], None
-    for x, y in _data(rows):
+    for x, y in _data(rows, length):
         opt.zero_grad()
         losses.append(step_loss(x, y))
         finish()
@@ -145,37 +154,42 @@ def _train(model, step_loss, finish=lambda: None, rows: int = 3):
     return losses, first, copy.deepcopy(model.state_dict())
 
 
-def _fresh() -> GPT:
+def _fresh(length: int = 24) -> GPT:
     torch.manual_seed(0)
-    return GPT(_config())
+    return GPT(_config(length))
 
 
-def _reference(rows: int = 3):
-    model = _fresh()
+def _reference(rows: int = 3, length: int = 24):
+    model = _fresh(length)
 
     def step(x, y):
         loss = model.loss(x, y)
         loss.backward()
         return loss.item()
-    return _train(model, step, rows=rows)
+    return _train(model, step, rows=rows, length=length)
 
 
-def _cp_rank(world):
+def _cp_rank(world, length=24):
     torch.set_num_threads(1)
-    model = _fresh()
+    model = _fresh(length)
     cp = ContextParallelGPT(model)
 
     def step(x, y):
         share = cp.loss(x, y)
         share.backward()
         return cp.global_loss(share)
-    return _train(model, step, cp.finish_grads)
+    return _train(model, step, cp.finish_grads, length=length)
 
 
-@pytest.mark.parametrize("p", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_cp_gpt_trains_like_one_process(p):
-    want_losses, want_grads, want_state = _reference()
-    for r, (losses, grads, state) in enumerate(mdp.spawn(_cp_rank, p, backend="gloo", timeout=240)):
+# 24 divides by 2P for P = 2, 3, 4; 23 by none of them: padded to 24, one past block_size 23,
+# with three targets of the batch's first row ignored (-100).
+@pytest.mark.parametrize("p, length", [(2, 24), pytest.param(3, 24, marks=pytest.mark.slow),
+                                       (2, 23), pytest.param(3, 23, marks=pytest.mark.slow),
+                                       pytest.param(4, 23, marks=pytest.mark.slow)])
+def test_cp_gpt_trains_like_one_process(p, length):
+    want_losses, want_grads, want_state = _reference(length=length)
+    got = mdp.spawn(_cp_rank, p, (length,), backend="gloo", timeout=240)
+    for r, (losses, grads, state) in enumerate(got):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL,
                                    msg=f"cp={p} rank {r}: losses")
         for name in want_grads:
@@ -227,3 +241,28 @@ def test_dp_times_cp_trains_like_one_process():
                                            msg=f"dp 2 x cp 2 rank {r}: grad {name}")
             torch.testing.assert_close(state[name], want_state[name], **TOL,
                                        msg=f"dp 2 x cp 2 rank {r}: {name}")
+
+
+def _overlap_rank(world):
+    from microddp import spans
+    from microddp.cp import overlap
+    from microddp.cp.ring import counting
+
+    torch.set_num_threads(1)
+    cp = ContextParallelGPT(_fresh())
+    x, y = _data()[0]
+    with counting() as hops, spans.use(spans.Recorder()) as rec:
+        cp.loss(x, y).backward()
+    waits = [s.name for s in rec.spans if s.track == "comm_wait"]
+    return len(hops), waits, overlap.measure(cp, x, y, repeats=2)
+
+
+def test_the_ring_waits_once_per_hop_and_the_overlap_is_measured():
+    """Every hop of a forward + backward is waited once, as a span; `measure` sets the waits
+    against the same hops alone (the share hidden behind the blocks, 0-100%)."""
+    from microddp.cp.overlap import ring_hops
+
+    for n_hops, waits, got in mdp.spawn(_overlap_rank, 2, backend="gloo", timeout=180):
+        assert n_hops == len(waits) == ring_hops(2, 2) == 8
+        assert waits.count("wait dkv") == 2 * 2 and waits.count("wait kv") == 2 * 2
+        assert got["alone_s"] > 0 and got["waited_s"] >= 0 and 0 <= got["hidden_pct"] <= 100

@@ -253,10 +253,6 @@ mdp.comms.all_reduce(torch.ones(1))
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open regression (issue 56's checks, 2026-11-28): on a group that shares memory, a float "
-    "sum of 3+ ranks goes to gloo after agreeing through the group's mailbox, and that wait "
-    "sits outside the monitored call, so the report names 'a collective', not all_reduce #2"))
 def test_a_rank_stuck_on_one_host_is_named_by_the_others(tmp_path):
     """The hang report across hosts on its own: rank 3 (host 1) stops calling collectives;
     the ranks of host 0 end with the report naming it and the line it is on (the monitor

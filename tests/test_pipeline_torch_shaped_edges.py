@@ -104,8 +104,15 @@ def test_refusals_say_what_to_do():
     with torch.no_grad(), pytest.raises(MicroDDPError, match="eval"):
         schedule.step(x, target=y)
     schedule.step(x, target=y)
-    with pytest.raises(MicroDDPError, match="build a new schedule"):
-        schedule.step(x[:8], target=y[:8])
+    with pytest.raises(MicroDDPError, match="target has 8 samples but the batch 12"):
+        schedule.step(x, target=y[:8])
+    with pytest.raises(MicroDDPError, match="losses must be a list"):
+        schedule.step(x, target=y, losses=())
+    # another batch size works: the shapes are learnt again (the multi-rank test is
+    # test_pipeline_boundaries.py)
+    ref = fresh_model()
+    out = schedule.step(x[:8], target=y[:8])
+    torch.testing.assert_close(out, ref(x[:8]), **TOL)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])

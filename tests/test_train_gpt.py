@@ -92,8 +92,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch):
         (["--model", "gpt", "--nproc", "3", "--tp", "2"], "--tp 2 must divide --nproc 3"),
         (["--model", "gpt", "--nproc", "3", "--tp", "3"], "n_head 4 does not divide by the "
                                                           "tensor-parallel size 3"),
-        (["--model", "gpt", "--strategy", "pp"], "--model gpt trains with --strategy dp"),
-        (["--model", "gpt", "--strategy", "zero1", "--tp", "2"], "--tp 2 runs inside --strategy dp"),
+        (["--model", "gpt", "--strategy", "async"], "--model gpt trains with --strategy dp"),
+        (["--model", "gpt", "--strategy", "zero3", "--tp", "2"], "ZeRO-3 over the data-parallel "
+                                                                 "ranks of a mesh is not built"),
         (["--model", "gpt", "--dataset", "synthetic"], "--model gpt reads --dataset text"),
         (["--dataset", "text"], "--dataset text is bytes for a language model"),
         (["--model", "gpt", "--tp", "0"], "--tp must be at least 1"),

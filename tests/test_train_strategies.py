@@ -238,17 +238,28 @@ def test_strategy_examples_in_help_run_as_written(tmp_path):
     assert all(a > 50 for a in accuracy.values()), accuracy  # ten classes: chance is 10%
 
 
+class _BarrierFirst(torch.nn.Module):
+    """A stage whose forward waits in a barrier first: its rank never sends anything."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        microddp.comms.barrier()
+        return self.inner(x)
+
+
 def _stuck_pipeline(world):
-    """Rank 1 runs a pipeline step; rank 0 never sends it anything and waits in a barrier."""
+    """Both ranks start a pipeline step (its agreement passes); rank 0's first forward then
+    waits in a barrier, so rank 1 waits for an activation that never comes."""
     microddp.monitor.enable(timeout=2.0, interrupt=True)  # the barrier raises the report
     torch.manual_seed(0)
     stages = microddp.pipeline.split_model(microddp.FullMLP(4, 2), 2)
     schedule = microddp.pipeline.build("1f1b", 2, 2)
-    if world.rank == 1:
-        x, y = torch.randn(4, 4), torch.zeros(4, dtype=torch.long)
-        microddp.pipeline.run_schedule(schedule, {1: stages[1]}, x, y,
-                                       torch.nn.functional.cross_entropy)
-    microddp.comms.barrier()
+    x, y = torch.randn(4, 4), torch.zeros(4, dtype=torch.long)
+    mine = {0: _BarrierFirst(stages[0])} if world.rank == 0 else {1: stages[1]}
+    microddp.pipeline.run_schedule(schedule, mine, x, y, torch.nn.functional.cross_entropy)
 
 
 def test_a_stuck_pipeline_rank_is_named_with_its_schedule_action():

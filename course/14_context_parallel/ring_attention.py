@@ -1,7 +1,8 @@
 """Chapter 14: attention over a sequence split across ranks, exactly. The online softmax merges
 blocks of a row; the ring passes key/value blocks from rank to rank; the zigzag split balances a
-causal ring; a GPT trained with context parallelism equals one process; and the activation
-memory each rank holds, measured, against the sequence length.
+causal ring; a GPT trained with context parallelism equals one process, also on a sequence that
+does not divide (padded); how much of the ring's communication the blocks hide; and the
+activation memory each rank holds, measured, against the sequence length.
 
     python course/14_context_parallel/ring_attention.py          # CP 2
     python course/14_context_parallel/ring_attention.py -n 3
@@ -23,7 +24,8 @@ from microddp.cp import (
     shard,
     unshard,
 )
-from microddp.cp.split import chunks_of
+from microddp.cp.overlap import measure
+from microddp.cp.split import chunks_of, padding
 from microddp.gpt import GPT, GPTConfig
 from microddp.pipeline.activations import ActivationMeter
 
@@ -44,7 +46,7 @@ def online_softmax():
           f"max |diff| {(out - whole).abs().max().item():.1e}")
 
 
-def data(length):
+def data(length=LENGTHS[0]):
     g = torch.Generator().manual_seed(1)
     return [(torch.randint(0, 64, (BATCH, length), generator=g),
              torch.randint(0, 64, (BATCH, length), generator=g)) for _ in range(STEPS)]
@@ -55,10 +57,10 @@ def fresh():
     return GPT(CFG)
 
 
-def train(model, step_loss, finish=lambda: None):
+def train(model, step_loss, finish=lambda: None, length=LENGTHS[0]):
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     losses = []
-    for x, y in data(LENGTHS[0]):
+    for x, y in data(length):
         opt.zero_grad()
         losses.append(step_loss(x, y))
         finish()
@@ -97,6 +99,10 @@ def rank(world):
         return cp.global_loss(share)
     out["losses"], out["params"] = train(model, step, cp.finish_grads)
     out["memory"] = [peak_kib(model, cp.loss, n) for n in LENGTHS]
+    out["overlap"] = measure(cp, *data(LENGTHS[-1])[0])
+    model = fresh()
+    cp = ContextParallelGPT(model)
+    out["padded"] = train(model, step, cp.finish_grads, LENGTHS[0] - 1)
     return out
 
 
@@ -143,6 +149,20 @@ def main():
         pdiff = max((out["params"][n] - ref_params[n]).abs().max().item() for n in ref_params)
         print(f"CP {p} rank {r}: losses {' '.join(f'{v:.4f}' for v in out['losses'])}, "
               f"max |loss diff| {ldiff:.1e}, max |param diff| after {STEPS} steps {pdiff:.1e}")
+    model = fresh()
+    ref_padded = train(model, step, length=LENGTHS[0] - 1)
+    short = LENGTHS[0] - 1
+    for r, out in enumerate(ranks):
+        losses, params = out["padded"]
+        pdiff = max((params[n] - ref_padded[1][n]).abs().max().item() for n in params)
+        print(f"seq {short} (padded by {padding(short, p)} to divide by {2 * p}), rank {r}: max "
+              f"|loss diff| {max(abs(a - b) for a, b in zip(losses, ref_padded[0], strict=True)):.1e}"
+              f", max |param diff| {pdiff:.1e}")
+    for r, out in enumerate(ranks):
+        o = out["overlap"]
+        print(f"ring at seq {LENGTHS[-1]}, rank {r}: hops alone {o['alone_s'] * 1e3:.2f} ms, "
+              f"waited inside forward+backward {o['waited_s'] * 1e3:.2f} ms: "
+              f"{o['hidden_pct']:.0f}% hidden behind the blocks")
     print("activation memory (peak bytes autograd and the ring hold, measured):")
     for i, n in enumerate(LENGTHS):
         most = max(out["memory"][i] for out in ranks)

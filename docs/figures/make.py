@@ -44,14 +44,16 @@ COMMANDS = {
 }
 # drawn from microddp's runs or algorithms by a module beside this one: name -> (module,
 # function(target, save)); draw_collectives.py (chapters 3, 4, 9), draw_dp.py (5, 5b),
-# draw_parallel.py (11, 12)
+# draw_parallel.py (11, 12), draw_mesh.py (13), draw_cp.py (14)
 DRAWN_BY = {"collectives": ("draw_collectives", "draw_collectives"),
             "ring": ("draw_collectives", "draw_ring"),
             "zero-bytes": ("draw_collectives", "draw_zero_bytes"),
             "ladder": ("draw_dp", "draw_ladder"),
             "ddp-buckets": ("draw_dp", "draw_ddp_buckets"),
             "hierarchy": ("draw_parallel", "draw_hierarchy"),
-            "tp-split": ("draw_parallel", "draw_tp_split")}
+            "tp-split": ("draw_parallel", "draw_tp_split"),
+            "cp-memory": ("draw_cp", "draw_cp_memory"),
+            "mesh": ("draw_mesh", "draw_mesh")}
 # drawn here from microddp's data, then by the modules above
 DRAWN = ("pipeline", "notebook", *DRAWN_BY)
 NOTEBOOK = HERE.parent / "04b-ring-vs-gloo-notebook.md"

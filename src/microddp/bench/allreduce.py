@@ -37,6 +37,7 @@ from ..shm.group import sizes as shm_sizes
 from ..timing import interleaved, median, trimmed_mean
 from ..transport.duplex import duplex
 from ..transport.peers import Peers
+from . import mpi
 from .allreduce_report import CONTROL, describe, plot, table
 
 EPILOG = """\
@@ -47,6 +48,7 @@ examples:
   microddp bench allreduce --sizes 2M --algorithms ring --control   # is a 5% gap real here?
   microddp bench allreduce --sizes 4K,64K,4M,16M --algorithms shm --repeats 100   # vs memory
   microddp bench allreduce --sizes 4K,64K --algorithms shm --back-to-back 20   # per call, in a row
+  microddp bench allreduce --sizes 4K,64K,1M,4M --algorithms shm --mpi --control   # vs MPICH
 writes allreduce_<N>ranks.png and .json into a new runs/bench-allreduce-DATE-TIME (or --out).
 """
 
@@ -84,6 +86,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", action="store_true",
                    help="also time gloo's all_reduce a second time (gloo-2) and print its ratio "
                         "to the first (A/A): how far apart this run puts two equal contenders")
+    p.add_argument("--mpi", action="store_true",
+                   help="start the ranks under mpiexec and time MPI's Allreduce, "
+                        "Reduce_scatter_block and Allgather (mpi4py) beside shared memory's "
+                        "all_reduce, reduce_scatter and all_gather; needs "
+                        "pip install 'microddp[mpi]' and --algorithms with shm")
 
 
 def parse_size(text: str) -> int:
@@ -201,7 +208,7 @@ def per_call_times(contenders: dict, repeats: int, warmup: int, sync, k: int) ->
 
 
 def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: int,
-          warmup: int, control: bool = False, k: int = 1):
+          warmup: int, control: bool = False, k: int = 1, with_mpi: bool = False):
     peers = duplex(Peers())  # as the ring's first call would (collective: every rank is here)
     p = peers.size
     chain = 2 * (p - 1)
@@ -225,6 +232,8 @@ def _rank(world, sizes: list[int], algos: list[str], repeats: int, min_repeats: 
         contenders["gloo"] = lambda t=t: dist.all_reduce(t)
         if control:
             contenders[CONTROL] = lambda t=t: dist.all_reduce(t)
+        if with_mpi:
+            contenders.update(mpi.contenders(t, p, control))
         if interleave_cal:
             cal_parts = _calibration_contenders(peers, max(1, nbytes // 4 // p))
             contenders.update({f"cal-{k}": fn for k, fn in cal_parts.items()})
@@ -322,6 +331,12 @@ def run(args: argparse.Namespace) -> int:
     if args.back_to_back < 1:
         raise MicroDDPError(f"--back-to-back must be at least 1, got {args.back_to_back}")
     flags.positive("timeout", args.timeout)
+    if args.mpi:
+        if "shm" not in algos:
+            raise MicroDDPError("--mpi compares MPI with shared memory: add shm to --algorithms")
+        why = mpi.available()
+        if why is not None:
+            raise MicroDDPError(f"--mpi: {why}")
     with outputs.run_folder(args.out, "bench-allreduce") as folder:
         return _run(args, sizes, algos, folder)
 
@@ -334,8 +349,10 @@ def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -
     print(f"all-reduce on {p} ranks (gloo, 127.0.0.1, {os.cpu_count()} CPUs), float32 sum; "
           f"contenders interleaved {each}")
     start = time.perf_counter()
-    out = spawn(_rank, p, (sizes, algos, args.repeats, args.min_repeats, args.warmup,
-                           args.control, k), timeout=args.timeout, backend="gloo")[0]
+    job = (sizes, algos, args.repeats, args.min_repeats, args.warmup, args.control, k,
+           args.mpi)
+    out = (mpi.run(_rank, p, job, args.timeout) if args.mpi else
+           spawn(_rank, p, job, timeout=args.timeout, backend="gloo")[0])
     cal = out["calibration"]
     small = tuple(cal["small"]) if cal["small"] else None
     model = CostModel(cal["alpha"], cal["beta"], cal["gamma"], small)
@@ -346,9 +363,15 @@ def _run(args: argparse.Namespace, sizes: list[int], algos: list[str], folder) -
     for line in report["lines"]:
         print(line)
     stem = os.path.join(folder, f"allreduce_{p}ranks")
+    mpi_records = None
+    if args.mpi:
+        lines, mpi_records = mpi.table(out["rows"])
+        print("\nagainst MPI (mpiexec, mpi4py), same rounds: microddp's shared memory / MPI")
+        for line in lines:
+            print(line)
     outputs.write_text(stem + ".json", json.dumps({
         "world_size": p, "back_to_back": k, "duplex": out["duplex"], "calibration": cal,
-        "rows": report["records"]}, indent=1))
+        "rows": report["records"], "mpi": mpi_records}, indent=1))
     plot(report["records"], shown, p, stem + ".png")
     print("mean = after dropping a tenth of the calls at each end; the model predicts it, since "
           "times add up\n  and medians do not (model err = predicted / mean - 1); x gloo time = "

@@ -76,8 +76,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     return shm.all_reduce_unversioned(tensor, op, group, async_op)
 
 
-# the monitor treats it as it treats gloo's own calls: it ends itself at the group's timeout
+# the monitor treats it as it treats gloo's own calls: it ends itself at the group's timeout;
+# and, blocking, logs it without taking its caller's frame (monitor/patch.py's `leanly`)
 all_reduce.ends_itself = True
+all_reduce.lean = True
 
 
 def intra_host_path(tensor: torch.Tensor, op: str, group) -> SharedGroup | None:

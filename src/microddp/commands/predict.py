@@ -43,6 +43,9 @@ examples:
   microddp predict --zero --params 7.5e9 --world 64  # ZeRO paper, Fig. 1: GB per rank
   microddp predict --hosts 2 --local-ranks 2 --hardware cpu-loopback --inter-hardware 10gbe
                                                # flat vs hierarchical all-reduce across hosts
+  microddp predict --mesh-world 64 --dim 2048 --depth 24 --heads 16 --seq 1024 --batch 512
+                                               # every dp x pp x tp mesh of a GPT, ranked
+  microddp predict --tp 2 --pp 2 --dim 32 --depth 2 --heads 4 --seq 32 --batch 16 --hardware cpu-loopback
 a sample is one input of --batch: a preset's tokens per sample are in its note (--list); with
 --params, one token unless --tokens or --flops-per-sample says otherwise.
 presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
@@ -121,6 +124,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pp.add_argument("--compare", metavar="FILE", help="a pipeline.json of `microddp bench "
                     "pipeline`: predict its job and print its measurements beside (default: "
                     "none; hardware: calibrated if saved, else cpu-loopback)")
+    mg = p.add_argument_group("a GPT on a dp x pp x tp mesh (--batch is the global batch)")
+    mg.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default 1 with --pp or --dp)")
+    mg.add_argument("--pp", type=int, help="pipeline stages (default 1 with --tp or --dp)")
+    mg.add_argument("--dp", type=int, help="data-parallel replicas (default 1)")
+    mg.add_argument("--mesh-world", type=int, help="rank every mesh of this many ranks (default: none; one mesh from --tp/--pp/--dp)")
+    mg.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    mg.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    mg.add_argument("--vocab", type=int, default=256, help="vocabulary (default 256: bytes)")
+    mg.add_argument("--per-host", type=int, default=8,
+                    help="ranks per host: a group wider than this crosses --inter-hardware "
+                    "(default 8)")
+    mg.add_argument("--device-memory", type=float,
+                    help="GiB per device: meshes that need more rank last (default: no limit)")
     zm = p.add_argument_group("memory")
     zm.add_argument("--zero", action="store_true", help="print the model state per rank of "
                     "plain DP and ZeRO-1/2/3 for --params (or the model) on each --world "
@@ -128,6 +144,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     zm.add_argument("--zero-bytes", choices=("mixed", "fp32"), default="mixed",
                     help="bytes per parameter: mixed = 2 + 2 + 12 (the ZeRO paper's mixed "
                     "precision Adam), fp32 = 4 + 4 + 8 (default mixed)")
+
+
+def _mesh(args: argparse.Namespace) -> int:
+    """--tp/--pp (one mesh) or --mesh-world N (every mesh of N ranks, ranked) for a GPT."""
+    from ..predict import mesh3d
+
+    for name in ("dim", "depth", "heads", "seq", "vocab", "microbatches", "per_host"):
+        if getattr(args, name) < 1:
+            raise MicroDDPError(f"--{name.replace('_', '-')} must be at least 1, got "
+                                f"{getattr(args, name)}")
+    if args.inter_hardware not in HARDWARE:
+        raise MicroDDPError(f"unknown --inter-hardware {args.inter_hardware!r}; choose one of "
+                            f"{', '.join(HARDWARE)}")
+    if args.dim % args.heads:
+        raise MicroDDPError(f"--dim {args.dim} must divide by --heads {args.heads}")
+    args.hardware = args.hardware or "a100-nvlink"
+    hw, inter = _hardware(args), HARDWARE[args.inter_hardware]
+    shape = mesh3d.GPTShape(args.dim, args.depth, args.heads, args.seq, args.vocab,
+                            int(args.batch))
+    kw = {"microbatches": args.microbatches, "per_host": args.per_host, "inter": inter}
+    if args.mesh_world is not None:
+        if args.mesh_world < 1:
+            raise MicroDDPError(f"--mesh-world must be at least 1, got {args.mesh_world}")
+        capacity = None if args.device_memory is None else args.device_memory * 2**30
+        rows = mesh3d.rank(shape, args.mesh_world, hw, capacity, **kw)
+    else:
+        tp, pp = args.tp or 1, args.pp or 1
+        dp = args.dp or 1
+        rows = [mesh3d.predict_mesh(shape, dp, pp, tp, hw, **kw)]
+    print(f"GPT: d_model {args.dim}, {args.depth} blocks, {args.heads} heads, seq {args.seq}, "
+          f"vocab {args.vocab}: {shape.params:.3g} parameters; global batch {shape.batch}, "
+          f"{args.microbatches} micro-batches per pipeline; {args.per_host} ranks per host")
+    print(f"inside a host: {hw.note} ({hw.bandwidth:.3g} B/s, {1e6 * hw.latency:.0f} us); "
+          f"between hosts: {inter.note} ({inter.bandwidth:.3g} B/s)")
+    print(mesh3d.table(rows))
+    return 0
 
 
 def _across_hosts(args: argparse.Namespace, hw: Hardware) -> None:
@@ -269,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
     """List presets, calibrate, or print the predicted step time per world size; the exit code."""
     if args.zero:
         return _zero(args)
+    if any(v is not None for v in (args.tp, args.pp, args.dp, args.mesh_world)):
+        return _mesh(args)
     if args.stages is not None or args.compare is not None:
         return _pipeline(args)
     if args.list:

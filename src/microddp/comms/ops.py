@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..collectives.route import agree_call, all_reduce_path
 from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
+from ..monitor.patch import after
 from ..world.args import (
     REDUCE_OPS,
     check_list,
@@ -88,6 +89,10 @@ def _divide(tensor: torch.Tensor, n: int) -> Callable[[], None]:
 _CHECKED: set[tuple[str, torch.dtype]] = set()
 
 
+def _none() -> None:
+    """No agreement (a group torch does not know)."""
+
+
 def _problem(check: Callable[[], object]) -> MicroDDPError | None:
     """The error `check()` raises (this rank's own complaint about its arguments), or None:
     kept to tell the other ranks (route's agree) before raising it, so they raise too."""
@@ -104,6 +109,15 @@ def _agree(where: str, group, problem: MicroDDPError | None, tensor, **more) -> 
     agree_call(where, group, problem, tensor, **more)
     if problem is not None:
         raise problem
+
+
+def _agreed(where: str, group, problem: MicroDDPError | None, tensor, **more) -> Callable:
+    """The agreement of a call this rank can make (one it refuses raises here, on every
+    rank), to run inside the monitored call with `after`: a peer that never comes is then
+    reported as this call (`where` #n), not as "a collective"."""
+    if problem is not None:
+        _agree(where, group, problem, tensor, **more)
+    return lambda: agree_call(where, group, None, tensor, **more)
 
 
 def _all_reduce_problem(tensor, op) -> tuple[str, MicroDDPError | None]:
@@ -141,10 +155,9 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
         return _result(work, async_op, finish)
     if given and problem is not None:  # a group torch does not know: no agreement through it
         raise problem
-    if not given:
-        _agree("all_reduce", group, problem, tensor, op=name)
-    return _result(dist.all_reduce(tensor, REDUCE_OPS[name], group, async_op=True),
-                   async_op, finish)
+    agreement = _agreed("all_reduce", group, problem, tensor, op=name) if not given else _none
+    return _result(after(agreement, dist.all_reduce, tensor, REDUCE_OPS[name], group,
+                         async_op=True), async_op, finish)
 
 
 def all_reduce_mean(tensor: torch.Tensor, group=None, async_op: bool = False) -> Handle | None:
@@ -166,8 +179,9 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None,
         if problem is not None:
             raise problem
         return _done(async_op, result=[tensor])
-    _agree("broadcast", group, problem, tensor, src=got[0] if got else src)
-    return _result(dist.broadcast(tensor, got[0], group, async_op=True), async_op)
+    agreement = _agreed("broadcast", group, problem, tensor, src=got[0] if got else src)
+    return _result(after(agreement, dist.broadcast, tensor, got[0], group, async_op=True),
+                   async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -181,8 +195,9 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
         if problem is not None:
             raise problem
         return _done(async_op, lambda: tensor_list[0].copy_(tensor), list(tensor_list))
-    _agree("all_gather", group, problem, tensor)
-    return _result(dist.all_gather(tensor_list, tensor, group, async_op=True), async_op)
+    agreement = _agreed("all_gather", group, problem, tensor)
+    return _result(after(agreement, dist.all_gather, tensor_list, tensor, group, async_op=True),
+                   async_op)
 
 
 def _per_rank(tensors, like: torch.Tensor, group, what: str, name: str,
@@ -216,9 +231,10 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Op 
         if problem is not None:
             raise problem
         return _done(async_op, lambda: output.copy_(input_list[0]), [output])
-    _agree("reduce_scatter", group, problem, output, op=name)
+    agreement = _agreed("reduce_scatter", group, problem, output, op=name)
     finish = _divide(output, group_size(group)) if name == "avg" else None
-    work = dist.reduce_scatter(output, list(input_list), REDUCE_OPS[name], group, async_op=True)
+    work = after(agreement, dist.reduce_scatter, output, list(input_list), REDUCE_OPS[name],
+                 group, async_op=True)
     return _result(work, async_op, finish)
 
 
@@ -238,12 +254,12 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: Op = "sum", group=N
         if problem is not None:
             raise problem
         return _done(async_op, result=[tensor])
-    _agree("reduce", group, problem, tensor, op=name, dst=got[0] if got else dst)
+    agreement = _agreed("reduce", group, problem, tensor, op=name, dst=got[0] if got else dst)
     dst = got[0]
     is_dst = dist.get_rank() == dst
     finish = _divide(tensor, group_size(group)) if name == "avg" and is_dst else None
-    return _result(dist.reduce(tensor, dst, REDUCE_OPS[name], group, async_op=True),
-                   async_op, finish)
+    return _result(after(agreement, dist.reduce, tensor, dst, REDUCE_OPS[name], group,
+                         async_op=True), async_op, finish)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
@@ -266,10 +282,10 @@ def scatter(tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = 
         if problem is not None:
             raise problem
         return _done(async_op, lambda: tensor.copy_(scatter_list[0]), [tensor])
-    _agree("scatter", group, problem, tensor, src=got[0] if got else src)
+    agreement = _agreed("scatter", group, problem, tensor, src=got[0] if got else src)
     is_src = dist.get_rank() == got[0]
-    work = dist.scatter(tensor, list(scatter_list) if is_src else None, got[0], group,
-                        async_op=True)
+    work = after(agreement, dist.scatter, tensor, list(scatter_list) if is_src else None,
+                 got[0], group, async_op=True)
     return _result(work, async_op)
 
 
@@ -294,9 +310,10 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
         if problem is not None:
             raise problem
         return _done(async_op, lambda: gather_list[0].copy_(tensor), [tensor])
-    _agree("gather", group, problem, tensor, dst=got[0] if got else dst)
+    agreement = _agreed("gather", group, problem, tensor, dst=got[0] if got else dst)
     is_dst = dist.get_rank() == got[0]
-    work = dist.gather(tensor, gather_list if is_dst else None, got[0], group, async_op=True)
+    work = after(agreement, dist.gather, tensor, gather_list if is_dst else None, got[0], group,
+                 async_op=True)
     return _result(work, async_op)
 
 
@@ -306,9 +323,10 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
         return _done(async_op)
     if _outside(group):
         return dist.barrier(group, async_op)
-    # No agreement first: its wait, outside the monitored call, would hide a stalled peer
-    # from the hang report (a rank at another collective is named by the report instead).
-    return _result(dist.barrier(group, async_op=True), async_op)
+    # agreed inside the monitored barrier: a rank at another collective is an error on every
+    # rank, and a stalled peer is still reported as this barrier
+    agreement = _agreed("barrier", group, None, None)
+    return _result(after(agreement, dist.barrier, group, async_op=True), async_op)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,

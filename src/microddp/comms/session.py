@@ -71,8 +71,9 @@ def get_world() -> World:
 def distributed(group=None) -> bool:
     """world.distributed, after forming the world with `init` if this process never did: a
     script that calls collectives (or builds a DDP) without `microddp.init()` gets the
-    group's shared memory and the hang monitor too, as one that calls it does."""
-    if not world.is_initialized():
+    group's shared memory and the hang monitor too, as one that calls it does. A group torch
+    does not know (given_group) answers for itself: no world is formed for it."""
+    if not world.is_initialized() and not world.given_group(group):
         init()
     return world.distributed(group)
 

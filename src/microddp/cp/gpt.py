@@ -7,7 +7,9 @@ the whole batch's mean (summed cross-entropy over the global token count), so th
 ranks sum to one process's: `finish_grads` all-reduces them (sum) over the group, in one flat
 buffer. Parameters are replicated, so the same optimizer step on every rank keeps them equal.
 The wrapped model's own modules do the work (no copy of its code), so `cp.model.state_dict()`
-is the GPT's, the same keys as one process's.
+is the GPT's, the same keys as one process's. A sequence that does not divide by 2P is padded at
+its end: the causal mask keeps every real token from seeing a pad, and the pads' targets are
+ignored, so the loss and gradients are exactly the unpadded ones.
 
 Dropout is refused: its masks would have to be drawn for the whole sequence and sliced, and the
 attention-probability mask cannot be applied to blocks merged by the online softmax exactly.
@@ -24,6 +26,8 @@ from ..errors import MicroDDPError
 from ..gpt import GPT
 from . import split
 from .ring import ring_attention
+
+IGNORE = -100  # F.cross_entropy's ignore_index: the target of a pad, as of any ignored token
 
 
 class ContextParallelGPT(nn.Module):
@@ -48,12 +52,15 @@ class ContextParallelGPT(nn.Module):
         y = ring_attention(q, k, v, self.group, causal=True)
         return attn.proj(y.transpose(1, 2).reshape(b, s, width))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """The (B, L, vocab) logits of this rank's (B, L) tokens (split.shard of the batch)."""
+    def forward(self, idx: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """The (B, L, vocab) logits of this rank's (B, L) tokens (split.shard of the batch);
+        `length`: the real sequence length when the sequence was padded (pads sit past it)."""
         m = self.model
-        length = idx.shape[1] * self.p
+        padded = idx.shape[1] * self.p
+        length = padded if length is None else length
         m.check_input(torch.empty(idx.shape[0], length, dtype=torch.long, device="meta"))
-        pos = split.positions(length, self.rank, self.p, idx.device)
+        pos = split.positions(padded, self.rank, self.p, idx.device)
+        pos = pos.clamp(max=m.cfg.block_size - 1)  # a pad past block_size: seen by no real token
         x = m.wte(idx) + m.wpe(pos)
         for block in m.blocks:
             x = x + self._attention(block, block.ln1(x))
@@ -61,13 +68,19 @@ class ContextParallelGPT(nn.Module):
         return m.head(m.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the mean next-token cross-entropy of the whole (B, S) batch."""
-        split.check_sequence(idx.shape[1], self.p)
-        logits = self(split.shard(idx, 1, self.group))
+        """This rank's share of the mean next-token cross-entropy of the whole (B, S) batch
+        (targets of -100 ignored, as in GPT.loss); S need not divide by 2P (padded)."""
+        length = idx.shape[1]
+        counted = (targets != IGNORE).sum().clamp(min=1)
+        pad = split.padding(length, self.p)
+        if pad:
+            idx = F.pad(idx, (0, pad))
+            targets = F.pad(targets, (0, pad), value=IGNORE)
+        logits = self(split.shard(idx, 1, self.group), length)
         mine = split.shard(targets, 1, self.group)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1),
-                                reduction="sum")
-        return total / targets.numel()
+                                reduction="sum", ignore_index=IGNORE)
+        return total / counted
 
     def global_loss(self, share: torch.Tensor) -> float:
         """The whole batch's mean loss, from every rank's share (a collective)."""

@@ -22,12 +22,13 @@ computes the same number of blocks at every step.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-from .. import comms
+from .. import comms, spans
 from ..errors import MicroDDPError
 from ..pipeline.activations import hold
 from . import split
@@ -93,10 +94,14 @@ def _pass_on(t: torch.Tensor, group, tag: int, phase: str) -> tuple[torch.Tensor
     return buf, handles
 
 
-def _wait(handles: list) -> None:
+def _wait(handles: list, what: str = "kv") -> None:
+    """Wait for a hop; while spans are recorded, the wait is a span of its own ("wait kv" on
+    the comm_wait track): the part of the ring's communication the compute did not hide."""
+    t0 = time.perf_counter()
     for h in handles:
         if h is not None:
             h.wait()
+    spans.add_span(f"wait {what}", t0, time.perf_counter(), track="comm_wait")
 
 
 class RingAttention(torch.autograd.Function):
@@ -163,14 +168,14 @@ class RingAttention(torch.autograd.Function):
                     dqs[i].add_((ds @ ks[j]) * scale)
                     dks[j].add_((ds.transpose(-2, -1) @ qs[i]) * scale)
             if incoming is not None:  # block src's dK/dV from the ranks it visited before
-                _wait(acc_handles)
+                _wait(acc_handles, "dkv")
                 dkv += incoming
             if p > 1:  # on to the next rank; after the last step, to the block's owner
                 incoming, acc_handles = _pass_on(dkv, group, DKV_TAG, "backward")
             if step < p - 1:
                 _wait(kv_handles)
                 kv = nxt
-        _wait(acc_handles)
+        _wait(acc_handles, "dkv")
         mine = dkv if incoming is None else incoming
         return dq, mine[0], mine[1], None, None, None
 

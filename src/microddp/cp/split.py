@@ -9,7 +9,9 @@ ring (ring.py skips the blocks the mask empties).
 
 A rank's tokens are not contiguous, so their positions are not arange(S/P): `positions` gives the
 global position of every local token, for the position embedding and for the mask. A sequence that
-does not divide by 2P is refused in one line (padding would change the loss's mean).
+does not divide by 2P is refused here in one line; `padding` says how many tokens a causal model
+appends to make it divide (ContextParallelGPT: exact, since no real token attends to a later one
+and the pads are left out of the loss).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def check_sequence(length: int, p: int) -> None:
     if p > 1 and length % (2 * p):
         raise MicroDDPError(f"context parallelism needs the sequence length {length} to divide by "
                             f"2 * the context-parallel size {p} = {2 * p}: pad or crop the sequence")
+
+
+def padding(length: int, p: int) -> int:
+    """How many tokens to append so that a `length` sequence splits into 2p equal chunks."""
+    return 0 if p == 1 else -length % (2 * p)
 
 
 def chunks_of(r: int, p: int) -> tuple[int, int]:

@@ -99,6 +99,9 @@ def where(frame: FrameType | None, user: bool = False) -> str:
     return name_location(locate(frame, user))
 
 
+# The code of the monitor's wrappers (patch.py adds it): where `Entry._frame_now` stops.
+WRAPPER_CODES: set[CodeType] = set()
+
 _doing: list = [None]  # what the main thread does beside collectives (see note)
 
 
@@ -141,7 +144,8 @@ class Entry:
     """
 
     __slots__ = ("seq", "group", "op", "started", "done", "failed", "work", "escapable",
-                 "ends_itself", "record", "_sketch", "_shape", "_detail", "_caller", "_location", "_call", "_frame")
+                 "ends_itself", "record", "_sketch", "_shape", "_detail", "_caller", "_location", "_call", "_frame",
+                 "_thread")
 
     def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
                  frame: FrameType | None = None) -> None:
@@ -165,6 +169,10 @@ class Entry:
         # the tensor or list that describe names])
         self._call = call
         self._frame = frame  # the caller's frame, while the call runs
+        # Or, for a blocking call that did not take its caller's frame (a frame object made
+        # on every call costs more than a small shared-memory all-reduce's own work), the
+        # thread it runs on: its frame is found there while the call runs (`_frame_now`).
+        self._thread: int | None = None
 
     @property
     def shape(self) -> str:  # e.g. "float32[4]"
@@ -184,6 +192,8 @@ class Entry:
         if self._caller is None:
             if self._location is None:
                 frame = self._frame  # one read: the calling thread may let go of it meanwhile
+                if frame is None:
+                    frame = self._frame_now()
                 if frame is None:
                     return ""
                 self._location = locate(frame, user=True)
@@ -224,7 +234,22 @@ class Entry:
         """The caller's frames (see locate), if they were noted; () if not."""
         if self._location is None and self._frame is not None:
             self.locate_caller()
+        if self._location is None:
+            frame = self._frame_now()
+            if frame is not None:
+                self._location = locate(frame, user=True)
         return self._location or ()
+
+    def _frame_now(self) -> FrameType | None:
+        """The caller's frame of a call still running on thread `_thread` (see __init__):
+        the frame below the monitor's wrapper on that thread's stack, or None."""
+        tid = self._thread
+        if tid is None or self.done is not None:
+            return None
+        f = sys._current_frames().get(tid)
+        while f is not None and f.f_code not in WRAPPER_CODES:
+            f = f.f_back
+        return f.f_back if f is not None else None
 
     def settle(self) -> None:
         """Work out shape, detail and caller now, and let go of the call's arguments."""

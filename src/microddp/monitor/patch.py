@@ -33,6 +33,7 @@ import importlib
 import inspect
 import re
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from ..errors import MicroDDPError, PeerError
 from ..shm import segment as shm
 from . import desync
 from .hang import Monitor
-from .log import Entry, describe_tensor
+from .log import WRAPPER_CODES, Entry, describe_tensor
 
 COLLECTIVES = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -65,7 +66,10 @@ def group_name(group: Any) -> str:
     """The name a report uses for `group`: `world` for the default one."""
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
-    return str(getattr(group, "group_name", id(group)))
+    try:
+        return str(getattr(group, "group_name", id(group)))
+    except RuntimeError:  # a ProcessGroup built directly has none ("ProcessGroup name not set")
+        return f"group {id(group):x}"
 
 
 def _detail(arguments: dict) -> str:
@@ -226,21 +230,43 @@ def _backend_failed(e: RuntimeError) -> bool:
         first.startswith("[") and "gloo" in first[:first.find("]")])
 
 
-def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
+def _wrap(name: str, fn: Callable, torch_own: bool, lean: bool = False) -> Callable:
     sig = _Signature(fn)
     at = sig.async_at
+
+    def leanly(mon: Monitor, group: Any, args: tuple, kwargs: dict) -> Any:
+        """A blocking call through shared memory (`lean`; its caller is in `group`): logged as
+        any other, but without taking its caller's frame (found on its thread if a report
+        asks while it runs: log.Entry._frame_now), since making a frame object per call
+        cost more than a small all-reduce's own work (docs/measured/04c-shared-memory.md).
+        It ends itself at the group's timeout, with the report (shm/segment.py)."""
+        entry = mon.log.begin("world" if group is None else group_name(group), name,
+                              (sig.describe, args, kwargs, sig.pick))
+        entry._thread = threading.get_ident()
+        entry.ends_itself = True
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            err = _reported(mon, entry, e)
+            if err is e:
+                raise
+            raise err from None
+        finally:
+            mon.log.end(entry)
 
     def as_async(*args: Any, **kwargs: Any) -> Any:
         if len(args) > at:
             return fn(*args[:at], True, *args[at + 1:], **kwargs)
         return fn(*args, **{**kwargs, "async_op": True})
 
-    def interrupting(mon: Monitor, entry: Entry, group: Any, args: tuple, kwargs: dict) -> Any:
+    def interrupting(mon: Monitor, entry: Entry, group: Any, args: tuple, kwargs: dict,
+                     first: Callable | None) -> Any:
         """monitor.enable(interrupt=True) or debug: a blocking gloo call runs async and is
         waited on with the monitor's timeout, so its stall raises the report here."""
         entry.settle()
         if mon.debug:
             desync.check(mon, entry, group)
+        _first(mon, entry, first)
         gloo = _gloo(group)
         async_op = sig.async_op(args, kwargs)
         if async_op or (at >= 0 and gloo):
@@ -268,23 +294,27 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         finally:
             mon.log.end(entry)
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def call(first: Callable | None, *args: Any, **kwargs: Any) -> Any:
         mon = _active
-        if mon is None:
+        group = sig.group(args, kwargs) if mon is not None else None
+        if mon is None or (group is not None and _outside(group)):
+            if first is not None:
+                first()
             return fn(*args, **kwargs)
-        group = sig.group(args, kwargs)
-        if group is not None and _outside(group):
-            return fn(*args, **kwargs)
+        if lean and first is None and not (mon.interrupt or mon.debug
+                                           or sig.async_op(args, kwargs)):
+            return leanly(mon, group, args, kwargs)
         # The arguments and the caller's frame, held while the call runs: described only if
         # a report (or debug mode) asks, not on every call.
+        # frame 2: the caller of wrapper() or of after(), which call this directly
         entry = mon.log.begin("world" if group is None else group_name(group), name,
-                              (sig.describe, args, kwargs, sig.pick), sys._getframe(1))
+                              (sig.describe, args, kwargs, sig.pick), sys._getframe(2))
         if mon.interrupt or mon.debug:
-            return interrupting(mon, entry, group, args, kwargs)
+            return interrupting(mon, entry, group, args, kwargs, first)
         # A gloo op fails by itself at the process group's timeout (async or not): after the
         # report, the watchdog leaves the ending to it, in a MicroDDPError raised below.
         entry.ends_itself = torch_own and _gloo(group)
+        _first(mon, entry, first)
         if sig.async_op(args, kwargs):
             entry.locate_caller()  # the caller moves on; the Work keeps the tensors anyway
             work = _launch(mon, entry, fn, args, kwargs)
@@ -305,8 +335,44 @@ def _wrap(name: str, fn: Callable, torch_own: bool) -> Callable:
         finally:
             mon.log.end(entry)
 
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return call(None, *args, **kwargs)
+
     wrapper.__microddp_original__ = fn
+    wrapper.__microddp_after__ = call
+    WRAPPER_CODES.add(call.__code__)  # where a lean entry's caller is found (leanly)
     return wrapper
+
+
+def _first(mon: Monitor, entry: Entry, first: Callable | None) -> None:
+    """Run the step a call makes before it starts (comms' agreement of the ranks) inside the
+    call's entry: a peer that never arrives is then reported as this call. Its own waits end
+    at the group's timeout, with the report (shared memory's reporter), or refuse at once."""
+    if first is None:
+        return
+    try:
+        first()
+    except RuntimeError as e:  # a gloo wait of the agreement gave up: the report, as a call's
+        err = _reported(mon, entry, e)
+        mon.log.end(entry)
+        if err is e:
+            raise
+        raise err from None
+    except BaseException:
+        mon.log.end(entry)
+        raise
+
+
+def after(first: Callable[[], None], fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) with `first()` run just before it, as one call: where `fn` is a
+    wrapped collective, inside its log entry (comms' agreement and the call it guards are one
+    collective to the hang report); else simply one, then the other."""
+    call = getattr(fn, "__microddp_after__", None)
+    if call is None:
+        first()
+        return fn(*args, **kwargs)
+    return call(first, *args, **kwargs)
 
 
 # group -> is it gloo's: asked once per group. Held weakly: a strong key kept every group the
@@ -389,8 +455,9 @@ def install(mon: Monitor) -> None:
         _originals[module, attr] = fn
         # Like gloo's own calls, the shared-memory ones end by themselves at the group's
         # timeout (`ends_itself`), with this monitor's report (set_reporter).
-        setattr(module, attr, _wrap(name, fn, torch_own=module is dist
-                                    or getattr(fn, "ends_itself", False)))
+        ours = getattr(fn, "ends_itself", False) and module is not dist
+        setattr(module, attr, _wrap(name, fn, torch_own=module is dist or ours,
+                                    lean=ours and getattr(fn, "lean", False)))
     shm.set_reporter(lambda why: mon.collect(mon.log.oldest_open(), why=why))
     importlib.import_module("microddp.collectives.hierarchical").observe_with(_observer(mon))
 

@@ -31,7 +31,12 @@ from .. import comms
 from ..errors import MicroDDPError
 from ..monitor import note
 from .activations import hold
+from .boundary import TENSOR_TAG_STRIDE, as_tuple, grad_like, input_grads, mark_inputs, pairs
 from .schedules import COMPUTE, RECVS, SENDS, Action, Schedule, message_key
+from .step_check import start_agreement
+
+CHECKED_STAGES = 32  # stages whose widths run_schedule's agreement compares (3 words each)
+STAGE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def window(schedule: Schedule, rank: int) -> int:
@@ -68,6 +73,64 @@ def _input_width(module: nn.Module) -> int:
                             "knows the shape of the activations it receives; split a FullMLP "
                             "with microddp.pipeline.split_model")
     return first.in_features
+
+
+def _widths(module: nn.Module) -> tuple[int, int]:
+    """(input width, output width) of a stage whose first and last modules holding parameters
+    are nn.Linear (a FullMLP's slices); 0 for an end that is not, which the agreement then
+    leaves unchecked rather than guess (a GPT stage starts with an embedding)."""
+    holders = [mod for mod in module.modules()
+               if next(mod.parameters(recurse=False), None) is not None]
+    if not holders:
+        return 0, 0
+    first, last = holders[0], holders[-1]
+    return (first.in_features if isinstance(first, nn.Linear) else 0,
+            last.out_features if isinstance(last, nn.Linear) else 0)
+
+
+def check_step(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tensor,
+               y: torch.Tensor, group) -> Callable[[], None]:
+    """run_schedule's agreement (step_check.py), started: the function it returns waits for
+    it and raises, alike on every rank, unless every rank passed the same batch and schedule
+    and each stage's input width and dtype are what the stage before it gives. The step calls
+    it before its first message, so nothing of the wrong size moves (a mismatch used to abort
+    gloo, or wait to the timeout). Widths are checked for the first CHECKED_STAGES stages."""
+    rank, where = comms.group_rank(group), f"run_schedule({schedule.name})"
+    problem, slots = None, [0] * (3 * CHECKED_STAGES)
+    try:
+        if sorted(stages) != schedule.stages_of(rank):
+            raise MicroDDPError(f"rank {rank} holds stages {sorted(stages)}, but schedule "
+                                f"{schedule.name} gives it stages {schedule.stages_of(rank)}")
+        if len(x) != len(y):
+            raise MicroDDPError(f"{where}: x has {len(x)} samples but y {len(y)}; pass the "
+                                "targets of this very batch")
+        microbatch_sizes(len(x), schedule.microbatches)  # raises, saying what to do
+        for s, module in stages.items():
+            if s < CHECKED_STAGES:
+                dtype = next(module.parameters(), torch.empty(0)).dtype
+                slots[3 * s:3 * s + 3] = [*_widths(module), STAGE_DTYPES.index(dtype) + 1
+                                          if dtype in STAGE_DTYPES else 99]
+    except MicroDDPError as error:
+        problem = error
+    agreement = start_agreement(group, where, problem, equal={
+        "schedule": schedule.name, "ranks": schedule.ranks, "stages": schedule.stages,
+        "microbatches": schedule.microbatches, "batch size": len(x)}, slots=slots,
+        device=x.device)
+    if problem is not None:
+        agreement.result()  # raises: this rank's step cannot even start
+    return lambda: _check_widths(schedule, where, agreement.result()[1])
+
+
+def _check_widths(schedule: Schedule, where: str, got: list[int]) -> None:
+    for s in range(min(schedule.stages, CHECKED_STAGES) - 1):
+        (_, out, before), (inp, _, after) = (got[3 * s:3 * s + 3], got[3 * s + 3:3 * s + 6])
+        if out and inp and (out, before) != (inp, after):
+            name = {k + 1: str(v).removeprefix("torch.") for k, v in enumerate(STAGE_DTYPES)}
+            raise MicroDDPError(
+                f"{where}: stage {s} (rank {schedule.rank_of(s)}) gives width {out} "
+                f"{name.get(before, 'other')} but stage {s + 1} (rank {schedule.rank_of(s + 1)})"
+                f" takes width {inp} {name.get(after, 'other')}; build the same model, "
+                "with the same width and dtype, on every rank")
 
 
 def _tag(key: tuple[str, int, int], m: int) -> int:
@@ -122,12 +185,15 @@ class _Step:
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], group, rank: int,
                  feed: Callable[[int], tuple], finish: Callable,
                  kwargs: Callable[[int], dict] | None = None,
-                 act_like: Callable[[Action], torch.Tensor] | None = None):
+                 act_like: Callable[[Action], torch.Tensor] | None = None,
+                 ready: Callable[[], object] | None = None):
         self.schedule, self.stages, self.group, self.rank = schedule, stages, group, rank
         self.feed = feed          # mb -> the first stage's positional inputs
         self.finish = finish      # (last stage's output, mb) -> what its backward starts from
         self.kwargs = kwargs or (lambda mb: {})  # mb -> keyword inputs of every stage
-        self.act_like = act_like  # RECV_ACT -> a tensor shaped as its message
+        self.act_like = act_like  # RECV_ACT -> new empty tensor(s) shaped as its message
+        # waited for before this rank's first message (the step's agreement: step_check.py)
+        self.ready = ready
         self.forward_only = not any(a.kind in ("B", "I", "W") for a in schedule.actions[rank])
         self.inputs: dict = {}     # (stage, mb) -> the stage's input (a leaf needing grad)
         self.outputs: dict = {}    # (stage, mb) -> the stage's output, or the loss last
@@ -143,42 +209,61 @@ class _Step:
         self.window = window(schedule, rank)
         self.done_after = _sends_done_after(schedule, rank)
 
-    def send(self, a: Action, tensor: torch.Tensor) -> None:
+    def settle(self) -> None:
+        """Wait for the step's agreement, once, before the first message is posted."""
+        if self.ready is not None:
+            ready, self.ready = self.ready, None
+            # a hang report names it: a rank stuck here waits for a rank not in this step
+            note(f"{self.schedule.name}: the step's agreement (every rank of the pipeline "
+                 "starts the step)")
+            ready()
+
+    def send(self, a: Action, values: tuple[torch.Tensor, ...]) -> None:
+        """Post the sends of message `a`: one per tensor of the boundary value."""
+        self.settle()
         peer = self.schedule.peer(a)
         where = {"dst": peer} if self.group is None else {"group_dst": peer}
         tag = _tag(message_key(a), self.schedule.microbatches)
-        tensor = tensor.detach().contiguous()
-        hold(tensor)  # until the send is waited for (see `recv`), or the step's end
-        self.sends[message_key(a)] = comms.isend(tensor, group=self.group, tag=tag, **where)
-        self.sent_bytes += tensor.nbytes
+        handles = []
+        for i, tensor in enumerate(values):
+            tensor = tensor.detach().contiguous()
+            hold(tensor)  # until the send is waited for (see `recv`), or the step's end
+            handles.append(comms.isend(tensor, group=self.group,
+                                       tag=tag + i * TENSOR_TAG_STRIDE, **where))
+            self.sent_bytes += tensor.nbytes
+        self.sends[message_key(a)] = handles
 
-    def _buffer_like(self, a: Action) -> torch.Tensor | None:
-        """A tensor shaped as receive `a`'s message, or None while that is not known (a
-        gradient before its forward)."""
+    def _buffer_like(self, a: Action) -> tuple[torch.Tensor, ...] | None:
+        """Empty tensors shaped as receive `a`'s message, or None while that is not known
+        (a gradient before its forward)."""
         if a.kind == "RECV_ACT":
-            return self.act_like(a)
-        return self.outputs.get((a.stage, a.mb))
+            return as_tuple(self.act_like(a))  # fresh empty tensors: the buffers
+        out = self.outputs.get((a.stage, a.mb))
+        return None if out is None else grad_like(out)
 
     def post_ahead(self) -> None:
         """Post the next receives in program order while fewer than the window are posted
         and not yet waited for, stopping at a gradient whose forward has not run yet."""
         while self.next_post < len(self.receives) and len(self.posted) < self.window:
+            self.settle()
             a = self.receives[self.next_post]
             like = self._buffer_like(a)
             if like is None:
                 return
             peer = self.schedule.peer(a)
             where = {"src": peer} if self.group is None else {"group_src": peer}
-            buf = torch.empty_like(like)
-            hold(buf)  # until the tensor that reads it is done with it
-            handle = comms.irecv(buf, group=self.group,
-                                 tag=_tag(message_key(a), self.schedule.microbatches), **where)
-            self.posted[(a.kind, a.stage, a.mb)] = (handle, buf)
+            tag = _tag(message_key(a), self.schedule.microbatches)
+            handles = []
+            for i, buf in enumerate(like):
+                hold(buf)  # until the tensor that reads it is done with it
+                handles.append(comms.irecv(buf, group=self.group,
+                                           tag=tag + i * TENSOR_TAG_STRIDE, **where))
+            self.posted[(a.kind, a.stage, a.mb)] = (handles, like)
             self.next_post += 1
 
-    def recv(self, a: Action) -> torch.Tensor:
+    def recv(self, a: Action) -> tuple[torch.Tensor, ...]:
         """Wait for receive `a` (posted now if the window had not reached it) and return its
-        tensor; then post the next receives the window frees room for."""
+        tensors; then post the next receives the window frees room for."""
         key = (a.kind, a.stage, a.mb)
         if key not in self.posted:
             self.post_ahead()  # every earlier receive was waited for: the window has room
@@ -186,14 +271,16 @@ class _Step:
             raise MicroDDPError(f"schedule {self.schedule.name}: rank {self.rank} reaches {a} "
                                 "before the forward whose output's gradient it receives; "
                                 "put the forward first (microddp.pipeline.validate)")
-        handle, buf = self.posted.pop(key)
+        handles, bufs = self.posted.pop(key)
         start = time.perf_counter()
-        handle.wait()
+        for handle in handles:
+            handle.wait()
         self.waited = (start, time.perf_counter())
         self.post_ahead()
         for sent in self.done_after.pop(message_key(a), ()):
-            self.sends.pop(sent).wait()  # done already: returns at once
-        return buf
+            for handle in self.sends.pop(sent):
+                handle.wait()  # done already: returns at once
+        return bufs
 
     def input_grad(self, key: tuple[int, int]) -> None:
         """Hand the gradient of a stage's input to the stage below: kept here if that stage is
@@ -201,7 +288,7 @@ class _Step:
         s, mb = key
         if s == 0:
             return
-        grad = self.inputs[key].grad
+        grad = input_grads(self.inputs[key])
         if self.schedule.rank_of(s - 1) == self.rank:
             self.out_grads[(s - 1, mb)] = grad
         else:
@@ -231,13 +318,9 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
     if comms.group_size(group) != p:
         raise MicroDDPError(f"schedule {schedule.name} is for {p} ranks but the group has "
                             f"{comms.group_size(group)}; build it with p = the number of stages' ranks")
-    if sorted(stages) != schedule.stages_of(rank):
-        raise MicroDDPError(f"rank {rank} holds stages {sorted(stages)}, but schedule "
-                            f"{schedule.name} gives it stages {schedule.stages_of(rank)}")
+    ready = check_step(schedule, stages, x, y, group)
     m, n = schedule.microbatches, len(x)
     xs, ys = x.tensor_split(m), y.tensor_split(m)
-    if any(len(part) == 0 for part in xs):
-        microbatch_sizes(n, m)  # raises, saying what to do
     total = [0.0]
 
     def finish(out: torch.Tensor, mb: int) -> torch.Tensor:
@@ -250,8 +333,10 @@ def run_schedule(schedule: Schedule, stages: dict[int, nn.Module], x: torch.Tens
         return xs[a.mb].new_empty(len(xs[a.mb]), _input_width(module),
                                   dtype=next(module.parameters()).dtype)
 
-    st = _Step(schedule, stages, group, rank, lambda mb: (xs[mb],), finish, act_like=act_like)
+    st = _Step(schedule, stages, group, rank, lambda mb: (xs[mb],), finish, act_like=act_like,
+               ready=ready)
     execute(st, record=record, messages=messages)
+    st.settle()  # a program with no message (one rank) still ends with the agreement
     if sent is not None:
         sent.append(st.sent_bytes)
     return total[0] if schedule.stages - 1 in stages else None
@@ -272,8 +357,9 @@ def execute(st: _Step, *, record: list | None = None, messages: list | None = No
             elif messages is not None and a.kind not in COMPUTE:
                 messages.append((a, start, end, *(st.waited if a.kind in RECVS else (end, end))))
         note(f"{schedule.name}: waiting for its sends to be received")
-        for handle in st.sends.values():
-            handle.wait()
+        for handles in st.sends.values():
+            for handle in handles:
+                handle.wait()
     finally:
         note(None)
 
@@ -289,18 +375,23 @@ def _perform(st: _Step, a: Action) -> None:
         if a.stage == 0:
             inputs = st.feed(a.mb)
         else:
-            inp = st.inputs[key]
-            inputs = (inp if st.forward_only else inp.requires_grad_(),)
+            inputs = st.inputs[key]
+            if not st.forward_only:
+                mark_inputs(inputs)
         out = module(*inputs, **st.kwargs(a.mb))
         if a.stage == last:
             out = st.finish(out, a.mb)
-        elif schedule.rank_of(a.stage + 1) == rank:
-            # the next stage starts its own graph, so that B runs stage by stage
-            st.inputs[(a.stage + 1, a.mb)] = out.detach()
+            if st.forward_only:
+                st.inputs.pop(key, None)
+                return
+            out = (out,)  # the loss: its backward starts from it, with no gradient
+        else:
+            out = as_tuple(out, f"stage {a.stage}'s output")
+            if schedule.rank_of(a.stage + 1) == rank:
+                # the next stage starts its own graph, so that B runs stage by stage
+                st.inputs[(a.stage + 1, a.mb)] = tuple(t.detach() for t in out)
         if st.forward_only:
             st.inputs.pop(key, None)  # no backward will read it
-            if a.stage == last:
-                return
         st.outputs[key] = out
         st.post_ahead()  # its gradient's receive may be next in the window
     elif a.kind == "SEND_ACT":
@@ -308,7 +399,9 @@ def _perform(st: _Step, a: Action) -> None:
     elif a.kind == "RECV_GRAD":
         st.out_grads[key] = st.recv(a)
     elif a.kind == "B":
-        torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None))
+        outs, grads = pairs(st.outputs.pop(key), st.out_grads.pop(key, None))
+        if outs:
+            torch.autograd.backward(outs, grads)
         st.input_grad(key)
         st.inputs.pop(key, None)
     elif a.kind == "I":
@@ -317,14 +410,19 @@ def _perform(st: _Step, a: Action) -> None:
         # W repeats the chain of activation gradients (it costs about a backward), but it
         # works for any stage module and needs nothing saved beside autograd's own graph.
         if a.stage > 0:
-            out, inp = st.outputs[key], st.inputs[key]
-            (inp.grad,) = torch.autograd.grad(out, inp, st.out_grads.get(key),
-                                              retain_graph=True)
+            outs, grads = pairs(st.outputs[key], st.out_grads.get(key))
+            need = [t for t in st.inputs[key] if t.requires_grad]
+            if outs and need:
+                got = torch.autograd.grad(outs, need, grads, retain_graph=True,
+                                          allow_unused=True)
+                for t, g in zip(need, got, strict=True):
+                    t.grad = g
             st.input_grad(key)
     elif a.kind == "W":
         params = [q for q in module.parameters() if q.requires_grad]
-        torch.autograd.backward(st.outputs.pop(key), st.out_grads.pop(key, None),
-                                inputs=params)
+        outs, grads = pairs(st.outputs.pop(key), st.out_grads.pop(key, None))
+        if outs and params:
+            torch.autograd.backward(outs, grads, inputs=params)
         st.inputs.pop(key, None)
     elif a.kind == "SEND_GRAD":
         st.send(a, st.in_grads.pop(key))

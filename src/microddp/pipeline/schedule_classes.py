@@ -33,7 +33,8 @@ from .schedules import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from .stage import PipelineStage, infer
+from .stage import PipelineStage, _meta_device, infer
+from .step_check import agree_step, start_agreement
 from .zbv import zbv_zero_bubble
 
 
@@ -92,32 +93,58 @@ class _PipelineSchedule:
         m, name = self._n_microbatches, type(self).__name__
         stages = {s.stage_index: s for s in self._stages}
         first, last = 0 in stages, self._stages[-1].is_last
+        group = self._stages[0].group
+        problem = None
         if losses is not None and not isinstance(losses, list):
-            raise MicroDDPError(f"{name}: losses must be a list, got {type(losses).__name__}")
-        if first and not args:
-            raise MicroDDPError(f"{name}: the first stage's rank passes the batch: "
-                                "schedule.step(x)")
-        if last and train and target is None:
-            raise MicroDDPError(f"{name}: the last stage's rank passes the target: "
-                                "schedule.step(target=y)")
-        n = len(args[0]) if first else None
-        if n is not None and n < m:
-            microbatch_sizes(n, m)  # raises, saying what to do
+            problem = MicroDDPError(f"{name}: losses must be a list, got "
+                                    f"{type(losses).__name__}")
+        elif first and not args:
+            problem = MicroDDPError(f"{name}: the first stage's rank passes the batch: "
+                                    "schedule.step(x)")
+        elif first and not isinstance(args[0], torch.Tensor):
+            problem = MicroDDPError(f"{name}: the batch's first argument must be a tensor, "
+                                    f"not {type(args[0]).__name__}")
+        elif last and train and target is None:
+            problem = MicroDDPError(f"{name}: the last stage's rank passes the target: "
+                                    "schedule.step(target=y)")
+        # Every rank learns the batch size (only the first stage's rank has the batch) and
+        # every refusal, at once: see step_check.py.
+        agreement = start_agreement(
+            group, name, problem, equal={"n_microbatches": m, "step": int(train)},
+            known={"batch": len(args[0]) if first and problem is None else None,
+                   "target": len(target) if last and target is not None and
+                   hasattr(target, "__len__") else None},
+            device=_meta_device(self._stages[0]))
+
+        def agreed() -> int:
+            told, _ = agreement.result()
+            if told["target"] is not None and told["target"] != told["batch"]:
+                raise MicroDDPError(f"{name}: the target has {told['target']} samples but the "
+                                    f"batch {told['batch']}; pass the target of this very batch")
+            microbatch_sizes(told["batch"], m)  # raises, alike on every rank, if n < m
+            return told["batch"]
+
+        # The first stage's rank knows the batch: while it stays the size the shapes were
+        # learnt for, the agreement is waited for only before this rank's first message
+        # (its round trip overlaps the first forward). Every other rank needs its answer now
+        # (the last stage's, before its loss meets a target of a size not yet checked).
+        steady = first and not last and problem is None and len(args[0]) == self._batch
+        n = len(args[0]) if steady else agreed()
+        sizes = microbatch_sizes(n, m)
         arg_mbs = [_split(a, m) for a in args] if first else []
         kwarg_mbs = {k: _split(a, m) for k, a in kwargs.items()}
 
         def kw(mb: int) -> dict:
             return {k: c[mb] for k, c in kwarg_mbs.items()}
 
-        if self._batch is None:
-            self._batch = infer(self._stages, tuple(c[0] for c in arg_mbs), kw(0), n,
-                                self.program.rank_of)
-        for what, size in (("batch", n), ("target", None if target is None else len(target))):
-            if size is not None and size != self._batch:
-                raise MicroDDPError(f"{name}: this step's {what} has {size} samples but the "
-                                    f"first step's batch had {self._batch}; the pipeline's "
-                                    "shapes are fixed then: build a new schedule for another size")
-        sizes = microbatch_sizes(self._batch, m)
+        if self._batch != n:
+            # the first step, or a batch of another size: the shapes are learnt (again)
+            self._batch = None
+            failed = infer(self._stages, tuple(c[0] for c in arg_mbs), kw(0), n, sizes[0],
+                           self.program.rank_of)
+            agree_step(group, f"{name}'s shape pass", failed, equal={},
+                       device=_meta_device(self._stages[0]))
+            self._batch = n
         targets = None if target is None else _split(target, m)
         outputs: list = [None] * m
         found: list = [None] * m
@@ -131,16 +158,18 @@ class _PipelineSchedule:
                 return found[mb]
             return out
 
-        def act_like(a: Action) -> torch.Tensor:
+        def act_like(a: Action) -> tuple[torch.Tensor, ...]:
             stage = stages[a.stage]
-            shape, dtype = stage.input_meta
-            return torch.empty((sizes[a.mb], *shape[1:]), dtype=dtype, device=stage.device)
+            return tuple(torch.empty((sizes[a.mb], *shape[1:]) if by_batch else shape,
+                                     dtype=dtype, device=stage.device)
+                         for shape, dtype, by_batch in stage.input_meta)
 
         program = self.program if train else self.forward_program
         st = _Step(program, {i: s.submod for i, s in stages.items()}, self._stages[0].group,
                    self._stages[0].group_rank, lambda mb: tuple(c[mb] for c in arg_mbs),
-                   finish, kwargs=kw, act_like=act_like)
+                   finish, kwargs=kw, act_like=act_like, ready=agreed if steady else None)
         execute(st)
+        st.settle()  # a program with no message (one rank) still ends with the agreement
         if train and self.scale_grads and m > 1:
             # as torch: the summed micro-batch gradients become their mean, after the last
             # backward (so a gradient left from before the step is divided too)

@@ -26,6 +26,7 @@ barrier of its own step, for the same reason.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import NamedTuple
 
@@ -69,8 +70,17 @@ def _env_bytes(name: str, default: int, least: int) -> int:
         raise MicroDDPError(f"{name} must be a whole number of bytes, at least {least}, "
                             f"got {raw!r}; unset it for the default ({default})")
     return value
+
+
+# Up to this, a piece goes into its slot by memmove (ctypes): same bytes as torch's copy_,
+# without its dispatch, which costs more than the copy itself at a few KiB; beyond it torch's
+# copy, which may split the work among threads.
+MEMMOVE_BYTES = 256 << 10
+_memmove = ctypes.memmove
+
 FOLDS = {"sum": torch.add, "avg": torch.add, "product": torch.mul,
          "min": torch.minimum, "max": torch.maximum}
+IN_PLACE = {"sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "product": torch.Tensor.mul_}
 DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                     torch.int16, torch.int32, torch.int64, torch.uint8})
 
@@ -103,6 +113,11 @@ def fold_into(op: str, parts: list[torch.Tensor], own: torch.Tensor, rank: int) 
     must start from parts[0] + parts[1], so it cannot."""
     if rank > 1:
         fold(op, parts, own)
+        return
+    if op in IN_PLACE:  # own.add_(other): torch.add(own, other, out=own), less dispatch
+        step = IN_PLACE[op]
+        for t in (parts[1 - rank], *parts[2:]):
+            step(own, t)
         return
     fn = FOLDS[op]
     if rank == 1 and op in ("min", "max"):
@@ -238,13 +253,30 @@ class SharedGroup:
     def _all_reduce_piece(self, piece: torch.Tensor, op: str, check: Check | None) -> None:
         # Small or large by the piece's size, not the whole tensor's: on 2 ranks every piece
         # of a tensor larger than a slot is "small" (one synchronisation, no copy out), which
-        # the large path would spend a second synchronisation and a copy out on.
+        # the large path would spend a second synchronisation and a copy out on. The hot path
+        # of every small all-reduce: `_meet` and `_differs` are written out here, one Python
+        # frame each being a measurable part of a 4 KiB call (docs/measured/04c-shared-memory.md).
         seq = self._step()
         m = piece.numel()
         cut = self.cut(piece.dtype, m)[seq & 1]
-        cut.inputs[self.rank].copy_(piece)
-        self._meet(seq, "all_reduce", check)
-        if m * piece.element_size() <= self.small:
+        nbytes = m * piece.element_size()
+        mine = cut.inputs[self.rank]
+        if nbytes <= MEMMOVE_BYTES:  # a plain memmove: a torch copy_ dispatches first
+            _memmove(mine.data_ptr(), piece.data_ptr(), nbytes)
+        else:
+            mine.copy_(piece)
+        if check is None:
+            self._barrier(self.arrive, seq, "all_reduce")
+        else:
+            try:
+                differs = self.agreement.meet(check.mine, "all_reduce", self.yielding)
+            except MicroDDPError as e:
+                self.failed = str(e)
+                raise
+            if differs is not None:  # as in _meet: the step is given back, every rank raises
+                self.seq = seq - 1
+                check.refuse(differs)
+        if nbytes <= self.small:
             fold_into(op, cut.inputs, piece, self.rank)
             return
         if cut.share.numel():

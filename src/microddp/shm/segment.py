@@ -52,12 +52,16 @@ from ..errors import PeerError
 SHM_DIR = "/dev/shm"
 PREFIX = "microddp-shm-"
 LINE_WORDS = 8  # 64 bytes: one cache line per counter
-# Busy reads before sleeping (~1 us): a peer posting at this very moment. Not more: on this
-# 2-core host, interleaved call by call at load 3-4, 1,000 reads (~50 us) made a 4 KiB
-# all-reduce after a barrier take 1.05-1.3 times as long as 20 reads, and twenty 4 KiB calls
-# back to back twice as long (and 0 reads about what 20 did). A spinning rank holds a core its
-# peer, or the threads waking its peer, may need, and a sleeper is woken by the post anyway.
+# Busy reads before anything else (~1 us): a peer posting at this very moment.
 SPINS = 20
+# Then a wait keeps reading for up to a budget of time before it sleeps, and the budget adapts
+# (per row of counters): doubled, up to SPIN_MAX_S, when a spin saw the post; halved, down to
+# SPIN_MIN_S, when it spun in vain and slept. Sleeping costs both ranks a wake-up per call
+# (the poster's system call, the sleeper's trip through the scheduler), which on a quiet host
+# is most of a small all-reduce (docs/measured/04c-shared-memory.md); spinning in vain costs
+# a core its peer may need on a loaded one, which the halving gives back within a few calls.
+SPIN_MAX_S = 30e-6
+SPIN_MIN_S = 2e-6
 LIVENESS_S = 0.2  # how often a sleeping wait checks its deadline and that its peers are alive
 _SYS_FUTEX = 202  # x86-64's number (supported() requires x86-64)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the word is shared between processes
@@ -263,6 +267,7 @@ class Flags:
         # Spinning only pays when every rank has a core: with more ranks than cores, the
         # rank being waited for may need this very core to get there.
         self.spins = SPINS if size <= _cores() else 0
+        self.spin_s = SPIN_MAX_S if self.spins else 0.0  # the adaptive budget (see SPIN_MAX_S)
 
     def post(self, value: int) -> None:
         """Post this rank's step `value` and wake any rank sleeping on it. After it, the post
@@ -295,7 +300,29 @@ class Flags:
                 for _ in range(self.spins // len(self.others)):
                     if min(words[i] for i in self.others) >= value:
                         return
+            if self._spin(value):
+                return
         self._wait_slowly(value, deadline_s, what)
+
+    def _spin(self, value: int) -> bool:
+        """Read the others' counters for up to the budget; whether they all reached `value`.
+        Adapts the budget (SPIN_MAX_S): doubled on success, halved on a spin in vain."""
+        budget = self.spin_s
+        if budget <= 0.0:
+            return False
+        words, others = self.words, self.others
+        clock = time.perf_counter
+        end = clock() + budget
+        while True:
+            for i in others:
+                if words[i] < value:
+                    break
+            else:
+                self.spin_s = min(SPIN_MAX_S, budget * 2)
+                return True
+            if clock() > end:
+                self.spin_s = max(SPIN_MIN_S, budget / 2)
+                return False
 
     def _wait_slowly(self, value: int, deadline_s: float, what: str) -> None:
         words, bells, others = self.words, self.bells, self.others

@@ -118,8 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help=f"{' | '.join(MODELS)} (mlp: FullMLP on --dataset digits/synthetic; gpt: a small "
            f"GPT on --dataset text, bytes of Python's own source; default {d.model})")
     a("--tp", type=int, default=d.tp,
-      help="--model gpt: tensor-parallel ranks per replica, inside --strategy dp; "
-           f"replicas = nproc / tp (default {d.tp})")
+      help="--model gpt: tensor-parallel ranks per pipeline stage (with --pp: a dp x pp x tp "
+           f"mesh, tp innermost); replicas = nproc / (tp x pp) (default {d.tp})")
     a("--heads", type=int, default=d.heads,
       help=f"--model gpt: attention heads; --hidden is the width, --depth the blocks "
            f"(default {d.heads})")
@@ -139,8 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            f"gradients, parameters sharded; async: a parameter server (rank 0) and --nproc - 1 "
            f"workers; default {d.strategy})")
     a("--pp", type=int, default=None,
-      help="pipeline stages for pp/dp-pp; data-parallel replicas = nproc / pp "
-           "(default: nproc for pp, 2 for dp-pp)")
+      help="pipeline stages for pp/dp-pp, and for --model gpt under dp (a dp x pp x tp mesh); "
+           "data-parallel replicas = nproc / (pp x tp) (default: nproc for pp, 2 for dp-pp, "
+           "1 for dp)")
     a("--schedule", default=d.schedule,
       help=f"pipeline schedule: {' | '.join(SCHEDULES)} (default {d.schedule})")
     a("--microbatches", type=int, default=None,
@@ -207,8 +208,8 @@ def max_sensible_nproc() -> int:
 
 def stages(cfg: TrainConfig, world_size: int) -> int:
     """Pipeline ranks per replica: --pp, or its default for the strategy (1: no pipeline)."""
-    if cfg.strategy not in PIPELINES:
-        return 1
+    if cfg.strategy not in PIPELINES:  # the GPT's mesh takes --pp under dp too
+        return (cfg.pp or 1) if cfg.model == "gpt" else 1
     return cfg.pp or (world_size if cfg.strategy == "pp" else 2)
 
 

@@ -74,13 +74,14 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
             where = "one per GPU" if torch.cuda.is_available() else "4 per CPU core"
             raise MicroDDPError(f"--nproc must be between 1 and {limit} here ({where}), got {n}")
     entry = strategies.entry(cfg.strategy)
-    if not entry.pipeline:
+    if not entry.pipeline and not (cfg.model == "gpt" and cfg.strategy in MESH_STRATEGIES):
         for flag, value, default in (("--pp", cfg.pp, None),
                                      ("--microbatches", cfg.microbatches, None),
                                      ("--schedule", cfg.schedule, "1f1b")):
             if value != default:
                 raise MicroDDPError(f"{flag} {value} cuts a pipeline, which --strategy "
-                                    f"{cfg.strategy} has none of; use --strategy pp or dp-pp")
+                                    f"{cfg.strategy} has none of; use --strategy pp or dp-pp"
+                                    + (" (or dp: the GPT's mesh)" if cfg.model == "gpt" else ""))
     strategies.check(cfg, n)
     if not entry.own_loop:
         _check_synchronous(cfg, n)
@@ -90,7 +91,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     replicas = n // (stages(cfg, n) * cfg.tp)
     if not entry.own_loop and cfg.batch_size % replicas:
         what = (f"{n} ranks" if replicas == n else
-                f"{replicas} replicas ({n} ranks / --tp {cfg.tp})" if cfg.tp > 1 else
+                f"{replicas} replicas ({n} ranks / (--tp {cfg.tp} x {stages(cfg, n)} stages))"
+                if cfg.tp > 1 else
                 f"{replicas} replicas ({n} ranks / {stages(cfg, n)} stages)")
         raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch and must split "
                             f"evenly over {what}; use a multiple of {replicas}")
@@ -128,12 +130,14 @@ def _refuse_size(cfg: TrainConfig, params: int) -> None:
                             f"more than this host's {have / 2**30:.3g} GiB; use a smaller --hidden")
 
 
-GPT_STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+GPT_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "pp", "dp-pp")
+MESH_STRATEGIES = ("dp", "zero1", "zero2")  # --pp with the GPT: its mesh (dp, ZeRO over dp)
 
 
 def _check_model(cfg: TrainConfig, n: int) -> None:
     """--model, --dataset and --tp go together: the MLP reads digits or synthetic data and has
-    no layer to split; the GPT reads text, under dp or ZeRO, split --tp ways inside dp."""
+    no layer to split; the GPT reads text, under dp or ZeRO, or on a dp x pp x tp mesh (--tp,
+    --pp; strategies/mesh3d.py checks the mesh)."""
     if cfg.model == "mlp":
         if cfg.tp != 1:
             raise MicroDDPError(f"--tp {cfg.tp} splits a transformer's attention heads and MLP, "
@@ -146,31 +150,25 @@ def _check_model(cfg: TrainConfig, n: int) -> None:
                             f"not {cfg.dataset}; drop --dataset")
     if cfg.strategy not in GPT_STRATEGIES:
         raise MicroDDPError(f"--model gpt trains with --strategy {' | '.join(GPT_STRATEGIES)}; "
-                            f"{cfg.strategy} is not wired to the GPT yet (its stage split / "
-                            "parameter server take the MLP)")
+                            f"{cfg.strategy} is not wired to the GPT yet (the parameter server "
+                            "takes the MLP)")
     from ..gpt import GPTConfig
     from ..tp.gpt import check_split
 
     GPTConfig(n_head=cfg.heads, d_model=cfg.hidden, n_layer=max(cfg.depth, 1))
     if cfg.depth < 1:
         raise MicroDDPError("--model gpt needs --depth of at least 1 block")
-    if cfg.tp == 1:
+    if cfg.tp == 1 and cfg.pp in (None, 1):
         return
-    if n % cfg.tp:
-        raise MicroDDPError(f"--tp {cfg.tp} must divide --nproc {n}: each replica is --tp ranks "
-                            f"and replicas = nproc / tp")
-    check_split(GPTConfig(n_head=cfg.heads, d_model=cfg.hidden), cfg.tp)
-    if cfg.strategy != "dp":
-        raise MicroDDPError(f"--tp {cfg.tp} runs inside --strategy dp; ZeRO over the "
-                            f"data-parallel ranks of a tensor-parallel mesh is not built yet")
-    if cfg.engine != TrainConfig.engine:
-        raise MicroDDPError(f"--tp {cfg.tp} averages gradients over its own data-parallel "
-                            f"groups, not through --engine {cfg.engine}; drop --engine")
-    if cfg.resume:
-        raise MicroDDPError(f"--resume of a --tp {cfg.tp} run is not built yet (its checkpoints "
-                            "are one shard per rank); start a new run")
-    if cfg.amp:
-        raise MicroDDPError(f"--amp with --tp {cfg.tp} is not supported yet; drop --amp")
+    if cfg.tp > 1:
+        if n % cfg.tp:
+            raise MicroDDPError(f"--tp {cfg.tp} must divide --nproc {n}: each replica is --tp "
+                                f"ranks and replicas = nproc / tp")
+        check_split(GPTConfig(n_head=cfg.heads, d_model=cfg.hidden), cfg.tp)
+    if cfg.strategy == "zero3":
+        raise MicroDDPError(f"--tp {cfg.tp} / --pp runs under --strategy dp, zero1, zero2 (or "
+                            f"pp, dp-pp); ZeRO-3 over the data-parallel ranks of a mesh is not "
+                            f"built yet")
 
 
 def _choice(value, allowed: tuple, what: str) -> None:

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import comms
 from ..dp.buckets import DEFAULT_BUCKET_CAP_MB, MiB
@@ -30,6 +29,7 @@ from .comm import Sent, broadcast_shards
 from .flat import flat_views, take_own
 from .optim_state import consolidate, load_shards
 from .plan import build, by_size
+from .shards import shard_views
 
 # Their update of an element depends on other elements (a line search, factored or
 # orthogonalised statistics, sparse rows), so a shard cut by elements cannot be stepped alone.
@@ -68,8 +68,7 @@ class _Group:
             # every parameter's storage as it is); else one buffer the parameters view.
             self.flats.append(one.detach().view(-1) if one is not None and one.is_contiguous()
                               else flat_views(b, self.params))
-        self.shards = [nn.Parameter(flat.narrow(0, b.start(rank), b.sizes[rank]))
-                       for b, flat in zip(self.plan.buckets, self.flats, strict=True)]
+        self.shards = shard_views(self.plan, self.flats, rank)
 
     def set_grads(self) -> None:
         """Each shard's gradient: this rank's elements of its bucket's `.grad`s (a view when

@@ -60,6 +60,16 @@ def trainable_groups(module: nn.Module, param_groups: Iterable[Any] | None
     return params, group_of, options
 
 
+def shard_views(plan: ShardPlan, flats: Sequence[torch.Tensor], rank: int) -> list[nn.Parameter]:
+    """This rank's shard of each bucket as a parameter viewing its part of the bucket's flat
+    buffer (`flats[i]`: bucket i's parameters end to end): an optimizer stepping the shards
+    updates the parameters in place, and a broadcast of every rank's part completes them.
+    The one cut of optimizer state by elements: Zero's stages 1 and 2 and
+    ZeroRedundancyOptimizer both shard through it."""
+    return [nn.Parameter(flat.narrow(0, b.start(rank), b.sizes[rank]))
+            for b, flat in zip(plan.buckets, flats, strict=True)]
+
+
 class Shards:
     """This rank's shard parameters (one per bucket) and the inner optimizer over them."""
 
@@ -70,14 +80,14 @@ class Shards:
         become views of; without them (stage 3) each shard is a copy of the rank's elements."""
         self.plan, self.rank = plan, rank
         like = params[0] if params else torch.empty(0)
-        self.params: list[nn.Parameter] = []
-        for b in plan.buckets:
-            if flats is not None:
-                own = flats[b.index].narrow(0, b.start(rank), b.sizes[rank])
-            else:
+        if flats is not None:
+            self.params = shard_views(plan, flats, rank)
+        else:
+            self.params = []
+            for b in plan.buckets:
                 own = torch.empty(b.sizes[rank], dtype=like.dtype, device=like.device)
                 take_own(b, rank, params, own)
-            self.params.append(nn.Parameter(own))  # shares `own`'s memory
+                self.params.append(nn.Parameter(own))  # shares `own`'s memory
         groups = [{**opts, "params": [self.params[b.index] for b in plan.buckets
                                       if b.group == g]} for g, opts in enumerate(options)]
         try:

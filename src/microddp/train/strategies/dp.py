@@ -87,13 +87,23 @@ class DataParallel(Strategy):
 
 
 def check(cfg: TrainConfig, n: int) -> None:
-    """Nothing of its own to check: dp takes every setting the synchronous loop takes."""
+    """Nothing of its own to check (dp takes every setting the synchronous loop takes), but
+    the GPT's --tp / --pp mesh's."""
+    if _on_mesh(cfg):
+        from .mesh3d import check as mesh_check
+
+        mesh_check(cfg, n)
+
+
+def _on_mesh(cfg: TrainConfig) -> bool:
+    return cfg.model == "gpt" and (cfg.tp > 1 or (cfg.pp or 1) > 1)
 
 
 def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
-    """This rank's replica under the chosen engine (with --tp, its tensor-parallel share)."""
-    if cfg.tp > 1:
-        from .tensor import make as tensor_parallel
+    """This rank's replica under the chosen engine (the GPT with --tp or --pp: its share of
+    a dp x pp x tp mesh)."""
+    if _on_mesh(cfg):
+        from .mesh3d import make as on_mesh
 
-        return tensor_parallel(cfg, world, module, precision)
+        return on_mesh(cfg, world, module, precision)
     return DataParallel(cfg, world, module, precision)

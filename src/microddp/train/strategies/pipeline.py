@@ -223,7 +223,11 @@ class Pipeline(Strategy):
 
 def check(cfg: TrainConfig, n: int) -> None:
     """The settings a pipeline needs: stages that divide the ranks and fit the model, and
-    micro-batches that fit a replica's share of the batch."""
+    micro-batches that fit a replica's share of the batch (the GPT: its mesh's checks)."""
+    if cfg.model == "gpt":
+        from .mesh3d import check as mesh_check
+
+        return mesh_check(cfg, n)
     for flag, value in (("--pp", cfg.pp), ("--microbatches", cfg.microbatches)):
         if value is not None and value < 1:
             raise MicroDDPError(f"{flag} must be at least 1, got {value}")
@@ -255,5 +259,10 @@ def check(cfg: TrainConfig, n: int) -> None:
 
 
 def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
-    """This rank's stages of the pipeline, replicated over its data-parallel group."""
+    """This rank's stages of the pipeline, replicated over its data-parallel group (the GPT:
+    its stage on a dp x pp x tp mesh, mesh3d.py)."""
+    if cfg.model == "gpt":
+        from .mesh3d import make as on_mesh
+
+        return on_mesh(cfg, world, module, precision)
     return Pipeline(cfg, world, module, precision)

@@ -91,7 +91,12 @@ class Sharded(Strategy):
 
 
 def check(cfg: TrainConfig, n: int) -> None:
-    """ZeRO brings its own engine, and shards what float16's gradient scaler needs whole."""
+    """ZeRO brings its own engine, and shards what float16's gradient scaler needs whole (the
+    GPT with --tp or --pp: its mesh's checks, ZeRO over the mesh's DP, mesh3d_zero.py)."""
+    if _on_mesh(cfg):
+        from .mesh3d import check as mesh_check
+
+        return mesh_check(cfg, n)
     if cfg.engine != TrainConfig.engine:
         raise MicroDDPError(f"--engine {cfg.engine} chooses a data-parallel engine, which "
                             f"--strategy {cfg.strategy} replaces with ZeRO's own; drop --engine")
@@ -102,4 +107,12 @@ def check(cfg: TrainConfig, n: int) -> None:
 
 def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
     """This rank's shard of the model state under zero.Zero (stage from the name)."""
+    if _on_mesh(cfg):
+        from .mesh3d_zero import make as on_mesh
+
+        return on_mesh(cfg, world, module, precision)
     return Sharded(cfg, world, module, precision)
+
+
+def _on_mesh(cfg: TrainConfig) -> bool:
+    return cfg.model == "gpt" and (cfg.tp > 1 or (cfg.pp or 1) > 1)
