@@ -28,7 +28,7 @@ def bench(tmp_path_factory):
 def test_every_configuration_with_and_without_the_straggler(bench):
     out, stdout = bench
     doc = json.loads((out / "async.json").read_text())
-    names = ["sync dp", "ps S=0", "ps S=0, 1 backup", "ps SSP S=2", "ps async"]
+    names = ["sync dp", "sync dp (A/A)", "ps S=0", "ps S=0, 1 backup", "ps SSP S=2", "ps async"]
     assert sorted((r["setup"], r["straggler"]) for r in doc["summary"]) == sorted(
         (n, s) for n in names for s in (False, True))
     for r in doc["runs"]:
@@ -39,7 +39,7 @@ def test_every_configuration_with_and_without_the_straggler(bench):
             assert max(hist) <= 2
         if r["setup"] == "ps async":  # one gradient per update, the budget exactly
             assert r["updates"] == sum(hist.values()) == 2 * STEPS
-        if r["setup"] == "sync dp":
+        if r["setup"].startswith("sync dp"):
             assert r["updates"] == STEPS
         if r["setup"] == "ps S=0":
             assert r["updates"] == STEPS and hist == {0: 2 * STEPS}
@@ -59,10 +59,13 @@ def test_every_configuration_with_and_without_the_straggler(bench):
 
 def test_the_summary_is_medians_and_ratios_of_the_runs():
     def run(setup, rate, acc, straggler=False, hist=None):
+        rounds[setup] = rounds.get(setup, -1) + 1
         return {"setup": setup, "straggler": straggler, "samples": rate, "seconds": 1.0,
+                "round": rounds[setup],
                 "updates": 4, "histogram": hist or {0: 4}, "discarded": 0,
                 "curve": [(0.0, 0, 0.1), (0.5, 2, acc), (1.0, 4, acc)]}
 
+    rounds = {}
     runs = [run("sync dp", 100, 0.9), run("sync dp", 300, 0.9), run("sync dp", 200, 0.9),
             run("ps async", 400, 0.8, hist={0: 1, 3: 3}),
             run("ps async", 500, 0.95, hist={1: 4}), run("ps async", 600, 0.85)]
@@ -70,6 +73,7 @@ def test_the_summary_is_medians_and_ratios_of_the_runs():
     dp, ps = rows
     assert dp["samples_per_s"] == 200 and dp["vs_sync_dp"] == 1.0
     assert ps["samples_per_s"] == 500 and ps["vs_sync_dp"] == 2.5
+    assert ps["ratio_range"] == [pytest.approx(500 / 300), 4.0]  # per round: 4, 5/3, 3
     assert ps["histogram"] == {0: 5, 1: 4, 3: 3} and ps["max_staleness"] == 3
     assert ps["mean_staleness"] == pytest.approx((4 + 9) / 12)
     assert ps["seconds_to_target"] is None  # two of its rounds never reached 90%

@@ -64,3 +64,15 @@ def test_checkpoint_resume():
     assert "on disk (written by rank 0 only): ['ckpt-00000004.pt']" in out
     assert "resumes from step 4 (steps 5-6 are redone), trains to step 12" in out
     assert "max |resumed - uninterrupted| = 0.0; bit-identical: True" in out
+
+
+@pytest.mark.slow
+def test_elastic_loses_a_rank_and_the_loss_goes_on():
+    out = _run("elastic.py")
+    ranks = [int(r) for r in re.findall(r"^\s+\d+\s+[\d.]+\s+(\d)$", out, re.M)]
+    assert ranks[:4] == [4, 4, 4, 4] and set(ranks[4:]) == {3}
+    assert "lost id [1] in step 9; members now [0, 2, 3]" in out
+    assert "step 8: 4 ranks share the batch of 128; step 9: 3 ranks share it" in out
+    assert re.search(r"resumed from the checkpoint of step 6, so steps 7-9 ran twice", out)
+    assert _number(r"elastic: max \|weight - uninterrupted run's\| = (\S+)", out) < 1e-5
+    assert _number(r"restart: max \|weight - uninterrupted run's\| = (\S+)", out) < 1e-5

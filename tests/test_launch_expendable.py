@@ -67,3 +67,14 @@ def test_expendable_with_several_hosts_is_one_line(tmp_path):
     assert out.returncode == 2
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and "--expendable works on one host only" in lines[0], out.stderr
+
+
+def test_an_expendable_rank_exiting_75_stops_the_job(tmp_path):
+    """75 (launch.run.PEER_GONE): the rank says one the job needs is gone (a frozen server never
+    exits by itself): the launcher stops every rank, however long rank 0 would have slept."""
+    script = write(tmp_path, "job.py", SCRIPT.replace("sys.exit(3)", "sys.exit(75)")
+                   .replace("time.sleep(1.5)", "time.sleep(600)"))
+    out = microddp("run", "-n", "3", "--expendable", "1-2", script)
+    assert out.returncode == 75
+    assert "finished" not in out.stdout
+    assert "rank 1 failed (exit code 75); stopped the other ranks" in out.stderr

@@ -55,6 +55,9 @@ def _params(out):
     (ASYNC + ["--batch-size", "1"], "use at least 2"),
     (["--straggler", "2:4"], "--straggler 2:4: the rank must be one of 0..1"),
     (["--staleness", "3"], "add --strategy async"),
+    (["--servers", "2"], "add --strategy async"),
+    (ASYNC + ["--servers", "3"], "--servers 3: between 1 and 2 with --nproc 3"),
+    (ASYNC + ["--servers", "2", "--resume"], "--resume is not supported with --servers 2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
@@ -211,3 +214,20 @@ def test_a_straggler_sleeps_only_on_its_rank_in_every_strategy(strategy, tmp_pat
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     straggles = [e for e in events if e.get("name") == "straggle"]
     assert straggles and {e["pid"] for e in straggles} == {1}
+
+
+@pytest.mark.slow  # a whole job on two servers against the one-server run
+def test_two_servers_at_staleness_0_train_to_the_one_server_parameters(sync_run, tmp_path):
+    out = tmp_path / "sharded"
+    log = _run("--strategy", "async", "--nproc", "4", "--servers", "2", *SMALL, "--epochs",
+               "2", "--out", str(out))
+    a, b = _params(sync_run[0]), _params(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    epochs = [r for r in _rows(out) if r["kind"] == "epoch"]
+    one = [r for r in _rows(sync_run[0]) if r["kind"] == "epoch"]
+    # every epoch scored on the whole model (the other shard sent to server 0): the same
+    assert [r["test_accuracy"] for r in epochs] == [r["test_accuracy"] for r in one]
+    final = _rows(out)[-1]
+    assert final["gradients_applied"] == 2 * 2 * PER_EPOCH
+    assert [m["rank"] for m in final["memory"]] == [0, 1, 2, 3]
+    assert "done: test accuracy" in log

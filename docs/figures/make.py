@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,7 +81,8 @@ def run_command(name: str, out: Path, dest: Path = HERE) -> str:
     a user types it."""
     args, png = COMMANDS[name]
     cmd = [sys.executable, "-m", "microddp", *args, "--out", str(out)]
-    subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.PIPE, text=True)
+    (out / "stdout.txt").write_text(done.stdout)  # the table, when --keep keeps it
     shrink(out / png, dest / f"{name}.png")
     return shlex.join(["microddp", *args])
 
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("figures", nargs="*", help=f"which figures (default: all of {', '.join(names)})")
     p.add_argument("--out", type=Path, default=None, help="draw into this folder instead, "
                    "leaving docs/figures and figures.json as they are (a trial, or the tests)")
+    p.add_argument("--keep", type=Path, help="keep each command's run folder (its tables and "
+                   "data, and its printed output in stdout.txt) as KEEP/NAME, for the docs")
     args = p.parse_args(argv)
     dest = args.out or HERE
     dest.mkdir(parents=True, exist_ok=True)
@@ -244,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             if name in COMMANDS:
                 command = run_command(name, Path(tmp) / "out", dest)
+                if args.keep:
+                    shutil.copytree(Path(tmp) / "out", args.keep / name, dirs_exist_ok=True)
             else:
                 command = draw(name, dest / f"{name}.png")
         manifest[name] = {"command": command, "machine": where,

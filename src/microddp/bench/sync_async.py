@@ -55,7 +55,8 @@ class Setup:
 
 def setups(bounds: list[int], backups: int) -> list[Setup]:
     """The runs of one round: sync dp, the server at staleness 0 (and with backup workers), SSP at each bound, fully async."""
-    out = [Setup("sync dp", dp=True), Setup("ps S=0", bound=0)]
+    # sync dp twice: the second is the A/A control, its ratio to the first the noise floor
+    out = [Setup("sync dp", dp=True), Setup("sync dp (A/A)", dp=True), Setup("ps S=0", bound=0)]
     if backups:
         out.append(Setup(f"ps S=0, {backups} backup", bound=0, backups=backups))
     out += [Setup(f"ps SSP S={s}", bound=s) for s in bounds]
@@ -87,26 +88,38 @@ class _Snapshots(ps.Observer):
 
 def _ps_run(world, task: ps.Task, setup: Setup, s: dict, slow: dict[int, float]) -> dict | None:
     config = ps.PSConfig(steps=s["steps"], lr=s["lr"], staleness=setup.bound,
-                         backup_workers=setup.backups, stragglers=slow)
-    if world.rank != ps.SERVER:
+                         backup_workers=setup.backups, stragglers=slow, servers=s["servers"])
+    if world.rank >= config.servers:
         ps.run_worker(world.rank, world.world_size, task, config)
         return None
-    snaps = _Snapshots(s["eval_every"], world.world_size - 1, flat_params(task.make_model()))
-    report = ps.Server(world.world_size, task, config, snaps).run()
+    if world.rank != ps.SERVER:
+        ps.run_server(world.world_size, task, config, rank=world.rank)
+        return None
+    workers = world.world_size - config.servers
+    snaps = _Snapshots(s["eval_every"], workers, flat_params(task.make_model()))
+    # with several servers, server 0 holds only its shard until the end: the curve is the
+    # first and the last parameters only
+    report = ps.Server(world.world_size, task, config,
+                       snaps if config.servers == 1 else None).run()
+    kept = snaps.kept
+    if config.servers > 1:
+        model = task.make_model()
+        model.load_state_dict(report.state)
+        kept.append((report.seconds, report.applied // workers, flat_params(model)))
     return {"samples": report.samples, "seconds": report.seconds, "updates": report.updates,
-            "histogram": report.histogram, "discarded": report.discarded,
-            "snapshots": snaps.kept}
+            "histogram": report.histogram, "discarded": report.discarded, "snapshots": kept}
 
 
 def _dp_run(world, group, task: ps.Task, s: dict, slow: dict[int, float]) -> dict | None:
     """W ranks of microddp's DDP on the same global batches; the straggler sleeps as
     `microddp train --straggler` makes it (timing.straggle_after_forward)."""
-    if world.rank == 0:
+    first = s["servers"]  # sync dp runs on the workers' ranks; the servers' ranks wait
+    if world.rank < first:
         return None
     model = task.make_model()
     ddp = DistributedDataParallel(model, process_group=group)
     opt = torch.optim.SGD(ddp.parameters(), lr=s["lr"])
-    part, parts, factor = world.rank - 1, world.world_size - 1, slow.get(world.rank, 1.0)
+    part, parts, factor = world.rank - first, world.world_size - first, slow.get(world.rank, 1.0)
     kept, samples = [(0.0, 0, flat_params(model))], 0
     start = time.perf_counter()
     for step in range(s["steps"]):
@@ -123,7 +136,7 @@ def _dp_run(world, group, task: ps.Task, s: dict, slow: dict[int, float]) -> dic
         if (step + 1) % s["eval_every"] == 0:
             kept.append((time.perf_counter() - start, step + 1, flat_params(model)))
     seconds = time.perf_counter() - start
-    return None if world.rank != 1 else {
+    return None if world.rank != first else {
         "samples": samples, "seconds": seconds, "updates": s["steps"], "histogram": {0: 0},
         "discarded": 0, "snapshots": kept}
 
@@ -142,7 +155,7 @@ def _rank(world, plan: list[tuple[int, int, bool]], all_setups: list[Setup], s: 
     """Every run of the plan on this rank; the rank that measured a run keeps its numbers."""
     torch.set_num_threads(1)  # ranks share the cores: one thread each keeps runs comparable
     monitor.disable()  # a parameter server waits on point-to-point messages, not collectives
-    group = comms.new_group(list(range(1, world.world_size)))  # sync dp's ranks
+    group = comms.new_group(list(range(s["servers"], world.world_size)))  # sync dp's ranks
     task = _task(s["hidden"], s["depth"], s["batch_size"])
     out = []
     for round_, k, straggling in plan:
@@ -165,7 +178,7 @@ def measure(s: dict) -> list[dict]:
     for round_ in range(s["rounds"]):
         runs = [(k, st) for k in range(len(all_setups)) for st in (False, True)]
         plan += [(round_, k, st) for k, st in order.sample(runs, len(runs))]
-    per_rank = spawn(_rank, s["workers"] + 1, (plan, all_setups, s), backend="gloo",
+    per_rank = spawn(_rank, s["workers"] + s["servers"], (plan, all_setups, s), backend="gloo",
                      timeout=s["deadline"])
     return [run for runs in per_rank for run in runs]
 
@@ -175,6 +188,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--workers", type=int, default=2, help="workers: sync dp runs on as many ranks, the "
       "parameter server adds one (default 2)")
+    a("--servers", type=int, default=1, help="parameter servers, each holding a shard of the "
+      "parameters; sync dp runs on the workers' ranks alone (default 1)")
     a("--steps", type=int, default=150, help="global batches per run (default 150)")
     a("--batch-size", type=int, default=64, help="global batch (default 64)")
     a("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
@@ -200,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from .sync_async_report import report
 
     flags.at_least(2, workers=args.workers)
+    flags.at_least(1, servers=args.servers)
     flags.at_least(1, steps=args.steps, rounds=args.rounds, eval_every=args.eval_every,
                    bounds=args.bounds, hidden=args.hidden, batch_size=args.batch_size)
     flags.at_least(0, depth=args.depth, backup_workers=args.backup_workers)
@@ -216,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < args.workers:
         raise MicroDDPError(f"--batch-size {args.batch_size} is shared by {args.workers} "
                             f"workers: use at least {args.workers}")
-    s = {"workers": args.workers, "steps": args.steps, "batch_size": args.batch_size,
+    s = {"workers": args.workers, "servers": args.servers, "steps": args.steps, "batch_size": args.batch_size,
          "lr": args.lr, "hidden": args.hidden, "depth": args.depth, "bounds": args.bounds,
          "backup_workers": args.backup_workers, "factor": args.straggler_factor,
          "rounds": args.rounds, "eval_every": args.eval_every, "target": args.target}
@@ -224,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     s["deadline"] = 300 + 2.0 * runs * args.steps  # generous: a busy 2-core machine
     with outputs.run_folder(args.out, "bench-async") as out:
         load = os.getloadavg()
-        print(f"{args.workers} workers (+1 server), {runs} runs of {args.steps} global batches "
+        print(f"{args.workers} workers (+{args.servers} server(s); sync dp on the "
+              f"{args.workers} workers' ranks alone), {runs} runs of {args.steps} global batches "
               f"of {args.batch_size}, {args.rounds} round(s); load average {load[0]:.2f} on "
               f"{os.cpu_count()} cores", flush=True)
         return report(measure(s), s, out, load)

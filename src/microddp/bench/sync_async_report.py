@@ -5,6 +5,7 @@ staleness histograms."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections import Counter
@@ -22,7 +23,7 @@ def _order(name: str) -> float:
     """sync dp, ps S=0, its backup run, SSP by bound, async: from most to least synchronous."""
     if name.startswith("ps SSP S="):
         return 3 + float(name.removeprefix("ps SSP S=")) / 1e6
-    return {"sync dp": 0, "ps S=0": 1, "ps async": 9}.get(name, 2)
+    return {"sync dp": 0, "sync dp (A/A)": 0.5, "ps S=0": 1, "ps async": 9}.get(name, 2)
 
 
 def summarize(runs: list[dict], target: float) -> list[dict]:
@@ -36,6 +37,11 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
         for name, st in (k for k in keys if k[1] == straggling):
             mine = [r for r in runs if (r["setup"], r["straggler"]) == (name, st)]
             rates = [r["samples"] / r["seconds"] for r in mine]
+            # per round, this run's rate over sync dp's in the same round: their spread
+            per_round = {r["round"]: r["samples"] / r["seconds"] for r in runs
+                         if r["setup"] == "sync dp" and r["straggler"] == straggling}
+            ratios = sorted(r["samples"] / r["seconds"] / per_round[r["round"]] for r in mine
+                            if r["round"] in per_round)
             hist: Counter = Counter()
             for r in mine:
                 hist.update({int(k): v for k, v in r["histogram"].items()})
@@ -45,6 +51,7 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
                 "setup": name, "straggler": st, "rounds": len(mine),
                 "samples_per_s": statistics.median(rates),
                 "vs_sync_dp": statistics.median(rates) / statistics.median(base) if base else None,
+                "ratio_range": [ratios[0], ratios[-1]] if ratios else None,
                 "updates": statistics.median(r["updates"] for r in mine),
                 "test_accuracy": statistics.median(r["curve"][-1][2] for r in mine),
                 "seconds_to_target": (statistics.median(x for x in reach if x is not None)
@@ -60,13 +67,15 @@ def summarize(runs: list[dict], target: float) -> list[dict]:
 def table(rows: list[dict], factor: float, target: float) -> str:
     """The printed table: one row per configuration and straggler setting."""
     head = (f"{'configuration':<20} {'straggler':<9} {'samples/s':>9} {'vs dp':>6} "
-            f"{'updates':>7} {'test acc':>8} {f's to {target:.0%}':>8} {'staleness':>9} "
+            f"{'rounds':>11} {'updates':>7} {'test acc':>8} {f's to {target:.0%}':>8} {'staleness':>9} "
             f"{'max':>4}")
     lines = [head, "-" * len(head)]
     for r in rows:
         reach = "never" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
+        lo, hi = r.get("ratio_range") or (math.nan, math.nan)
         lines.append(f"{r['setup']:<20} {f'x{factor:g}' if r['straggler'] else 'none':<9} "
-                     f"{r['samples_per_s']:>9.0f} {r['vs_sync_dp']:>6.2f} {r['updates']:>7.0f} "
+                     f"{r['samples_per_s']:>9.0f} {r['vs_sync_dp']:>6.2f} {f'{lo:.2f}-{hi:.2f}':>11} "
+                     f"{r['updates']:>7.0f} "
                      f"{r['test_accuracy']:>8.3f} {reach:>8} {r['mean_staleness']:>9.2f} "
                      f"{r['max_staleness']:>4}")
     return "\n".join(lines)
@@ -122,6 +131,8 @@ def report(runs: list[dict], settings: dict, out: Path, load_before: tuple) -> i
     rows = summarize(runs, settings["target"])
     load = os.getloadavg()
     print(table(rows, settings["factor"], settings["target"]))
+    print(f"vs dp: ratio of medians over {settings['rounds']} round(s); rounds: the range "
+          "of the per-round ratios (sync dp (A/A) is sync dp against itself: the noise floor)")
     print(f"medians over {settings['rounds']} round(s); load average {load_before[0]:.2f} "
           f"before, {load[0]:.2f} after (1 min), on {os.cpu_count()} cores")
     doc = {"settings": {k: v for k, v in settings.items() if k != "deadline"},

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: none, one host)")
     p.add_argument("--expendable", default="", metavar="RANKS",
                    help="ranks whose failure does not stop the others, e.g. 1-3 (a parameter "
-                        "server's workers; default: none, any failure stops the job)")
+                        "server's workers; default: none, any failure stops the job); one that "
+                        "exits with 75 says a rank it needs is gone, and stops the job")
     p.add_argument("--join-timeout", type=float, default=DEFAULT_JOIN_TIMEOUT_S,
                    help="with --nnodes: seconds to wait for every host before torchrun starts; "
                         "then the node ranks that never came are named "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..errors import MicroDDPError
 from .descendants import Descendants
+from .elastic_watch import ElasticWatch
 from .procs import AgentStore, describe_exit, die_with_parent, kill_all, new_run_id, worker_env
 
 MAX_WORKERS = 1024
@@ -124,27 +125,52 @@ def _command(script: str, script_args: list[str], module: bool) -> list[str]:
     return [sys.executable, "-u", str(path), *script_args]
 
 
+# An expendable rank that exits with this code says a rank the job cannot lose is gone (a
+# parameter server's worker whose server stopped answering): that stops the job, as the lost
+# rank's own failure would, had it been able to fail (a frozen process never exits). 75 is
+# sysexits' EX_TEMPFAIL: a failure a restart may cure; rare enough not to be a script's own.
+PEER_GONE = 75
+# Once every rank that is not expendable has ended well, an expendable one still running this
+# long after is stopped (a worker frozen and dropped by its server would never end by itself).
+LEFTOVER_S = 10.0
+
+
 def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int,
-              run_id: str, out: _Output, expendable: frozenset[int] = frozenset()) -> int:
+              run_id: str, out: _Output, expendable: frozenset[int] = frozenset(),
+              elastic: bool = False, replacements: int = 0) -> int:
     """One attempt: start all workers, wait; on the first failure of a rank that is not
-    expendable stop the rest."""
+    expendable stop the rest (elastic: none stops the rest, launch/elastic_watch.py)."""
     agent = AgentStore.start(port)
+    watch = ElasticWatch(agent, n, replacements) if elastic else None
     envs = [worker_env(os.environ, r, n, agent, restart, max_restarts, run_id=run_id)
             for r in range(n)]
     tree = Descendants()  # before the workers: what they start, setsid or not, ends with them
     workers = [_Worker(r, cmd, env, out) for r, env in enumerate(envs)]
     pids = [w.proc.pid for w in workers]
     let_go: set[int] = set()
-    polls = 0
+    polls, ended = 0, 0.0
     try:
         while not out.closed.is_set():
             if polls % 10 == 0:
                 tree.watch(pids)
             polls += 1
             codes = [w.proc.poll() for w in workers]
+            if watch is not None:
+                code = watch.poll(codes)
+                if code is not None:
+                    return code
+                for slot, member in watch.take_replacements():  # the lost rank's slot, a new id
+                    print(f"microddp run: starting id {member} in slot {slot} (a replacement; "
+                          f"it joins the others at a step boundary)", file=sys.stderr, flush=True)
+                    env = {**envs[slot], **watch.replacement_env(member)}
+                    workers.append(_Worker(member, cmd, env, out))
+                    pids.append(workers[-1].proc.pid)
+                time.sleep(0.05)
+                continue
             failed = [w for w, c in zip(workers, codes, strict=True) if c not in (None, 0)]
-            spared = [w for w in failed if w.rank in expendable]
-            failed = [w for w in failed if w.rank not in expendable]
+            spared = [w for w in failed if w.rank in expendable
+                      and w.proc.returncode != PEER_GONE]
+            failed = [w for w in failed if w not in spared]
             for w in spared if not failed else ():  # else they only followed the one that failed
                 if w.rank not in let_go:
                     let_go.add(w.rank)
@@ -157,6 +183,25 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
                 return code if code > 0 else 128 - code
             if all(c == 0 or w.rank in let_go for w, c in zip(workers, codes, strict=True)):
                 return 0
+            if expendable and expendable <= let_go:
+                # every rank the job could lose is lost: a live job ends itself now (a server
+                # left without workers says so and exits); one still running is frozen
+                ended = ended or time.monotonic()
+                if time.monotonic() - ended > LEFTOVER_S:
+                    left = [w for w, c in zip(workers, codes, strict=True) if c is None]
+                    print(f"microddp run: every expendable rank failed and rank(s) "
+                          f"{', '.join(str(w.rank) for w in left)} did not end within "
+                          f"{LEFTOVER_S:g} s (frozen?); stopped them", file=sys.stderr)
+                    kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in left],
+                             grace=1)
+                    return 1
+            elif expendable and all(c == 0 for w, c in zip(workers, codes, strict=True)
+                                    if w.rank not in expendable):
+                ended = ended or time.monotonic()
+                if time.monotonic() - ended > LEFTOVER_S:
+                    _stop_leftovers([w for w, c in zip(workers, codes, strict=True)
+                                     if c is None])
+                    return 0
             time.sleep(0.05)
         return PIPE_CLOSED
     finally:
@@ -164,7 +209,16 @@ def _run_once(cmd: list[str], n: int, port: int, restart: int, max_restarts: int
         tree.stop(pids, grace=1)
         for w in workers:
             w.reader.join(timeout=2)
+        if watch is not None:
+            watch.close()
         agent.close()
+
+
+def _stop_leftovers(left: list[_Worker]) -> None:
+    ranks = ", ".join(str(w.rank) for w in left)
+    print(f"microddp run: rank(s) {ranks} still running {LEFTOVER_S:g} s after the job's other "
+          "ranks ended well (frozen, and dropped by the job); stopped them", file=sys.stderr)
+    kill_all([(w.proc.pid, lambda w=w: w.proc.poll() is None) for w in left], grace=1)
 
 
 def _report(first: _Worker, workers: list[_Worker]) -> None:
@@ -243,7 +297,8 @@ def _signals_stop_the_job():
 
 
 def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: bool = False,
-           max_restarts: int = 0, master_port: int = 0, expendable: Iterable[int] = ()) -> int:
+           max_restarts: int = 0, master_port: int = 0, expendable: Iterable[int] = (),
+           elastic: bool = False, replacements: int = 0) -> int:
     """Run `script` (a module name with module=True, as `python -m`) on `nproc` local workers,
     restarting all of them up to `max_restarts` times; return the job's exit code.
 
@@ -268,7 +323,8 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc: int, module: 
     out, run_id = _Output(), new_run_id()
     with _signals_stop_the_job():
         for attempt in range(max_restarts + 1):
-            code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out, spare)
+            code = _run_once(cmd, n, master_port, attempt, max_restarts, run_id, out, spare,
+                             elastic, replacements)
             if out.closed.is_set():
                 return PIPE_CLOSED  # nobody reads any more: stop quietly, never restart
             if code == 0:

@@ -1,6 +1,7 @@
-"""Asynchronous training with a parameter server: rank 0 holds the parameters, ranks 1..N
-pull them and push gradients point to point, under a staleness bound S (0 = synchronous,
-inf = fully asynchronous), with backup workers, stragglers and lost workers.
+"""Asynchronous training with a parameter server: rank 0 holds the parameters (or ranks
+0..S-1 a shard each, PSConfig.servers), the other ranks pull them and push gradients point to
+point, under a staleness bound S (0 = synchronous, inf = fully asynchronous), with backup
+workers, stragglers and lost workers.
 
     from microddp import ps
     report = ps.run(world, ps.Task(make_model, data.train, 64, data.test),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..errors import MicroDDPError
 
-SERVER = 0  # the parameter server's rank; workers are ranks 1..world_size-1
+SERVER = 0  # the parameter server's rank (the first of `servers`); the workers follow them
 
 
 @dataclass
@@ -31,13 +31,21 @@ class PSConfig:
     fail_after: dict[int, int] = field(default_factory=dict)  # rank -> gradients, then os._exit
     worker_timeout: float = 60.0  # a computing worker silent this long is dropped
     server_timeout: float = 60.0  # a worker waiting this long for the server gives up
+    servers: int = 1  # ranks 0..servers-1 each hold one shard of the parameters
+
+    def workers(self, world_size: int) -> list[int]:
+        """The workers' ranks: every rank after the servers."""
+        return list(range(self.servers, world_size))
 
     def check(self, world_size: int) -> None:
         """Raise MicroDDPError naming the first value that cannot run on `world_size` ranks."""
-        workers = world_size - 1
-        if world_size < 2:
-            raise MicroDDPError(f"a parameter-server run needs at least 2 ranks (server + 1 "
-                                f"worker), got {world_size}; start it with more ranks")
+        if not isinstance(self.servers, int) or self.servers < 1:
+            raise MicroDDPError(f"servers must be a whole number >= 1, got {self.servers!r}")
+        workers = world_size - self.servers
+        if workers < 1:
+            raise MicroDDPError(f"a parameter-server run with {self.servers} server(s) needs "
+                                f"at least {self.servers + 1} ranks (the servers + 1 worker), "
+                                f"got {world_size}; start it with more ranks")
         if not isinstance(self.steps, int) or self.steps < 1:
             raise MicroDDPError(f"steps must be a whole number >= 1, got {self.steps!r}")
         if not (self.staleness >= 0 and (self.staleness == math.inf
@@ -53,9 +61,12 @@ class PSConfig:
                                 f"staleness 0, not {self.staleness:g}")
         for what, table in (("straggler", self.stragglers), ("fail_after", self.fail_after)):
             for rank in table:
-                if not 1 <= rank < world_size:
-                    raise MicroDDPError(f"{what} rank {rank} is not a worker: workers are ranks "
-                                        f"1..{world_size - 1} (rank 0 is the server)")
+                if not self.servers <= rank < world_size:
+                    raise MicroDDPError(
+                        f"{what} rank {rank} is not a worker: workers are ranks "
+                        f"{self.servers}..{world_size - 1} ("
+                        + ("rank 0 is the server)" if self.servers == 1 else
+                           f"ranks 0..{self.servers - 1} are the servers)"))
         for rank, factor in self.stragglers.items():
             if not factor >= 1:
                 raise MicroDDPError(f"straggler factor for rank {rank} must be >= 1 (how many "

@@ -1,13 +1,15 @@
-"""The messages between the server and its workers, and how they move: point-to-point only.
+"""The messages between the servers and their workers, and how they move: point-to-point only.
 
-Every message is a small int64 header, then (for parameters and gradients) one flat float32
-tensor. Header: [kind, sender, version, clock, samples]: the version is the parameter version
-the payload was computed from (gradients) or is (parameters); clock is the global batch the
-worker computes next (parameters: the server owns every worker's place in the data, so a
-resumed server puts its workers back where they were) or computed (gradients). A gradient's
-payload ends with one more number, the shard's summed loss, for the server's progress lines.
+Every message is one frame (flat.py): an int64 header, then a flat float32 body, sent and
+received as one buffer. Header: [kind, sender, version, clock, samples]: the version is the
+parameter version the body was computed from (gradients) or is (parameters); clock is the
+global batch the worker computes next (parameters: the server owns every worker's place in the
+data, so a resumed server puts its workers back where they were) or computed (gradients). A
+gradient's body ends with one more number, the shard's summed loss, for the progress lines.
+The size of a message is fixed per direction and shard, so STOP and BYE travel in the same
+frame as parameters and gradients; their bodies are not read.
 
-The server listens to each worker on a thread of its own (`Inbox`): gloo's receive work does
+A server listens to each worker on a thread of its own (`Inbox`): gloo's receive work does
 not report completion until waited on, so polling several receives from one thread cannot
 work; a blocking receive per worker can, and a worker that dies ends its thread's receive at
 once with gloo's "connection closed", which the thread turns into a LOST message.
@@ -25,16 +27,11 @@ from torch import nn
 
 from .. import comms
 from ..errors import MicroDDPError
+from .flat import Frame, frame
 
 PARAMS, STOP, GRAD, BYE, LOST = range(5)
-HEADER_LEN = 5
-TAG_HEADER, TAG_PAYLOAD = 1, 2
-
-
-def header(kind: int, sender: int, version: int = 0, clock: int = 0,
-           samples: int = 0) -> torch.Tensor:
-    """The fixed-size int64 header every parameter-server message starts with."""
-    return torch.tensor([kind, sender, version, clock, samples], dtype=torch.int64)
+TAG_FRAME = 3  # not the 1 and 2 of the header and payload messages this protocol once sent
+TAG_SHARD = 4  # a server's shard to server 0 between updates, apart from the workers' traffic
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -42,47 +39,40 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
 
 
-def flat_grads(model: nn.Module) -> torch.Tensor:
-    """All gradients in one float32 tensor (zeros for a parameter without one), in parameter
-    order."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in model.parameters()]).float()
-
-
 @torch.no_grad()
-def load_flat(model: nn.Module, flat: torch.Tensor, into_grad: bool = False) -> None:
-    """Copy a flat tensor back into the parameters (or their .grad)."""
+def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat tensor back into the parameters."""
     offset = 0
     for p in model.parameters():
-        part = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
-        if into_grad:
-            p.grad = part.clone()
-        else:
-            p.copy_(part)
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
 
 
-def send(head: torch.Tensor, dst: int, payload: torch.Tensor | None = None) -> None:
-    """Send a header to `dst`, then its payload if there is one."""
-    comms.send(head, dst, tag=TAG_HEADER)
-    if payload is not None:
-        comms.send(payload, dst, tag=TAG_PAYLOAD)
+def send(f: Frame, dst: int, kind: int, sender: int, version: int = 0, clock: int = 0,
+         samples: int = 0) -> None:
+    """Write the header into frame `f` and send the frame to `dst` (returns once `f` may be
+    reused: a server sends one frame to each worker in turn)."""
+    f.head.copy_(torch.tensor([kind, sender, version, clock, samples], dtype=torch.int64))
+    comms.send(f.buf, dst, tag=TAG_FRAME)
 
 
-def recv(src: int, numel: int, timeout: float, into: torch.Tensor | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One message from `src`; raises RuntimeError (gloo's) if `src` is gone or silent for
-    `timeout` seconds. Parameters are received into `into` when given (a worker's flat
-    parameters, which the model's are views of), a gradient into a new tensor."""
-    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    comms.irecv(head, src, tag=TAG_HEADER).wait(timedelta(seconds=timeout))
-    payload = None
-    if int(head[0]) in (PARAMS, GRAD):
-        kind = int(head[0])
-        payload = into if kind == PARAMS and into is not None else \
-            torch.empty(numel + (kind == GRAD), dtype=torch.float32)
-        comms.irecv(payload, src, tag=TAG_PAYLOAD).wait(timedelta(seconds=timeout))
-    return head, payload
+def recv(f: Frame, src: int, timeout: float) -> tuple[int, int, int, int, int]:
+    """One message from `src` into frame `f`; its header as (kind, sender, version, clock,
+    samples). Raises RuntimeError (gloo's) if `src` is gone or silent for `timeout` s."""
+    comms.irecv(f.buf, src, tag=TAG_FRAME).wait(timedelta(seconds=timeout))
+    kind, sender, version, clock, samples = f.head.tolist()
+    return kind, sender, version, clock, samples
+
+
+def push_shard(f: Frame, dst: int):
+    """Start sending a copy of frame `f` to server `dst` on the shard tag (the frame itself
+    goes on changing); wait on the handle before the next."""
+    return comms.isend(f.buf.clone(), dst, tag=TAG_SHARD)
+
+
+def pull_shard(f: Frame, src: int, timeout: float) -> None:
+    """Receive server `src`'s shard, sent with push_shard, into frame `f`."""
+    comms.irecv(f.buf, src, tag=TAG_SHARD).wait(timedelta(seconds=timeout))
 
 
 @dataclass
@@ -115,20 +105,19 @@ class Inbox:
 
     def _listen(self, worker: int, numel: int, timeout: float) -> None:
         while True:
+            f = frame(numel + 1)  # a new one each time: the server holds gradients a while
             try:
-                head, payload = recv(worker, numel, timeout)
+                kind, sender, version, clock, samples = recv(f, worker, timeout)
             except RuntimeError as e:  # gloo: connection closed by the peer, or timed out
                 self.messages.put(Message(LOST, worker, error=str(e).splitlines()[0][:200]))
                 return
-            kind, sender, version, clock, samples = (int(v) for v in head)
             if sender != worker or kind not in (GRAD, BYE):
                 self.messages.put(Message(LOST, worker, error=f"unexpected header "
-                                          f"{head.tolist()}: not a microddp.ps worker?"))
+                                          f"{f.head.tolist()}: not a microddp.ps worker?"))
                 return
-            loss = 0.0
-            if kind == GRAD:
-                payload, loss = payload[:-1], float(payload[-1])
-            self.messages.put(Message(kind, worker, version, clock, samples, payload, loss))
+            loss = float(f.body[numel]) if kind == GRAD else 0.0
+            self.messages.put(Message(kind, worker, version, clock, samples, f.body[:numel],
+                                      loss))
             if kind == BYE:
                 return
 

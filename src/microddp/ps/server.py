@@ -1,5 +1,8 @@
-"""The parameter server (rank 0): owns the parameters and the optimizer, applies the workers'
-gradients under the staleness rule (policy.py), and keeps going when a worker is lost.
+"""The parameter server (rank 0; with --servers S, ranks 0..S-1, one shard of the parameters
+each): owns its parameters and their optimizer, applies the workers' gradients under the
+staleness rule (policy.py), and keeps going when a worker is lost. Shards are independent: each
+server keeps its own version and staleness, as a worker's gradient for a shard carries the
+version of that shard it was computed from; at the end server 0 gathers the whole model.
 
 An `Observer` sees every update and every lost worker (the training job prints progress,
 evaluates and checkpoints from there); `state_dict()` is everything a restarted server needs
@@ -19,7 +22,7 @@ from ..errors import MicroDDPError
 from .config import SERVER, PSConfig
 from .flat import FlatModel
 from .policy import Held, Staleness
-from .protocol import BYE, GRAD, LOST, PARAMS, STOP, Inbox, header, send
+from .protocol import BYE, GRAD, LOST, PARAMS, STOP, Inbox, recv, send
 from .task import Task, accuracy
 
 # A receive that outlives this is abandoned by its thread; the server's own worker_timeout,
@@ -70,16 +73,24 @@ class Observer:
 
 
 class Server:
-    """The parameter server (rank 0): holds the model, applies gradients under the staleness bound, hands parameters back."""
+    """A parameter server (rank `rank` < config.servers): holds its shard of the model and its
+    optimizer, applies gradients under the staleness bound, hands parameters back."""
     def __init__(self, world_size: int, task: Task, config: PSConfig,
-                 observer: Observer | None = None, state: dict | None = None) -> None:
-        self.task, self.config = task, config
+                 observer: Observer | None = None, state: dict | None = None,
+                 rank: int = SERVER) -> None:
+        self.task, self.config, self.rank = task, config, rank
         self.observer = observer or Observer()
         self.model = task.make_model()
-        self.opt = (task.make_optimizer(self.model.parameters()) if task.make_optimizer else
-                    torch.optim.SGD(self.model.parameters(), lr=config.lr,
-                                    momentum=config.momentum))
-        workers = list(range(1, world_size))
+        # the parameters the workers are sent: the optimizer steps this shard's frame in place
+        # (with one server, the whole model)
+        self.flat = FlatModel(self.model, shards=config.servers)
+        self.frame = self.flat.param_frames[rank]
+        self.params = self.frame.body
+        self.grads = self.flat.grad_frames[rank].body
+        mine = self.flat.shard_params[rank]
+        self.opt = (task.make_optimizer(mine) if task.make_optimizer else
+                    torch.optim.SGD(mine, lr=config.lr, momentum=config.momentum))
+        workers = config.workers(world_size)
         self.live = set(workers)  # neither lost nor gone after its goodbye
         self.ssp = Staleness(config.staleness, config.backup_workers, shards=len(workers))
         self.clock = dict.fromkeys(workers, 0)  # the global batch each worker computes next
@@ -88,9 +99,6 @@ class Server:
         self.report = ServerReport(workers=len(workers))
         if state is not None:
             self.load_state_dict(state)
-        # the parameters the workers are sent: the optimizer steps this buffer in place
-        self.flat = FlatModel(self.model)
-        self.params = self.flat.params
         # Gradients: `steps` global batches' worth. The run stops at the update that reaches it;
         # an update applies all it holds, so the last may go up to len(workers) - 1 past it.
         self.budget = config.steps * len(workers)
@@ -124,8 +132,7 @@ class Server:
         """Send the current parameters (or STOP); a worker we cannot reach is lost."""
         try:
             with spans.span("send parameters", track="comm"):
-                send(header(kind, SERVER, self.ssp.version, self.clock[worker]), worker,
-                     self.params if kind == PARAMS else None)
+                send(self.frame, worker, kind, self.rank, self.ssp.version, self.clock[worker])
         except RuntimeError as e:
             self.drop(worker, f"could not send to it: {str(e).splitlines()[0][:160]}")
             return
@@ -157,7 +164,7 @@ class Server:
     def update(self) -> None:
         """Apply the held gradients in one optimizer step and send the new parameters to their workers."""
         with spans.span("optimizer", track="optim"):
-            _, used, stale = self.ssp.take(self.config.staleness_lr, out=self.flat.grads)
+            _, used, stale = self.ssp.take(self.config.staleness_lr, out=self.grads)
             self.opt.step()
         r = self.report
         r.updates += 1
@@ -198,6 +205,9 @@ class Server:
                 self.drop(msg.worker, msg.error)
             elif msg.kind == BYE:
                 self.live.discard(msg.worker)
+                # before its STOP: another server's budget ran out first (their gradients
+                # arrive in different orders), and this worker stopped on its word
+                self.stopping = True
             elif msg.kind == GRAD:
                 self.on_gradient(msg.worker, msg.version, msg.clock, msg.payload, msg.samples,
                                  msg.loss)
@@ -205,20 +215,32 @@ class Server:
                 self.update()
             if not self.stopping and not self.live:
                 raise MicroDDPError(
-                    f"parameter server: every worker was lost after {self.report.updates} "
+                    f"parameter server (rank {self.rank}): every worker was lost after {self.report.updates} "
                     f"updates ({self.report.lost_reasons}); see the workers' output above, "
                     "fix what killed them and rerun")
         r = self.report
         if not r.seconds:
             r.seconds = time.perf_counter() - self.start
-        if self.task.test is not None:
+        if self.config.servers > 1:
+            self.gather()
+        if self.task.test is not None and self.rank == SERVER:
             r.test_accuracy = accuracy(self.model, self.task.test)
         r.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return r
 
 
+    def gather(self) -> None:
+        """The other servers' final shards into this one's model (on server 0): its report's
+        state and accuracy are the whole model's."""
+        if self.rank != SERVER:
+            send(self.frame, SERVER, PARAMS, self.rank, self.ssp.version)
+            return
+        for s in range(1, self.config.servers):
+            recv(self.flat.param_frames[s], s, self.config.server_timeout)
+
+
 def run_server(world_size: int, task: Task, config: PSConfig, observer: Observer | None = None,
-               state: dict | None = None) -> ServerReport:
+               state: dict | None = None, rank: int = SERVER) -> ServerReport:
     """Serve `world_size - 1` workers until `config.steps` global batches' worth of gradients
     have been applied; return what happened. `state`: a `Server.state_dict()` to go on from."""
-    return Server(world_size, task, config, observer, state).run()
+    return Server(world_size, task, config, observer, state, rank).run()

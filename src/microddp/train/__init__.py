@@ -64,9 +64,11 @@ def start(cfg: TrainConfig) -> int:
         print(f"microddp train: run folder {cfg.out}", flush=True)
         announced = True
         # async: a worker that dies is dropped by the server, so the launcher lets it go
-        expendable = range(1, cfg.nproc) if strategy_entry(cfg.strategy).expendable else ()
+        expendable = (range(cfg.servers, cfg.nproc) if strategy_entry(cfg.strategy).expendable
+                      else ())
         code = launch("microddp.train", cfg.to_argv(), nproc=cfg.nproc, module=True,
-                      max_restarts=cfg.max_restarts, expendable=expendable)
+                      max_restarts=cfg.max_restarts, expendable=expendable,
+                      elastic=cfg.elastic, replacements=cfg.replacements)
         return code
     finally:
         # A run stopped or failed before it wrote anything leaves no empty folder behind.
@@ -81,6 +83,8 @@ def worker(cfg: TrainConfig) -> int:
     from ..checkpoint import broadcast_choice
     from .loop import train
 
+    if cfg.elastic:  # forms and re-forms its own groups (train/elastic.py)
+        return _elastic_worker(cfg)
     world = comms.init()
     try:
         validate(cfg, world.world_size)
@@ -105,6 +109,18 @@ def worker(cfg: TrainConfig) -> int:
     finally:
         comms.shutdown()
     return 0
+
+
+def _elastic_worker(cfg: TrainConfig) -> int:
+    """One member of an elastic job: its run folder must be named (no rank 0 to choose it)."""
+    from .elastic import run
+
+    validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    if cfg.out is None:
+        raise MicroDDPError("--elastic under a launcher: pass --out DIR (a folder every rank "
+                            "sees); rank 0 may be lost, so it cannot choose one")
+    check_folder(cfg.out, "--out")
+    return run(cfg)
 
 
 def train(world, cfg: TrainConfig, on_step=None):

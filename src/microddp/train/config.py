@@ -65,6 +65,11 @@ class TrainConfig:
     staleness: str = "0"  # async: the bound S, a whole number or "inf"
     staleness_lr: bool = False  # async: divide each gradient's step by its staleness
     backup_workers: int = 0  # async, staleness 0: each update takes the first N-b gradients
+    servers: int = 1  # async: ranks 0..servers-1 each serve a shard of the parameters
+    elastic: bool = False  # dp: lose ranks and go on in place (train/elastic.py)
+    min_ranks: int = 1  # --elastic: below this many ranks the job stops
+    elastic_timeout: float = 10.0  # --elastic: seconds a collective may block before it fails
+    replacements: int = 0  # --elastic: ranks the launcher may start to replace lost ones
 
     def __post_init__(self) -> None:
         # The GPT reads text: --model gpt without a --dataset means --dataset text.
@@ -95,7 +100,7 @@ class TrainConfig:
         defaults = TrainConfig()
         for f in fields(self):
             value, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
-            if value == getattr(defaults, f.name) or f.name in ("nproc", "max_restarts"):
+            if value == getattr(defaults, f.name) or f.name in ("nproc", "max_restarts", "replacements"):
                 continue
             if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + flag[2:])
@@ -174,7 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--trace", action="store_true", help="record a timeline of every step (Chrome trace and summary)")
     a("--monitor-timeout", type=float, default=d.monitor_timeout,
       help="seconds a collective may stall before every rank reports where it is "
-           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off)")
+           f"(default {d.monitor_timeout:g}; 0 turns the hang monitor off); with --strategy "
+           "async, how long the server waits for a silent worker before dropping it")
     a("--drift-every", type=int, default=d.drift_every,
       help="every K steps check that all replicas hold the same parameters (default 0: off)")
     a("--no-plot", dest="plot", action="store_false", help="skip curves.png")
@@ -189,6 +195,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--backup-workers", type=int, default=d.backup_workers, metavar="B",
       help="async with --staleness 0: each update uses the first N-B gradients to arrive "
            f"(default {d.backup_workers})")
+    a("--servers", type=int, default=d.servers, metavar="S",
+      help="async: the parameters sharded over S server ranks (0..S-1), every worker pulling "
+           f"from and pushing to each (default {d.servers})")
+    add_elastic_arguments(p)
+
+
+def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
+    """--elastic and its settings (train/elastic.py)."""
+    d = TrainConfig()
+    p.add_argument("--elastic", action="store_true",
+                   help="dp: when a rank dies the others form a new group and go on in "
+                        "place, the global batch kept (no restart, nothing read from disk)")
+    p.add_argument("--min-ranks", type=int, default=d.min_ranks,
+                   help=f"--elastic: stop (with a checkpoint) below this many ranks "
+                        f"(default {d.min_ranks})")
+    p.add_argument("--elastic-timeout", type=float, default=d.elastic_timeout,
+                   help="--elastic: seconds a collective may block before it counts as "
+                        f"failed (default {d.elastic_timeout:g})")
+    p.add_argument("--replacements", type=int, default=d.replacements,
+                   help="--elastic: start up to K new ranks in place of lost ones; each joins at "
+                        "a step boundary with the state of a live rank (default 0)")
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

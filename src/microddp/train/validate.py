@@ -65,6 +65,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.seed > MAX_SEED:  # NumPy's generators take 32 bits, torch's 64
         raise MicroDDPError(f"--seed must be at most {MAX_SEED} (2**32 - 1), got {cfg.seed}")
     at_least(1, tp=cfg.tp, heads=cfg.heads)
+    if cfg.replacements and not cfg.elastic:
+        raise MicroDDPError("--replacements needs --elastic (only an elastic job takes a new "
+                            "rank in); add --elastic or drop --replacements")
+    if cfg.elastic:
+        from .elastic_check import check as check_elastic
+
+        check_elastic(cfg, world_size)
     _check_size(cfg)
     n = cfg.nproc if world_size is None else world_size
     _check_model(cfg, n)
@@ -185,7 +192,7 @@ def _check_synchronous(cfg: TrainConfig, n: int) -> None:
         if not 0 <= rank < n or not factor >= 1:
             raise MicroDDPError(f"--straggler {rank}:{factor:g}: the rank must be one of 0.."
                                 f"{n - 1} and the factor >= 1 (how many times slower)")
-    if cfg.staleness != "0" or cfg.staleness_lr or cfg.backup_workers:
+    if cfg.staleness != "0" or cfg.staleness_lr or cfg.backup_workers or cfg.servers != 1:
         parse_staleness(cfg.staleness)
-        raise MicroDDPError("--staleness, --staleness-lr and --backup-workers belong to a "
-                            "parameter server: add --strategy async")
+        raise MicroDDPError("--staleness, --staleness-lr, --backup-workers and --servers belong "
+                            "to a parameter server: add --strategy async")

@@ -25,6 +25,8 @@ import torch
 from ... import checkpoint, monitor, outputs, ps, spans
 from ...data import ShardedBatchSampler, load_dataset
 from ...errors import MicroDDPError
+from ...launch.run import PEER_GONE
+from ...ps.protocol import pull_shard, push_shard
 from ...trace import report as trace_report
 from ...world.world import World
 from ..build import build_model, build_optimizer
@@ -36,11 +38,18 @@ TRACE_WAIT_S = 10.0  # how long the server waits for a finished worker's spans f
 
 
 def ps_config(cfg: TrainConfig, steps: int) -> ps.PSConfig:
-    """The parameter-server settings of an async run of `steps` global batches."""
+    """The parameter-server settings of an async run of `steps` global batches.
+
+    --monitor-timeout T is how long the server waits for a computing worker before dropping
+    it; a worker waits 2T + 5 s for parameters before it concludes its server is gone, since a
+    live server may itself be waiting up to T for a frozen worker before it can answer."""
+    silent = cfg.monitor_timeout or 60.0
     return ps.PSConfig(steps=steps, lr=cfg.learning_rate,
                        staleness=ps.parse_staleness(cfg.staleness),
                        backup_workers=cfg.backup_workers, staleness_lr=cfg.staleness_lr,
-                       stragglers=ps.parse_straggler(cfg.straggler))
+                       stragglers=ps.parse_straggler(cfg.straggler),
+                       worker_timeout=silent, server_timeout=2 * silent + 5,
+                       servers=cfg.servers)
 
 
 def check(cfg: TrainConfig, n: int) -> None:
@@ -48,14 +57,26 @@ def check(cfg: TrainConfig, n: int) -> None:
     if n < 2:
         raise MicroDDPError(f"--strategy async needs --nproc of at least 2: a parameter server "
                             f"(rank 0) and at least one worker, got {n}")
+    if cfg.servers != 1:
+        if not 1 <= cfg.servers < n:
+            raise MicroDDPError(f"--servers {cfg.servers}: between 1 and {n - 1} with --nproc "
+                                f"{n} (at least one rank must be a worker)")
+        for flag, used in (("--resume", cfg.resume), ("--max-restarts", cfg.max_restarts),
+                           ("--checkpoint-every", cfg.checkpoint_every),
+                           ("--trace", cfg.trace)):
+            if used:
+                raise MicroDDPError(f"{flag} is not supported with --servers {cfg.servers} "
+                                    "yet (a sharded server's checkpoint holds one shard's "
+                                    f"optimizer state): drop {flag} or use one server")
     for flag, used in (("--accumulate", cfg.accumulate != 1), ("--amp", cfg.amp is not None),
                        ("--drift-every", cfg.drift_every != 0)):
         if used:
             raise MicroDDPError(f"{flag} is for the data-parallel strategies; --strategy async "
                                 f"does not support it: drop {flag}")
-    if cfg.batch_size < n - 1:
+    workers = n - cfg.servers
+    if cfg.batch_size < workers:
         raise MicroDDPError(f"--batch-size {cfg.batch_size} is the global batch, shared by "
-                            f"{n - 1} workers; use at least {n - 1}")
+                            f"{workers} workers; use at least {workers}")
     ps_config(cfg, steps=1).check(n)  # staleness, backup workers, straggler ranks
 
 
@@ -93,8 +114,13 @@ def train(world: World, cfg: TrainConfig, on_step=None) -> dict | None:
     state, error = _find(cfg, world) if world.rank == ps.SERVER else (None, None)
     if checkpoint.broadcast_choice(error, world):  # every rank stops on rank 0's error
         raise MicroDDPError(error)
-    if world.rank != ps.SERVER:
+    if world.rank >= config.servers:
         _work(world, cfg, task, config)
+        return None
+    if world.rank != ps.SERVER:  # another shard's server: its shard to server 0 per epoch
+        ps.run_server(world.world_size, task, config,
+                      _ShardSender(per_epoch, steps, world.world_size - config.servers),
+                      rank=world.rank)
         return None
     job = _Job(cfg, world, per_epoch, steps, task, state, on_step)
     job.server = ps.Server(world.world_size, task, config, job, state and state["ps"])
@@ -130,14 +156,44 @@ def _work(world: World, cfg: TrainConfig, task: ps.Task, config: ps.PSConfig) ->
     try:
         ps.run_worker(world.rank, world.world_size, task, config)
     except MicroDDPError as e:
-        # The server is gone. One line, and exit 1 rather than 2: this is no usage error, and
-        # with --max-restarts the launcher restarts everyone from the server's checkpoint.
+        # The server is gone. One line, and PEER_GONE rather than 2: this is no usage error,
+        # the launcher stops the whole job (a frozen server never exits by itself), and with
+        # --max-restarts it restarts everyone from the server's checkpoint.
         print(f"microddp train: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        raise SystemExit(PEER_GONE) from None
     if cfg.trace:  # a file the server waits for, not a gather: a lost worker would hang that
         rec = spans.stop()
         walled = [dataclasses.asdict(s) for s in trace_report.to_wall(rec)]
         outputs.write_text(_spans_file(cfg, world.rank), json.dumps(walled))
+
+
+class _ShardSender(ps.Observer):
+    """On a server other than 0: its shard to server 0 at every epoch's end but the last
+    (then server 0 gathers the final shards), so server 0 evaluates the whole model. An epoch
+    ends on every server at the same count of applied gradients."""
+
+    def __init__(self, per_epoch: int, steps: int, workers: int) -> None:
+        self.per_epoch, self.steps, self.workers, self.step = per_epoch, steps, workers, 0
+        self.pending = None
+
+    def updated(self, server: ps.Server, used: list[ps.Held]) -> None:
+        new = min(self.steps, server.report.applied // self.workers)
+        if any(s % self.per_epoch == 0 and s < self.steps for s in range(self.step + 1, new + 1)):
+            if self.pending is not None:
+                self.pending.wait()
+            self.pending = push_shard(server.frame, ps.SERVER)
+        self.step = new
+
+
+def _receive_shards(server: ps.Server, servers: int) -> None:
+    """Every other server's shard at this epoch's end into server 0's model."""
+    for s in range(1, servers):
+        try:
+            pull_shard(server.flat.param_frames[s], s, server.config.server_timeout)
+        except RuntimeError as e:
+            raise MicroDDPError(f"parameter server rank {s} sent no shard at the end of an "
+                                f"epoch ({str(e).splitlines()[0][:160]}); see its output "
+                                "above") from None
 
 
 def _spans_file(cfg: TrainConfig, rank: int) -> Path:
@@ -150,7 +206,10 @@ class _Job(ps.Observer):
     def __init__(self, cfg: TrainConfig, world: World, per_epoch: int, steps: int,
                  task: ps.Task, state: dict | None, on_step) -> None:
         self.cfg, self.world, self.task, self.on_step = cfg, world, task, on_step
-        self.per_epoch, self.steps, self.workers = per_epoch, steps, world.world_size - 1
+        self.per_epoch, self.steps = per_epoch, steps
+        self.servers = cfg.servers
+        self.workers = world.world_size - cfg.servers
+        self.deferred: tuple | None = None  # a sharded run's last epoch, scored at the end
         self.out = Path(cfg.out)
         saved = state["job"] if state else {}
         self.step = int(state["step"]) if state else 0
@@ -235,18 +294,27 @@ class _Job(ps.Observer):
 
     def _epoch_end(self, server: ps.Server, epochs_done: int) -> None:
         seconds = time.perf_counter() - self.epoch_t0
-        self.evaluated = ps.score(server.model, self.task.test)
         train_loss = self.epoch_loss[0] / max(self.epoch_loss[1], 1)
         rate = self.fresh / max(seconds, 1e-9)
+        if self.servers > 1:
+            if self.step >= self.steps:  # the other shards arrive when their servers end
+                self.deferred = (epochs_done, train_loss, rate, seconds, server.report.updates)
+                return
+            _receive_shards(server, self.cfg.servers)
+        self.evaluated = ps.score(server.model, self.task.test)
+        self._epoch_row(server.report.updates, epochs_done, train_loss, rate, seconds)
+        if not self.cfg.checkpoint_every:
+            self.save(server)
+
+    def _epoch_row(self, updates: int, epochs_done: int, train_loss: float, rate: float,
+                   seconds: float) -> None:
         self.rep.epoch_summary(epochs_done - 1, self.cfg.epochs, train_loss, self.evaluated[1],
                                rate, seconds)
         self.rep.log({"kind": "epoch", "step": self.step, "epoch": epochs_done,
                       "train_loss": train_loss, "test_loss": self.evaluated[0],
                       "test_accuracy": self.evaluated[1], "samples_per_s": rate,
-                      "updates": server.report.updates})
+                      "updates": updates})
         self.epoch_loss, self.fresh, self.epoch_t0 = [0.0, 0], 0, time.perf_counter()
-        if not self.cfg.checkpoint_every:
-            self.save(server)
 
     def save(self, server: ps.Server) -> None:
         if self.saved_at == self.step:
@@ -273,10 +341,13 @@ class _Job(ps.Observer):
     # ---- the end -------------------------------------------------------------------------
     def finish(self, report: ps.ServerReport) -> None:
         """The last checkpoint, the merged trace, model.pt, the final record, the curves."""
-        self.save(self.server)
         model = self.task.make_model()
-        model.load_state_dict(report.state)
+        model.load_state_dict(report.state)  # with several servers, gathered by server 0
         self.evaluated = ps.score(model, self.task.test)
+        if self.deferred:
+            epochs_done, train_loss, rate, seconds, updates = self.deferred
+            self._epoch_row(updates, epochs_done, train_loss, rate, seconds)
+        self.save(self.server)
         stats = self._merge_trace(report) if self.cfg.trace else None
         self.trace_stats = stats
         out, rep = self.out, self.rep
@@ -309,19 +380,30 @@ class _Job(ps.Observer):
             rep.say(trace_report.format_summary(stats))
 
     def _memory(self, model: torch.nn.Module) -> list[dict]:
-        """Bytes per rank: the server holds parameters, the averaged gradient and the optimizer
-        state; a worker parameters and its gradient. sent_per_step: per global batch's worth,
-        the server sends each worker's parameters once per gradient, a worker one gradient
-        (plus its loss); the 40-byte headers are left out."""
+        """Bytes per rank: a server holds the parameters (all of them: it builds the whole
+        model), its shard's averaged gradient and optimizer state; a worker parameters and its
+        gradients. sent_per_step: per global batch's worth, a server sends each worker its
+        shard once per gradient, a worker one gradient (plus its loss) to each server; every
+        message with its 40-byte header."""
+        from ...ps.flat import HEADER_BYTES, cuts
+
         numel = sum(p.numel() for p in model.parameters())
+        sizes = [p.numel() for p in model.parameters()]
+        starts = [0, *cuts(sizes, self.servers), len(sizes)]
+        shard = [sum(sizes[a:b]) for a, b in zip(starts, starts[1:], strict=False)]
         opt = self.server.opt.state_dict()["state"] if self.server else {}
         opt_bytes = sum(t.numel() * t.element_size() for s in opt.values() for t in s.values()
                         if torch.is_tensor(t))
-        server = {"rank": 0, "params": 4 * numel, "grads": 4 * numel,
-                  "optimizer_state": opt_bytes, "sent_per_step": 4 * numel * self.workers}
-        return [server] + [{"rank": r, "params": 4 * numel, "grads": 4 * numel,
-                            "optimizer_state": 0, "sent_per_step": 4 * (numel + 1)}
-                           for r in range(1, self.workers + 1)]
+        # server 0's optimizer state per element, the same on every shard (sgd, adam: per
+        # element)
+        servers = [{"rank": r, "params": 4 * numel, "grads": 4 * shard[r],
+                    "optimizer_state": round(opt_bytes * shard[r] / shard[0]),
+                    "sent_per_step": (HEADER_BYTES + 4 * shard[r]) * self.workers}
+                   for r in range(self.servers)]
+        worker_sent = sum(HEADER_BYTES + 4 * (n + 1) for n in shard)
+        return servers + [{"rank": r, "params": 4 * numel, "grads": 4 * (numel + self.servers),
+                           "optimizer_state": 0, "sent_per_step": worker_sent}
+                          for r in range(self.servers, self.servers + self.workers)]
 
     def _merge_trace(self, report: ps.ServerReport) -> dict:
         """The server's spans and every finished worker's (from the files they leave: a lost
