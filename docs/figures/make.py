@@ -2,6 +2,7 @@
 
     python docs/figures/make.py                 # every figure (a few minutes on 2 cores)
     python docs/figures/make.py timeline curves # only these
+    python docs/figures/make.py --out /tmp/f ladder   # a trial: docs/figures left alone
 
 Each figure is what a `microddp` command (or microddp's own pipeline simulator) draws, run
 here with small settings, copied into docs/figures/NAME.png and shrunk to a palette PNG.
@@ -42,8 +43,20 @@ COMMANDS = {
               "--repeats", "5"], "zero.png"),
     "async": (["bench", "async", "--steps", "100", "--rounds", "2"], "async.png"),
 }
-# drawn here from microddp's data (collectives: from a 4-rank run; draw_collectives.py)
-DRAWN = ("pipeline", "notebook", "collectives", "ring", "zero-bytes", "cp-memory", "mesh")
+# drawn from microddp's runs or algorithms by a module beside this one: name -> (module,
+# function(target, save)); draw_collectives.py (chapters 3, 4, 9), draw_dp.py (5, 5b),
+# draw_parallel.py (11, 12), draw_mesh.py (13), draw_cp.py (14)
+DRAWN_BY = {"collectives": ("draw_collectives", "draw_collectives"),
+            "ring": ("draw_collectives", "draw_ring"),
+            "zero-bytes": ("draw_collectives", "draw_zero_bytes"),
+            "ladder": ("draw_dp", "draw_ladder"),
+            "ddp-buckets": ("draw_dp", "draw_ddp_buckets"),
+            "hierarchy": ("draw_parallel", "draw_hierarchy"),
+            "tp-split": ("draw_parallel", "draw_tp_split"),
+            "cp-memory": ("draw_cp", "draw_cp_memory"),
+            "mesh": ("draw_mesh", "draw_mesh")}
+# drawn here from microddp's data, then by the modules above
+DRAWN = ("pipeline", "notebook", *DRAWN_BY)
 NOTEBOOK = HERE.parent / "04b-ring-vs-gloo-notebook.md"
 
 
@@ -63,13 +76,14 @@ def machine() -> str:
             f"{platform.python_version()}, torch {torch.__version__}")
 
 
-def run_command(name: str, out: Path) -> str:
-    """Run the figure's microddp command into `out`; the command line as a user types it."""
+def run_command(name: str, out: Path, dest: Path = HERE) -> str:
+    """Run the figure's microddp command into `out`, its PNG into `dest`; the command line as
+    a user types it."""
     args, png = COMMANDS[name]
     cmd = [sys.executable, "-m", "microddp", *args, "--out", str(out)]
     done = subprocess.run(cmd, check=True, timeout=1800, stdout=subprocess.PIPE, text=True)
     (out / "stdout.txt").write_text(done.stdout)  # the table, when --keep keeps it
-    shrink(out / png, HERE / f"{name}.png")
+    shrink(out / png, dest / f"{name}.png")
     return shlex.join(["microddp", *args])
 
 
@@ -175,6 +189,20 @@ def draw_notebook(target: Path) -> str:
     return "python docs/figures/make.py notebook (the tables of this page)"
 
 
+def draw(name: str, target: Path) -> str:
+    """Draw one figure of DRAWN into `target`; the command its caption shows."""
+    if name == "pipeline":
+        return draw_pipeline(target)
+    if name == "notebook":
+        return draw_notebook(target)
+    import importlib
+
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    module, function = DRAWN_BY[name]
+    return getattr(importlib.import_module(module), function)(target, save_figure)
+
+
 def save_figure(fig, target: Path) -> None:
     """Write a matplotlib figure drawn here to `target`, through `shrink`."""
     import matplotlib.pyplot as plt
@@ -202,9 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     names = [*COMMANDS, *DRAWN]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("figures", nargs="*", help=f"which figures (default: all of {', '.join(names)})")
+    p.add_argument("--out", type=Path, default=None, help="draw into this folder instead, "
+                   "leaving docs/figures and figures.json as they are (a trial, or the tests)")
     p.add_argument("--keep", type=Path, help="keep each command's run folder (its tables and "
                    "data, and its printed output in stdout.txt) as KEEP/NAME, for the docs")
     args = p.parse_args(argv)
+    dest = args.out or HERE
+    dest.mkdir(parents=True, exist_ok=True)
     unknown = set(args.figures) - set(names)
     if unknown:
         p.error(f"no figure {', '.join(sorted(unknown))}; choose from {', '.join(names)}")
@@ -215,29 +247,19 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         with tempfile.TemporaryDirectory() as tmp:
             if name in COMMANDS:
-                command = run_command(name, Path(tmp) / "out")
+                command = run_command(name, Path(tmp) / "out", dest)
                 if args.keep:
                     shutil.copytree(Path(tmp) / "out", args.keep / name, dirs_exist_ok=True)
             else:
-                sys.path.insert(0, str(HERE))
-                from draw_collectives import draw_collectives, draw_ring, draw_zero_bytes
-                from draw_cp import draw_cp_memory
-                from draw_mesh import draw_mesh
-
-                draw = {"pipeline": draw_pipeline, "notebook": draw_notebook,
-                        "collectives": lambda t: draw_collectives(t, save_figure),
-                        "ring": lambda t: draw_ring(t, save_figure),
-                        "zero-bytes": lambda t: draw_zero_bytes(t, save_figure),
-                        "cp-memory": lambda t: draw_cp_memory(t, save_figure),
-                        "mesh": lambda t: draw_mesh(t, save_figure)}[name]
-                command = draw(HERE / f"{name}.png")
+                command = draw(name, dest / f"{name}.png")
         manifest[name] = {"command": command, "machine": where,
                           # 1-minute load average when the run started and when it ended
                           "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
                           "date": time.strftime("%Y-%m-%d")}
         print(f"{name}.png: {time.time() - started:.0f} s, "
-              f"{(HERE / f'{name}.png').stat().st_size // 1024} KiB")
-        MANIFEST.write_text(json.dumps(dict(sorted(manifest.items())), indent=2) + "\n")
+              f"{(dest / f'{name}.png').stat().st_size // 1024} KiB")
+        if args.out is None:
+            MANIFEST.write_text(json.dumps(dict(sorted(manifest.items())), indent=2) + "\n")
     return 0
 
 
