@@ -49,6 +49,7 @@ class ContextMesh:
 
     @property
     def size(self) -> int:
+        """Ranks in the mesh."""
         return self.dp * self.cp * self.tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -59,6 +60,7 @@ class ContextMesh:
         return (replica, *divmod(rest, self.tp))
 
     def rank(self, replica: int, c: int, t: int) -> int:
+        """The global rank of (replica, cp rank, tp rank)."""
         return replica * self.cp * self.tp + c * self.tp + t
 
     def lines(self) -> dict[str, list[list[int]]]:
@@ -89,6 +91,7 @@ class ContextMesh:
 
 
 def mesh_of(cfg: TrainConfig, n: int) -> ContextMesh:
+    """The mesh of a run on `n` ranks: --cp, --tp, and dp the rest."""
     return ContextMesh(dp=n // (cfg.cp * cfg.tp), cp=cfg.cp, tp=cfg.tp)
 
 
@@ -106,6 +109,7 @@ class _Layout:
         self.tp = tp
 
     def layout(self) -> list[tuple[str, nn.Parameter, int | None, int]]:
+        """(whole GPT's name, local parameter, split dimension or None, whole length)."""
         cfg, out = self.tp.cfg, []
         for local, p in self.tp.named_parameters(remove_duplicate=False):
             name = "head.weight" if local == "head_weight" else local
@@ -139,6 +143,7 @@ class ContextParallel(Mesh3DParallel):
         self._sent = 0
 
     def describe(self) -> str:
+        """How this strategy is set up, for the run's first lines."""
         m = self.mesh
         return (f"dp x cp x tp = {m.dp} x {m.cp} x {m.tp} (tp innermost, dp outermost), "
                 f"{TEXT_BLOCK // (2 * m.cp)}-token chunks, 2 per rank")
@@ -183,6 +188,7 @@ class ContextParallel(Mesh3DParallel):
             p.grad.copy_(g.view_as(p))
 
     def step(self) -> None:
+        """The optimizer step on this rank's shards, then gradients cleared."""
         self._memory = {**measure(self.model.tp, self.optimizer), "sent_per_step": self._sent}
         self._sent = 0
         with spans.span("optimizer", track="optim"):
@@ -196,6 +202,7 @@ class ContextParallel(Mesh3DParallel):
         return self.model.tp.full_state_dict()
 
     def evaluate(self, split: Split) -> dict:
+        """Validation loss and accuracy of the whole model, gathered from the TP shards."""
         self.module.load_state_dict(self._whole())
         return evaluate(self.module, split, self.world)
 
@@ -222,4 +229,5 @@ def check(cfg: TrainConfig, n: int) -> None:
 
 
 def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision):
+    """This rank's share of the GPT on the dp x cp x tp mesh."""
     return ContextParallel(cfg, world, module, precision)
