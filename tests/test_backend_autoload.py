@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,14 +64,19 @@ def test_the_entry_point_registers_the_backend_at_import_torch(tmp_path):
     assert "before init: True False" in out
 
 
-def test_without_it_torch_says_unknown_backend_and_microddp_says_the_import(tmp_path):
-    out = run(tmp_path, with_entry_point=True, autoload="0")  # torch's switch: autoloading off
-    assert "Unknown backend type microddp" in out, out
+def test_microddps_messages_say_the_import_where_torch_says_unknown_backend():
     from microddp.backend import IMPORT_HINT
-    from microddp.launch.doctor import backend_autoloads
     from microddp.launch.run import HINTS
     assert HINTS["Unknown backend type microddp"] == IMPORT_HINT
     assert "`import microddp.backend`" in IMPORT_HINT
+
+
+# Two more fresh interpreters, each `import torch` (seconds each on a loaded machine): slow.
+@pytest.mark.slow
+def test_without_it_torch_says_unknown_backend_and_the_doctor_sees_it(tmp_path):
+    out = run(tmp_path, with_entry_point=True, autoload="0")  # torch's switch: autoloading off
+    assert "Unknown backend type microddp" in out, out
+    from microddp.launch.doctor import backend_autoloads
     # this environment, as the doctor sees it: autoloaded exactly when installed with it
     installed = "microddp" in _installed_points()
     assert backend_autoloads() == (installed and os.environ.get(

@@ -11,7 +11,7 @@ import torch
 import microddp
 from errors_helpers import message
 from microddp import collectives as C
-from microddp.collectives.agreement.agree import _code
+from microddp.shm.verdict import code as _code
 
 PAIRS = {  # what rank 0 calls, what the others call
     "ring vs tree": (lambda t: C.ring_all_reduce(t), lambda t: C.tree_all_reduce(t)),

@@ -122,7 +122,8 @@ LOGGED_ALIKE = ("world_size", "rank", "module_name", "device_ids", "output_devic
                 "num_parameter_tensors", "is_multi_device_module", "has_sync_bn", "iteration",
                 "num_buckets_reduced", "unused_parameter_size", "has_rebuilt_buckets",
                 "bucket_sizes", "rebuilt_bucket_sizes", "rebuilt_per_bucket_param_indices",
-                "master_addr", "cuda_visible_devices")
+                "master_addr", "cuda_visible_devices", "gloo_num_threads",
+                "prev_iteration_grad_ready_order_indices")
 TIMES = ("forward_compute_time", "backward_compute_time", "backward_comm_time",
          "avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time")
 

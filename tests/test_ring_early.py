@@ -1,5 +1,5 @@
 """The ring's check in shared memory, with its first step sent before the check is read
-(agreement/early.py, shm/agreement.py, agreement/sized_tags.py): on 2 gloo ranks of one host, the default.
+(agreement/early.py, shm/agreement.py, transport/sized_tags.py): on 2 gloo ranks of one host, the default.
 
 Results equal torch's; the check sends no message of its own (the checked call sends what the
 unchecked one does); every message on a sized tag has exactly the size its tag stands for,
@@ -18,9 +18,10 @@ import torch.distributed as dist
 import microddp
 from errors_helpers import message
 from microddp import collectives as C
-from microddp.collectives.agreement import agree, sized_tags
+from microddp.collectives.agreement import agree
 from microddp.collectives.ring import ring
 from microddp.shm import agreement as shm_agree
+from microddp.transport import sized_tags
 from microddp.transport.peers import Peers
 
 N = 3000  # float32 elements: chunks of 6 KB, past any inline bound

@@ -15,10 +15,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # 16 tests, 2 ranks each
 HERE = Path(__file__).resolve().parent
 # What microddp's DDP does not do yet, in torch's DDP tests that torch's DDP passes here.
-KNOWN = {
-    "test_ddp_logging_data_cpu": "logging data keys microddp lacks: gloo_num_threads, "
-                                 "prev_iteration_grad_ready_order_indices",
-}
+KNOWN: dict[str, str] = {}
 
 
 def column(swap: bool, names: list[str], tmp_path) -> dict[str, str]:

@@ -7,7 +7,7 @@ each is reported with the ratio microddp / PyTorch, per rank. Both split the com
 bucket (dynamo's DDPOptimizer: dp/compiled.py), so communication overlaps the compiled
 backward in both. `--backend none` times the same models uncompiled, for the eager ratio.
 
-    python -m microddp.bench.compiled --backend inductor --rounds 30
+    microddp bench compiled --backend inductor --rounds 30
 
 The first compile's time is printed too, but it is not a comparison: the engine compiled
 second finds the first one's kernels in inductor's cache.
@@ -23,8 +23,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import flags
 from ..dp import DistributedDataParallel
+from ..errors import MicroDDPError
 from ..launch.spawn import spawn
+
+EPILOG = """\
+examples:
+  microddp bench compiled                          # inductor, 2 ranks, 30 interleaved steps
+  microddp bench compiled --backend none           # the same models uncompiled (eager ratio)
+  microddp bench compiled --backend aot_eager --rounds 10
+"""
 
 ENGINES = ("microddp", "torch")
 
@@ -70,18 +79,46 @@ def _run(world, backend: str, rounds: int) -> dict:
     return {"first": first, "median": medians, "ratio": medians["microddp"] / medians["torch"]}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the comparison on 2 ranks and print one line per rank."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--backend", default="inductor", help="torch.compile backend, or none")
-    p.add_argument("--rounds", type=int, default=30, help="interleaved steps per engine")
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `microddp bench compiled`."""
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backend (inductor, aot_eager, eager), or none for the "
+                        "uncompiled models (default: inductor)")
+    p.add_argument("--rounds", type=int, default=30,
+                   help="interleaved timed steps per engine (default: 30)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the flags, run the comparison on 2 ranks and print one line per rank."""
+    flags.at_least(1, rounds=args.rounds)
+    if args.backend != "none":
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if args.backend not in known:
+            raise MicroDDPError(f"--backend {args.backend}: not a torch.compile backend; choose "
+                                "none, inductor, aot_eager, eager, or another name that "
+                                "torch._dynamo.list_backends() prints")
     for rank, out in enumerate(spawn(_run, 2, args=(args.backend, args.rounds), timeout=1800)):
         f, m = out["first"], out["median"]
         print(f"rank {rank} {args.backend}: median step microddp {m['microddp'] * 1e3:.2f} ms, "
               f"torch {m['torch'] * 1e3:.2f} ms, ratio {out['ratio']:.3f} (first step "
               f"{f['microddp']:.1f} s, {f['torch']:.1f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m microddp.bench.compiled`: the same as `microddp bench compiled`."""
+    p = argparse.ArgumentParser(prog="python -m microddp.bench.compiled",
+                                description=__doc__.split("\n")[0], epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except MicroDDPError as e:
+        print(f"error: {e}")
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

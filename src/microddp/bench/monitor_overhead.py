@@ -3,30 +3,6 @@
     python -m microddp.bench.monitor_overhead                 # DDP steps, all_reduce 4 KiB and 4 MiB
     python -m microddp.bench.monitor_overhead --repeats 60 --dims 128 1024
     python -m microddp.bench.monitor_overhead --interrupt     # the monitor that waits with its timeout
-
-The monitor costs two things, measured apart, each against an A/A control ("off-2": off
-again, how far apart this machine puts two equal contenders):
-
-- per call: every collective goes through a wrapper that notes it. In a job the watchdog
-  thread starts once, at init(), and stays; so here one monitor is started before the
-  measurement and runs throughout, and only its wrappers go in ("on") or out ("off",
-  "off-2") before each timed call, in a fresh random order per round, a barrier before each.
-  (Starting a monitor per round, as this benchmark once did, timed a new thread's start-up,
-  which a job pays once.)
-- the watchdog thread: with the wrappers out, the thread running ("on") against no thread
-  ("off", "off-2"). Starting or stopping it between calls would time its start-up again, so
-  the states come in blocks, in a fresh random order per round of blocks: the thread is
-  started (or not) outside the timed region, given THREAD_SETTLE_S to reach its wait, then a
-  block runs calls back to back, each after a barrier, no sleep between them (a sleep would
-  give the thread idle time to poll in, hiding its cost). A block lasts at least
-  POLLS_PER_BLOCK of the thread's poll periods, so each "on" block holds the polls a job
-  sees in that time, in steady state; then the thread is stopped, outside the timed region.
-
-Per workload it prints on/off and off-2/off as ratios of medians of the slowest rank's times,
-with a 90% bootstrap interval. The DDP step is `microddp bench ddp`'s (microddp's DDP,
-FullMLP(dim, depth 16), batch 64 per rank, SGD). "on" is the monitor init() starts for the
-ranks' process group (its stall threshold, its waits); with --interrupt, the one that waits on
-blocking gloo calls with its own timeout (enable(interrupt=True)).
 """
 
 from __future__ import annotations
@@ -44,6 +20,32 @@ from torch import nn
 from ..launch.spawn import spawn
 from ..monitor import Monitor, disable, enable, patch, stall_seconds
 from ..timing import compare, median
+
+# How the two costs are measured apart, each against an A/A control ("off-2"):
+#
+# The monitor costs two things, measured apart, each against an A/A control ("off-2": off
+# again, how far apart this machine puts two equal contenders):
+#
+# - per call: every collective goes through a wrapper that notes it. In a job the watchdog
+#   thread starts once, at init(), and stays; so here one monitor is started before the
+#   measurement and runs throughout, and only its wrappers go in ("on") or out ("off",
+#   "off-2") before each timed call, in a fresh random order per round, a barrier before each.
+#   (Starting a monitor per round, as this benchmark once did, timed a new thread's start-up,
+#   which a job pays once.)
+# - the watchdog thread: with the wrappers out, the thread running ("on") against no thread
+#   ("off", "off-2"). Starting or stopping it between calls would time its start-up again, so
+#   the states come in blocks, in a fresh random order per round of blocks: the thread is
+#   started (or not) outside the timed region, given THREAD_SETTLE_S to reach its wait, then a
+#   block runs calls back to back, each after a barrier, no sleep between them (a sleep would
+#   give the thread idle time to poll in, hiding its cost). A block lasts at least
+#   POLLS_PER_BLOCK of the thread's poll periods, so each "on" block holds the polls a job
+#   sees in that time, in steady state; then the thread is stopped, outside the timed region.
+#
+# Per workload it prints on/off and off-2/off as ratios of medians of the slowest rank's times,
+# with a 90% bootstrap interval. The DDP step is `microddp bench ddp`'s (microddp's DDP,
+# FullMLP(dim, depth 16), batch 64 per rank, SGD). "on" is the monitor init() starts for the
+# ranks' process group (its stall threshold, its waits); with --interrupt, the one that waits on
+# blocking gloo calls with its own timeout (enable(interrupt=True)).
 
 STATES = ("on", "off", "off-2")
 GROUP_TIMEOUT_S = 3600.0  # spawn's deadline, and so the ranks' process group timeout

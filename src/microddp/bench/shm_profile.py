@@ -176,6 +176,7 @@ def _rank(world, sizes: list[int]):
 
 
 def main(argv: list[str]) -> int:
+    """`python -m microddp.bench.shm_profile 4K 64K`: the path's steps timed at each size."""
     from .allreduce import parse_size
     sizes = [parse_size(s) for s in (argv or ["4K", "64K"])]
     rows = spawn(_rank, 2, (sizes,), timeout=600, backend="gloo")[0]

@@ -1,4 +1,4 @@
-"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|pipeline|zero|async|tp`."""
+"""Measure microddp against PyTorch side by side: `microddp bench allreduce|ddp|scaling|pipeline|zero|async|tp|compiled`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ examples:
   microddp bench zero                # DP, ZeRO-1/2/3, torch's ZeRO and FSDP2 on 2 and 4 ranks
   microddp bench async               # sync dp vs a parameter server: S=0, backup, SSP, async
   microddp bench tp                  # tensor parallelism vs torch's parallelize_module, TP 2
+  microddp bench compiled            # DDP(torch.compile(model)): microddp's vs torch's step
 each benchmark has its own --help.
 """
 
@@ -28,6 +29,8 @@ BENCHMARKS = {
     "async": ("microddp.bench.sync_async",
               "sync dp vs a parameter server: backup workers, SSP, async, a straggler"),
     "tp": ("microddp.bench.tp", "tensor (+ sequence) parallelism vs torch's parallelize_module"),
+    "compiled": ("microddp.bench.compiled",
+                 "torch.compile under DDP: microddp's compiled step vs torch's"),
 }
 # add_arguments needs the words after `bench` to pick the benchmark, whose own run() is called
 NESTED = True

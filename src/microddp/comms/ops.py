@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..collectives.route import agree_call, all_reduce_path
 from ..collectives.route import prepare as prepare_route
 from ..errors import MicroDDPError
+from ..monitor import messages
 from ..monitor.patch import after
 from ..world.args import (
     REDUCE_OPS,
@@ -338,7 +339,10 @@ def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0,
         peer(dst, None, None, "send")
         dist.isend(tensor, dst, group, tag, group_dst=group_dst)
         return
-    dist.send(tensor.contiguous(), _sender_to(dst, group_dst, group, "send"), group, tag)
+    to = _sender_to(dst, group_dst, group, "send")
+    entry = messages.begin("send", tensor, to, group, tag)
+    dist.send(tensor.contiguous(), to, group, tag)
+    messages.end(entry)  # (a failed send stays "started" in a Flight Recorder dump)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
@@ -349,9 +353,12 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
     if _outside(group):
         return dist.recv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # gloo refuses a strided view (a transpose): a buffer, copied
-    sender = dist.recv(into, peer(src, group_src, group, "recv"), group, tag)
+    source = peer(src, group_src, group, "recv")
+    entry = messages.begin("recv", tensor, source, group, tag)
+    sender = dist.recv(into, source, group, tag)
     if into is not tensor:
         tensor.copy_(into)
+    messages.end(entry)
     return sender
 
 
@@ -362,9 +369,13 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
     if _outside(group):
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
     # a strided view goes as a contiguous copy, which the Work keeps until it is done
-    work = dist.isend(tensor.contiguous(), _sender_to(dst, group_dst, group, "isend"), group,
-                      tag)
-    return Handle(work, result=[tensor])
+    to = _sender_to(dst, group_dst, group, "isend")
+    entry = messages.begin("send", tensor, to, group, tag, async_op=True)
+    work = dist.isend(tensor.contiguous(), to, group, tag)
+    if entry is None:
+        return Handle(work, result=[tensor])
+    entry.work = work  # a dump asks it whether the send is done, if nobody waited yet
+    return Handle(work, lambda: messages.end(entry), result=[tensor])
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0,
@@ -374,9 +385,20 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
     if _outside(group):
         return dist.irecv(tensor, src, group, tag, group_src=group_src)
     into = tensor.contiguous()  # as recv: a buffer, copied into `tensor` when it is done
-    work = dist.irecv(into, peer(src, group_src, group, "irecv"), group, tag)
-    return Handle(work, None if into is tensor else (lambda: tensor.copy_(into)),
-                  result=[tensor])
+    source = peer(src, group_src, group, "irecv")
+    entry = messages.begin("recv", tensor, source, group, tag, async_op=True)
+    work = dist.irecv(into, source, group, tag)
+    if entry is None:
+        return Handle(work, None if into is tensor else (lambda: tensor.copy_(into)),
+                      result=[tensor])
+    entry.work = work
+
+    def received() -> None:
+        if into is not tensor:
+            tensor.copy_(into)
+        messages.end(entry)
+
+    return Handle(work, received, result=[tensor])
 
 
 def _skipped_root(name: str, rank: int | None, group_rank: int | None) -> dict:

@@ -44,6 +44,7 @@ class RuntimeStats:
         self.sums = {"forward": 0, "compute": 0, "comm": 0, "overlap": 0}
         self.sampled_count = 0
         self.pending: dict = {}  # this iteration's times, until the next forward publishes them
+        self.order = ""  # the gradients' ready order in the latest sampled backward
 
     def sampled(self, n: int) -> bool:
         """torch's rule for the forward that follows `n` earlier ones: the first ten, then one
@@ -60,6 +61,9 @@ class RuntimeStats:
                 if k in self.sums:
                     self.sums[k] += v
             self.sampled_count += 1
+            order = self.pending.pop("order")
+            if order:  # torch keeps the last order logged when a backward fired no hook
+                self.order = _joined(order)
             self.last = {**self.pending.pop("events"), "iteration": n,
                          "forward_compute_time": self.pending["forward"],
                          "backward_compute_time": self.pending["compute"],
@@ -77,8 +81,9 @@ class RuntimeStats:
         if self.on and event not in self.at:
             self.at[event] = time.time_ns()
 
-    def backward_done(self) -> None:
-        """Called when the averages are in `.grad`: close the iteration's record."""
+    def backward_done(self, order: list[int]) -> None:
+        """Called when the averages are in `.grad`: close the iteration's record. `order` is
+        the parameters' indices in the order their gradients became ready."""
         self.mark("backward_comm_time_end")
         if not self.on or any(e not in self.at for e in _EVENTS):
             return
@@ -88,7 +93,8 @@ class RuntimeStats:
                  "comm": at["backward_comm_time_end"] - at["backward_comm_time_start"],
                  "overlap": max(0, at["backward_compute_time_end"]
                                 - at["backward_comm_time_start"])}
-        self.pending = {**times, "events": dict(at)}  # published by the next forward
+        self.pending = {**times, "events": dict(at), "order": list(order)}  # the next forward
+        # publishes them
         self.on = False
 
     def averages(self) -> dict[str, int]:
@@ -154,6 +160,16 @@ def logging_data(ddp: nn.Module) -> dict:
         data["has_error"], data["error"] = 1, ddp._error
     for name, var in _ENV.items():
         data[name] = os.environ.get(var, "N/A")
+    if data["backend_name"] == "gloo":  # torch's logger asks gloo's backend its thread count
+        data["gloo_num_threads"] = _gloo_threads(group)
+    if reducer.stats.order:
+        data["prev_iteration_grad_ready_order_indices"] = reducer.stats.order
     data.update(reducer.stats.last)
     data.update(reducer.stats.averages())
     return data
+
+
+def _gloo_threads(group) -> int:
+    """The worker threads of the group's gloo backend (its options' `_threads`, 2 unless set)."""
+    group = group if group is not None else dist.group.WORLD
+    return int(group._get_backend(torch.device("cpu")).options._threads)

@@ -167,6 +167,7 @@ class Reducer(DoubleBackward):
         self.used_future = None
         self.recording = self.will_rebuild and not self.rebuild_due
         self.lender.new_backward()
+        self.ready_order: list[int] = []  # hooks in the order they fired, as torch logs them
 
     def set_divisor(self, n: int) -> None:
         """Divide the summed gradients by `n` (the world size, or under a join the ranks still
@@ -221,6 +222,7 @@ class Reducer(DoubleBackward):
                 if self.recording:
                     self.arrival.append(i)
                 return
+            self.ready_order.append(i)
             if self.hits[i] != self.expected[i]:
                 if self.hits[i] < self.expected[i]:
                     return  # more of this gradient is still to come in this backward
@@ -228,12 +230,14 @@ class Reducer(DoubleBackward):
                     f"static_graph=True, but parameter '{self.names[i]}' got a gradient "
                     f"{self.hits[i]} times in this backward, against {self.expected[i]} in the "
                     "first one: the graph changed; drop static_graph=True")
-        elif self.marked[i]:
-            raise MicroDDPError(
-                f"parameter '{self.names[i]}' received its gradient twice in one backward pass "
-                "(reentrant backward or checkpointing?); DistributedDataParallel averages each "
-                "gradient once per backward: call backward once per forward, or pass "
-                "static_graph=True if the graph is the same in every iteration")
+        else:
+            self.ready_order.append(i)  # torch's prev_iteration_grad_ready_order_indices
+            if self.marked[i]:
+                raise MicroDDPError(
+                    f"parameter '{self.names[i]}' received its gradient twice in one backward pass "
+                    "(reentrant backward or checkpointing?); DistributedDataParallel averages each "
+                    "gradient once per backward: call backward once per forward, or pass "
+                    "static_graph=True if the graph is the same in every iteration")
         if self.recording:
             self.arrival.append(i)
         self._mark_ready(i)
@@ -326,7 +330,7 @@ class Reducer(DoubleBackward):
             self.copier.write_back(bucket, result, used)
         if spans.enabled():
             spans.add_span("wait comm", t0, time.perf_counter(), track="comm_wait")
-        self.stats.backward_done()
+        self.stats.backward_done(self.ready_order)
         self._arrival_complete()
 
     def __getattr__(self, name: str):

@@ -7,7 +7,9 @@ different. On gloo, torch's own recorder writes no durations and no completion s
 writes the same file format from its monitor's log (monitor/log.py): every entry with its state
 (completed or started), its duration, its group's members, its sequence number and its caller's
 file:line, for torch's own collectives and microddp's (logged as their torch kind, the profiling
-name says whose: `gloo:all_reduce microddp.ring_all_reduce`).
+name says whose: `gloo:all_reduce microddp.ring_all_reduce`), and the point-to-point messages
+of microddp.comms (a pipeline's, a parameter server's: monitor/messages.py) as torch's
+`send 0->1` / `recv 1<-0` entries, numbered apart (p2p_seq_id, negated: see build).
 
 The dump is written when the ranks are asked where they are (a hang or a backend timeout, see
 hang.py), into RUN/flight_recorder/ (set_run_dir, or MICRODDP_RUN_DIR), else into a folder the
@@ -121,6 +123,17 @@ def groups() -> dict[str, dict]:
     return out
 
 
+# pg_status's fields, as torch's recorder writes them
+_STATUS = tuple(f"last_{step}_{which}" for which in ("collective", "p2p")
+                for step in ("enqueued", "started", "completed"))
+
+
+def _group_rank(rank: int, members: str) -> int:
+    """A global rank's place in a group whose pg_config lists `members` ("[0, 2]")."""
+    ranks = [int(r) for r in members.strip("[]").split(",") if r.strip()]
+    return ranks.index(rank) if rank in ranks else rank
+
+
 def _pg_of(group: str, config: dict[str, dict], world_name: str) -> str:
     return world_name if group == "world" else group
 
@@ -148,30 +161,69 @@ def build(entries: list[Entry], rank: int, timeout_s: float) -> dict[str, Any]:
         kind_ = kind(e.op)
         ins, outs, dtypes = _sizes(e, kind_, size)
         done = e.done is not None and not e.failed
-        name = f"gloo:{kind_}" + (f" microddp.{e.op}" if kind_ != e.op else "")
+        p2p = e.ends is not None
+        if p2p:  # torch's names: `send 0->1` on the sender, `recv 1<-0` on the receiver
+            src, dst = (_group_rank(r, members) for r in e.ends[:2])
+            name = f"gloo:send {src}->{dst}" if e.op == "send" else f"gloo:recv {dst}<-{src}"
+        else:
+            name = f"gloo:{kind_}" + (f" microddp.{e.op}" if kind_ != e.op else "")
         started_ns = int(e.started * 1e9) + offset_ns
         rows.append({
             "frames": _frames(e), "record_id": e.record, "pg_id": ids.get(pg, -1),
             "process_group": (pg, config.get(pg, {}).get("desc", "undefined")),
             "thread_name": "python", "thread_id": str(threading.main_thread().ident),
-            "collective_seq_id": e.seq, "p2p_seq_id": 0, "op_id": e.seq,
+            "collective_seq_id": e.collective_seq if p2p else e.seq,
+            # negated: torch's analyser takes an entry whose p2p_seq_id equals the collective
+            # before it (or whose collective_seq_id equals the message before it) as one
+            # coalesced group with it, and then fails on it; the numbers never meet so
+            "p2p_seq_id": -e.seq if p2p else 0, "op_id": e.seq,
             "profiling_name": name, "time_created_ns": started_ns,
             "input_sizes": ins, "input_dtypes": dtypes, "output_sizes": outs,
             "output_dtypes": dtypes, "state": "completed" if done else "started",
             "time_discovered_started_ns": started_ns,
             "time_discovered_completed_ns": int(e.done * 1e9) + offset_ns if done else None,
             "duration_ms": (e.done - e.started) * 1e3 if done else None,
-            "retired": e.done is not None, "timeout_ms": int(timeout_s * 1e3), "is_p2p": False,
+            "retired": e.done is not None, "timeout_ms": int(timeout_s * 1e3), "is_p2p": p2p,
         })
-        st = status.setdefault(str(ids.get(pg, -1)), {"last_enqueued_collective": -1,
-                                                      "last_started_collective": -1,
-                                                      "last_completed_collective": -1})
-        st["last_enqueued_collective"] = max(st["last_enqueued_collective"], e.seq)
-        st["last_started_collective"] = max(st["last_started_collective"], e.seq)
-        if done:
-            st["last_completed_collective"] = max(st["last_completed_collective"], e.seq)
+        st = status.setdefault(str(ids.get(pg, -1)), dict.fromkeys(_STATUS, -1))
+        which = "p2p" if p2p else "collective"
+        for step in ("enqueued", "started") + (("completed",) if done else ()):
+            key = f"last_{step}_{which}"
+            st[key] = max(st[key], e.seq)
     return {"version": VERSION, "pg_config": config, "pg_status": status,
-            "comm_lib_version": "microddp", "rank": rank, "entries": rows}
+            "comm_lib_version": "microddp", "rank": rank,
+            "entries": _paired(rows, [e.ends for e in entries])}
+
+
+def _paired(rows: list[dict], ends: list) -> list[dict]:
+    """The rows, each run of messages between two collectives put in channel order.
+
+    torch's analyser pairs the k-th message of one rank's run with the k-th of its peer's (it
+    has no other key), so a pipeline that posts its receives ahead (runtime.py) reads as a
+    mismatch in call order. A message's true partner is the one with the same number in the
+    same channel (source, destination, tag): messages of a channel arrive in the order they
+    were sent. Listed by channel and number, a rank's messages line up with its peer's, each
+    beside its partner, and torchfrtrace pairs them. The run's record_ids are dealt out again
+    in the new order (the analyser takes a dump as sorted by them, and drops what is not);
+    the times stay the calls' own.
+    """
+    out: list[dict] = []
+    run: list[tuple] = []
+
+    def flush() -> None:
+        ids = sorted(r["record_id"] for _, r in run)
+        for record_id, (_, row) in zip(ids, sorted(run, key=lambda x: x[0]), strict=True):
+            out.append({**row, "record_id": record_id})
+        run.clear()
+
+    for row, key in zip(rows, ends, strict=True):
+        if key is None:
+            flush()
+            out.append(row)
+        else:
+            run.append((key, row))
+    flush()
+    return out
 
 
 def write(entries: list[Entry], rank: int, timeout_s: float, folder: str) -> list[Path]:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+_monotonic = time.monotonic
+
 _PLUMBING = tuple(os.path.normcase(os.path.abspath(p)) + os.sep for p in {
     os.path.dirname(torch.__file__),
     os.path.dirname(__file__),
@@ -67,16 +69,24 @@ Location = tuple  # ((code, line), ...): the frames where() names, not yet put i
 def locate(frame: FrameType | None, user: bool = False) -> Location:
     """The frames where() names, as (code, line) pairs: cheap enough to take on every call
     (an async call's caller moves on), put in words only when a report asks."""
+    # This runs as every collective ends: a known frame costs one dict lookup, and no call
+    # is made for it (each Python call costs about a microsecond on a loaded machine).
     f, kinds = frame, _kinds
-    while f is not None and (kinds.get(f.f_code) or _kind(f.f_code)) == _PLUMBING_KIND:
-        f = f.f_back  # (a known frame costs one dict lookup: this runs on every async call)
+    k = _PLUMBING_KIND
+    while f is not None:
+        k = kinds.get(f.f_code)
+        if k is None:
+            k = _kind(f.f_code)
+        if k != _PLUMBING_KIND:
+            break
+        f = f.f_back
     if f is None:  # nothing but plumbing: name the innermost frame anyway
         return ((frame.f_code, frame.f_lineno),) if frame is not None else ()
     here = (f.f_code, f.f_lineno)
-    if not user or _kind(f.f_code) != _OURS:
+    if not user or k != _OURS:
         return (here,)
     u = f.f_back
-    while u is not None and _kind(u.f_code) != _USER:
+    while u is not None and (kinds.get(u.f_code) or _kind(u.f_code)) != _USER:
         u = u.f_back
     return (here,) if u is None else (here, (u.f_code, u.f_lineno))
 
@@ -144,14 +154,14 @@ class Entry:
     """
 
     __slots__ = ("seq", "group", "op", "started", "done", "failed", "work", "escapable",
-                 "ends_itself", "record", "_sketch", "_shape", "_detail", "_caller", "_location", "_call", "_frame",
-                 "_thread")
+                 "ends_itself", "record", "ends", "collective_seq", "_sketch", "_shape",
+                 "_detail", "_caller", "_location", "_call", "_frame", "_thread")
 
     def __init__(self, seq: int, group: str, op: str, call: tuple | None = None,
-                 frame: FrameType | None = None) -> None:
+                 frame: FrameType | None = None, record: int = 0) -> None:
         self.seq, self.group, self.op = seq, group, op
-        self.record = 0  # this rank's count of logged calls over all groups (a dump's record_id)
-        self.started = time.monotonic()
+        self.record = record  # this rank's count of logged calls over all groups (record_id)
+        self.started = _monotonic()
         self.done: float | None = None
         self.failed = False  # its async Work completed with an error (see in_flight)
         self.work: Any = None  # an async op's Work, polled by the watchdog
@@ -160,6 +170,10 @@ class Entry:
         # The backend ends this wait on its own at the process group's timeout (a blocking
         # gloo call): after the report, the watchdog leaves the ending to it.
         self.ends_itself = False
+        # A point-to-point message's (source, destination, tag, its number among the messages
+        # from that source to that destination with that tag), global ranks; None: a collective.
+        self.ends: tuple[int, int, int, int] | None = None
+        self.collective_seq = 0  # a message's: its group's collectives logged before it
         self._sketch: tuple | None = None  # (count or None, dtype, shape) kept as a call ends
         self._shape: str | None = None
         self._detail: str | None = None
@@ -311,8 +325,15 @@ class CollectiveLog:
     def __init__(self, size: int = 64) -> None:
         self.recent: deque[Entry] = deque(maxlen=size)
         self.open: dict[Entry, None] = {}  # in call order; a dict: ending one is O(1)
+        # Point-to-point messages (a pipeline's, a parameter server's), in a ring of their own:
+        # a pipeline step's many messages must not push the collectives out of a dump, and
+        # they stay out of `open`, so hang reports keep naming collectives (a pipeline's wait
+        # in a receive is named by its note).
+        self.messages: deque[Entry] = deque(maxlen=size)
         self._size = size
         self._seq: dict[str, int] = {}
+        self._p2p_seq: dict[str, int] = {}
+        self._channels: dict[tuple, int] = {}
         self._records = 0
         self._lock = threading.Lock()
 
@@ -320,10 +341,8 @@ class CollectiveLog:
               frame: FrameType | None = None) -> Entry:
         """Record that a collective started on `group`; the entry to `end` when it finishes."""
         with self._lock:
-            seq = self._seq.get(group, 0) + 1
-            self._seq[group] = seq
-            entry = Entry(seq, group, op, call, frame)
-            entry.record = self._records
+            seq = self._seq[group] = self._seq.get(group, 0) + 1
+            entry = Entry(seq, group, op, call, frame, self._records)
             self._records += 1
             self.recent.append(entry)
             self.open[entry] = None
@@ -333,13 +352,42 @@ class CollectiveLog:
                 self._drop_finished()
             return entry
 
+    def begin_message(self, group: str, op: str, src: int, dst: int, tag: int,
+                      tensor: torch.Tensor, frame: FrameType | None = None) -> Entry:
+        """Record that a send or receive (`op`) of `tensor` from global rank `src` to `dst`
+        with `tag` started on `group`; the entry to `end` when it is done. Numbered apart from
+        the collectives, as torch's Flight Recorder numbers them (p2p_seq_id), and within its
+        channel (src, dst, tag), whose messages arrive in the order they were sent."""
+        with self._lock:
+            seq = self._p2p_seq.get(group, 0) + 1
+            self._p2p_seq[group] = seq
+            channel = (group, src, dst, tag)
+            nth = self._channels[channel] = self._channels.get(channel, 0) + 1
+            entry = Entry(seq, group, op, None, frame, self._records)
+            entry.ends, entry.collective_seq = (src, dst, tag, nth), self._seq.get(group, 0)
+            entry._sketch = (None, tensor.dtype, tuple(tensor.shape))
+            self._records += 1
+            self.messages.append(entry)
+            return entry
+
     def end(self, entry: Entry) -> None:
         """Record that the collective of `entry` finished, and let go of its tensors (after
         noting what it was and where it came from, for a Flight Recorder dump: flight.py)."""
-        entry.done = time.monotonic()
-        entry.locate_caller()
-        entry.sketch()
-        entry.release()
+        if entry.done is None:  # (a dump may have seen an async message done already)
+            entry.done = _monotonic()
+        # locate_caller(), sketch() and release() written out: this runs on every collective,
+        # and each Python call costs about a microsecond on a loaded machine
+        frame = entry._frame
+        if frame is not None and entry._location is None:
+            entry._location = locate(frame, user=True)
+        call = entry._call
+        if call is not None and entry._shape is None and len(call) > 3:
+            x = call[3](call[1], call[2])
+            if isinstance(x, torch.Tensor):
+                entry._sketch = (None, x.dtype, tuple(x.shape))
+            elif isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+                entry._sketch = (len(x), x[0].dtype, tuple(x[0].shape))
+        entry._call = entry._frame = entry.work = None
         self.open.pop(entry, None)  # one step under the GIL (identity hash): no lock needed
 
     def _drop_finished(self) -> None:
@@ -348,10 +396,14 @@ class CollectiveLog:
                 self.open.pop(e, None)
 
     def entries(self) -> list[Entry]:
-        """The recent calls and every one still open, in call order (a dump's ring buffer)."""
+        """The recent calls and messages and every call still open, in call order (a dump's
+        ring buffer)."""
         with self._lock:
             both = {e: None for e in self.recent}
             both.update(self.open)
+            both.update(dict.fromkeys(self.messages))
+        for e in self.messages:
+            e.in_flight()  # an async message done but never waited for: completed now
         return sorted(both, key=lambda e: e.record)
 
     def oldest_open(self) -> Entry | None:

@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from ..errors import MicroDDPError, PeerError
 from ..shm import segment as shm
@@ -85,13 +86,25 @@ def _detail(arguments: dict) -> str:
 
 
 def _outside(group: Any) -> bool:
-    """This rank is not in `group`: torch (and microddp) skip the call, nobody waits for it."""
-    if group is None or group is dist.GroupMember.WORLD:
+    """This rank is not in `group`: torch (and microddp) skip the call, nobody waits for it.
+    Asked once per group (see _gloo_groups)."""
+    if group is None:
         return False
+    hit = _outside_groups.get(id(group))
+    if hit is not None and hit[0]() is group:
+        return hit[1]
+    if group is dist.GroupMember.WORLD:
+        outside = False
+    else:
+        try:
+            outside = dist.get_rank(group) < 0
+        except (ValueError, RuntimeError):  # a group torch does not know (built directly, or
+            outside = False  # a Python one): it has no global ranks, and this rank is in it
     try:
-        return dist.get_rank(group) < 0
-    except (ValueError, RuntimeError):  # a group torch does not know (built directly, or a
-        return False  # Python one): it has no global ranks, and this rank is in it
+        _outside_groups[id(group)] = (weakref.ref(group), outside)
+    except TypeError:  # not a group object: asked again next time
+        pass
+    return outside
 
 
 def _backend(group: Any) -> str:
@@ -294,9 +307,15 @@ def _wrap(name: str, fn: Callable, torch_own: bool, lean: bool = False) -> Calla
         finally:
             mon.log.end(entry)
 
+    # The hot path below makes as few Python calls as it can (each costs about a microsecond
+    # on a loaded machine): the group and async_op are read by position here, not by calls.
+    group_at, async_at, describe, pick = sig.group_at, sig.async_at, sig.describe, sig.pick
+
     def call(first: Callable | None, *args: Any, **kwargs: Any) -> Any:
         mon = _active
-        group = sig.group(args, kwargs) if mon is not None else None
+        group = None
+        if mon is not None:
+            group = args[group_at] if 0 <= group_at < len(args) else kwargs.get("group")
         if mon is None or (group is not None and _outside(group)):
             if first is not None:
                 first()
@@ -308,14 +327,15 @@ def _wrap(name: str, fn: Callable, torch_own: bool, lean: bool = False) -> Calla
         # a report (or debug mode) asks, not on every call.
         # frame 2: the caller of wrapper() or of after(), which call this directly
         entry = mon.log.begin("world" if group is None else group_name(group), name,
-                              (sig.describe, args, kwargs, sig.pick), sys._getframe(2))
+                              (describe, args, kwargs, pick), sys._getframe(2))
         if mon.interrupt or mon.debug:
             return interrupting(mon, entry, group, args, kwargs, first)
         # A gloo op fails by itself at the process group's timeout (async or not): after the
         # report, the watchdog leaves the ending to it, in a MicroDDPError raised below.
         entry.ends_itself = torch_own and _gloo(group)
-        _first(mon, entry, first)
-        if sig.async_op(args, kwargs):
+        if first is not None:
+            _first(mon, entry, first)
+        if args[async_at] if 0 <= async_at < len(args) else kwargs.get("async_op"):
             entry.locate_caller()  # the caller moves on; the Work keeps the tensors anyway
             work = _launch(mon, entry, fn, args, kwargs)
             if work is None:
@@ -375,20 +395,36 @@ def after(first: Callable[[], None], fn: Callable, *args: Any, **kwargs: Any) ->
     return call(first, *args, **kwargs)
 
 
-# group -> is it gloo's: asked once per group. Held weakly: a strong key kept every group the
-# monitor saw alive after destroy_process_group, with its threads (world/teardown.py).
-_gloo_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(group) -> (a weak reference to it, is it gloo's): asked once per group, and then found
+# with one dict lookup (a WeakKeyDictionary's costs a Python call and a new weak reference
+# per call). Held weakly: a strong key kept every group the monitor saw alive after
+# destroy_process_group, with its threads (world/teardown.py); the reference also tells a
+# new group that took a dead one's id.
+_gloo_groups: dict[int, tuple[Any, bool]] = {}
+_outside_groups: dict[int, tuple[Any, bool]] = {}  # the same, for "is this rank outside it"
+
+
+def _default_group() -> Any:
+    """dist.GroupMember.WORLD, read without its two property calls where torch keeps it as
+    an attribute (_World._default_pg in torch 2.x), else through the public name."""
+    try:
+        return _c10d._world._default_pg
+    except AttributeError:
+        return dist.GroupMember.WORLD
 
 
 def _gloo(group: Any) -> bool:
-    key = group if group is not None else dist.GroupMember.WORLD
-    try:
-        return _gloo_groups[key]
-    except (KeyError, TypeError):  # new, or not a group object (None before init)
-        gloo = _backend(group) == "gloo"
-        if key is not None:
-            _gloo_groups[key] = gloo
-        return gloo
+    key = group if group is not None else _default_group()
+    hit = _gloo_groups.get(id(key))
+    if hit is not None and hit[0]() is key:
+        return hit[1]
+    gloo = _backend(group) == "gloo"
+    if key is not None:
+        try:
+            _gloo_groups[id(key)] = (weakref.ref(key), gloo)
+        except TypeError:  # not a group object: asked again next time
+            pass
+    return gloo
 
 
 def _ours() -> list[tuple[Any, str, str]]:
@@ -472,6 +508,7 @@ def uninstall() -> Monitor | None:
         setattr(module, attr, fn)
     _originals.clear()
     _gloo_groups.clear()  # let go of the groups: the next job forms new ones
+    _outside_groups.clear()
     return mon
 
 

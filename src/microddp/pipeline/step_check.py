@@ -55,6 +55,7 @@ class Agreement:
         self.slots, self.me, self.buf, self.handle = slots, me, buf, handle
 
     def result(self) -> tuple[dict, list[int]]:
+        """Wait for the agreement; raise every rank's error, else (the agreed fields, widths)."""
         if self.buf is None:  # a world of one: nothing was sent
             if self.problem is not None:
                 raise self.problem

@@ -4,7 +4,7 @@ collectives/agreement/agree.py makes every rank agree on shapes, dtypes and ops 
 moves, with a butterfly of small messages through the group's backend; on one host those are
 loopback messages handled by gloo's threads, and their cost was the check's (chapter 4).
 Here no message is sent: every rank writes the very numbers the butterfly would send
-(agree.encode's) into its own line of the group's segment and posts a counter; once every
+(verdict.encode's) into its own line of the group's segment and posts a counter; once every
 rank's counter shows this call, each reads every rank's numbers and takes their maximum,
 exactly the butterfly's result, so judge() raises the same error on every rank. Every
 agreement of such a group goes through here (a ring on one rank meets a tree on another).
@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from .segment import LINE_WORDS, Flags, Segment
+from .verdict import SLOTS
 
-# collectives/agreement/agree.py's message without its padding: SLOTS codes, then the same negated (agree.encode).
-# A literal here, since agree.py imports this module; tests/test_ring_early.py checks it.
-WORDS = 20
+# An agreement's message without its padding: SLOTS codes, then the same negated (verdict.encode).
+WORDS = 2 * SLOTS
 # Beside them, not compared: where a ring sent and posted its first step early (agreement/early.py),
 # so that a rank refusing the call knows what to settle; zeros for every other agreement.
 EXTRA = 2
@@ -41,8 +41,8 @@ def area_words(size: int) -> int:
 
 class Check(NamedTuple):
     """A call's agreement, made in its first synchronisation (group.py): this rank's
-    numbers (agree.encode's), and what raises, on every rank, when the ranks' numbers differ
-    (`refuse(seq)`, seq being the agreement's sequence number: agree.read_in_memory)."""
+    numbers (verdict.encode's), and what raises, on every rank, when the ranks' numbers differ
+    (`refuse(seq)`, seq being the agreement's sequence number: checked.read_in_memory)."""
     mine: array.array
     refuse: Callable[[int], None]
 
@@ -98,7 +98,7 @@ class SharedAgreement:
                yielding: bool = False) -> list[int] | None:
         """Once every rank has posted agreement `seq`: None if every rank's numbers equal
         `mine` (compared in C, the common case), else the maximum of each number over all
-        ranks (a butterfly's result, for agree.judge). `yielding`: Flags.wait's."""
+        ranks (a butterfly's result, for verdict.judge). `yielding`: Flags.wait's."""
         self.told.wait(seq, self.timeout_s, what, yielding)
         at = self.lines[seq & 1]
         if all(self.words[a:a + WORDS] == mine for a in at):

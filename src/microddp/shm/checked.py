@@ -5,7 +5,7 @@ rank writes a few numbers and posts a counter. A shared-memory collective posts 
 once its input is in its slot (group.py). So a checked call posts the agreement's counter
 in place of that first one: the ranks' numbers (which collective, shape, dtype, op, root, ...)
 travel with no extra wait, and are compared (in C) before any rank reads another's data.
-When they differ, every rank raises the agreement's error (agree.judge: it names the rank and
+When they differ, every rank raises the agreement's error (verdict.judge: it names the rank and
 what differs), and nothing has been written into any tensor.
 
 A rank that refuses its own arguments (not a tensor, sparse, elements that share memory, a
@@ -22,23 +22,14 @@ import array
 import weakref
 from functools import partial
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 
+from ..errors import MicroDDPError
 from ..transport.peers import Peers
+from ..transport.sized_tags import settle
 from .agreement import Check, SharedAgreement
-
-# collectives/agreement/agree.py, handed in when it loads (`use`): it imports shm/collectives.py, which imports this module, so
-# this one cannot import it. Every path here runs after microddp.collectives has loaded it.
-agree: Any = None
-
-
-def use(module) -> None:
-    """Take agree.py's encode, described and read_in_memory from `module` (agree.py calls it)."""
-    global agree
-    agree = module
-
+from .verdict import described, encode, judge
 
 # (where, fields) -> this rank's numbers: encoding costs a few microseconds (a crc32 per
 # field), and training loops repeat the same few calls.
@@ -49,15 +40,34 @@ _MEMO_KEPT = 256
 def numbers(where: str, fields: dict, problem: Exception | None = None
             ) -> tuple[array.array, dict]:
     """The agreement's numbers for a call of `where` with `fields` (and the fields as
-    agree.described lists them, for its error)."""
+    verdict.described lists them, for its error)."""
     key = (where, problem is not None, *fields.items())
     got = _memo.get(key)
     if got is None:
         if len(_memo) >= _MEMO_KEPT:
             _memo.clear()
-        full = agree.described(where, problem, fields, {})
-        got = _memo[key] = (array.array("q", agree.encode(full)), full)
+        full = described(where, problem, fields, {})
+        got = _memo[key] = (array.array("q", encode(full)), full)
     return got
+
+
+def read_in_memory(peers: Peers, box: SharedAgreement, seq: int, mine: array.array, where: str,
+                   fields: dict, settings: dict, problem: Exception | None,
+                   early: tuple[int, int] | None = None, works: tuple = ()) -> None:
+    """Read agreement `seq` (this rank posted `mine`, encode(fields)); on a mismatch, or this
+    rank's own `problem`, settle what either of 2 ranks sent or posted early on sized tags
+    (transport/sized_tags.py; `early`: this rank's own (send, receive) tags, `works` its own early
+    messages not yet waited for) and raise, on every rank, what the agreement found."""
+    combined = box.result(seq, mine, where)  # None: every rank posted these very numbers
+    if problem is None and combined is None:
+        return
+    theirs = box.extra(seq, 1 - peers.me) if peers.size == 2 else (0, 0)
+    if theirs[0] or early is not None:  # an early ring on either side: take and fill
+        settle(peers, 1 - peers.me, theirs if theirs[0] else None, early, list(works))
+    judge(where, peers.me, fields, settings, combined or mine.tolist(), problem)
+    raise MicroDDPError(f"{where}: the ranks' checks differ in a number no field holds; every "
+                        "rank of the group must call the same collectives, in the same "
+                        "order")  # judge raises first: a defence, never seen
 
 
 def tensor_fields(tensor, **more) -> dict:
@@ -84,7 +94,7 @@ def check(box: SharedAgreement, group, where: str, fields: dict) -> Check:
     mine, full = numbers(where, fields)
 
     def refuse(seq: int) -> None:
-        agree.read_in_memory(_peers(group, box), box, seq, mine, where, full, {}, None)
+        read_in_memory(_peers(group, box), box, seq, mine, where, full, {}, None)
 
     return Check(mine, refuse)
 
@@ -98,7 +108,7 @@ def agree_now(box: SharedAgreement, group, where: str, fields: dict,
     seq = box.post(mine)
     if problem is None and box.result(seq, mine, where, yielding) is None:
         return
-    agree.read_in_memory(_peers(group, box), box, seq, mine, where, full, {}, problem)
+    read_in_memory(_peers(group, box), box, seq, mine, where, full, {}, problem)
 
 
 def agree_in_order(lane, box: SharedAgreement, group, where: str, fields: dict,
@@ -149,5 +159,5 @@ def _weakly(group):
 
 def _refuse(box_ref, group_ref, mine: array.array, full: dict, seq: int) -> None:
     box = box_ref()
-    agree.read_in_memory(_peers(group_ref(), box), box, seq, mine, "all_reduce", full, {},
+    read_in_memory(_peers(group_ref(), box), box, seq, mine, "all_reduce", full, {},
                          None)

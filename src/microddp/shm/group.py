@@ -5,23 +5,6 @@ Layout of the group's segment (shm/segment.py): three rows of per-rank counters 
 sets ("parities") of n+1 slots of SLOT_BYTES each: one input slot per rank and one result
 slot. Every step (a call, or one chunk of a call larger than a slot) takes the next sequence
 number and uses the parity seq % 2, alternately.
-
-All-reduce, for a chunk of m bytes:
-- small (m <= SMALL_BYTES): each rank copies its input into its slot and posts `arrive`; once
-  all have, each rank reduces the others' slots into its own tensor (which still holds its
-  input: its own slot need not be read back). One synchronisation.
-- large: the same first phase; then rank r reduces only its slice (m/n) of every slot into
-  the result slot, posts `reduced`, and once all have, copies the whole result slot out: each
-  rank reads m of input instead of n*m, for a second synchronisation.
-
-Both reduce the ranks' inputs in the same order, rank 0 first (((x0 + x1) + x2) + ...), so every
-rank gets the same bits whichever path or chunking a size takes (rank 1 computes x1 + x0, the
-same bits: `fold_into`); on two ranks that is x0 + x1, exactly what gloo computes.
-
-Why two parities make one synchronisation per step enough: a rank writes its slot of parity p
-at step s + 2 only after the barrier of step s + 1, which every rank reaches only after it has
-finished step s, the last one that read that slot. The result slot is written after the
-barrier of its own step, for the same reason.
 """
 
 from __future__ import annotations
@@ -35,6 +18,25 @@ import torch
 from ..errors import MicroDDPError
 from .agreement import Check, SharedAgreement, area_words
 from .segment import LINE_WORDS, Flags, Segment
+
+# The all-reduce's two paths, and why one synchronisation per step is enough:
+#
+# All-reduce, for a chunk of m bytes:
+# - small (m <= SMALL_BYTES): each rank copies its input into its slot and posts `arrive`; once
+#   all have, each rank reduces the others' slots into its own tensor (which still holds its
+#   input: its own slot need not be read back). One synchronisation.
+# - large: the same first phase; then rank r reduces only its slice (m/n) of every slot into
+#   the result slot, posts `reduced`, and once all have, copies the whole result slot out: each
+#   rank reads m of input instead of n*m, for a second synchronisation.
+#
+# Both reduce the ranks' inputs in the same order, rank 0 first (((x0 + x1) + x2) + ...), so every
+# rank gets the same bits whichever path or chunking a size takes (rank 1 computes x1 + x0, the
+# same bits: `fold_into`); on two ranks that is x0 + x1, exactly what gloo computes.
+#
+# Why two parities make one synchronisation per step enough: a rank writes its slot of parity p
+# at step s + 2 only after the barrier of step s + 1, which every rank reaches only after it has
+# finished step s, the last one that read that slot. The result slot is written after the
+# barrier of its own step, for the same reason.
 
 # Per rank and parity: a larger message goes in chunks of this. Each chunk costs a
 # synchronisation or two, which on a busy host can cost a time slice each: against 1 MiB, 4 MiB

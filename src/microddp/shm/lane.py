@@ -195,6 +195,8 @@ class Lane:
         is done); else behind the queued ones (a ShmWork if `async_op`, else None once done)."""
         if not async_op and self.run_now(task, False):
             return None
+        if torch.is_inference_mode_enabled():
+            task = _in_inference_mode(task)
         work = ShmWork(result)
         with self._lock:
             self._pending += 1
@@ -239,3 +241,16 @@ class Lane:
             self._queue.put(None)
             thread.join(timeout_s)
         self._deliveries.close(timeout_s)
+
+
+def _in_inference_mode(task: Task) -> Task:
+    """`task` run under inference mode, as its caller was: the mode is per thread, and the
+    lane's thread writing into a tensor made under it (an output the caller allocated there)
+    would be refused ("Inplace update to inference tensor outside InferenceMode"), where gloo,
+    writing from C++, is not."""
+
+    def run(yielding: bool) -> None:
+        with torch.inference_mode():
+            task(yielding)
+
+    return run

@@ -10,28 +10,6 @@ Lifecycle, because a segment outlives a crashed process unless somebody removes 
   included): only a crash inside the short attach window can leave one behind, and
 - `sweep()` (run once per process, before its first segment) removes the segments of this
   pid namespace whose creator is no longer alive.
-
-Counters: each rank writes only its own counters (one 64-byte line each, so two ranks never
-write the same cache line), and only ever increases them; the others read them. A waiting rank
-spins briefly, then sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the
-poster rings after each post), so a rank on a busy host is woken the moment its peer posts,
-as a blocked socket read is, rather than when its next time slice comes. The futex is a system
-call through ctypes and libc (no compiler). Every LIVENESS_S it checks a deadline and whether
-its peers are still alive, and raises a MicroDDPError that names the missing ranks instead of
-waiting for ever.
-
-Memory ordering: a rank writes its data (torch ops), then its counter (one aligned 8-byte
-store), then rings the bell; a reader reads the bell, then the counter, then the data (and
-sleeps only if the bell still holds what it read: the kernel checks that). The wake-up is a
-system call, and under load every system call is a moment the kernel may run someone else,
-so a poster makes it only when a rank says it is asleep (a flag in that rank's line, raised
-before it reads the counter a last time): poster and sleeper each store, then `fence()`,
-then read the other's word, so at least one of them sees the other's store and no wake-up
-is lost. That is correct on x86-64, whose
-total store order keeps stores in order and loads in order, and where each torch op is an
-opaque call the compiler cannot move a load or store across (a multi-threaded op joins its
-threads first, a full fence). Weakly ordered CPUs (ARM, POWER) need fences that Python cannot
-issue, so `supported()` is False there and microddp keeps gloo unless told otherwise.
 """
 
 from __future__ import annotations
@@ -48,6 +26,30 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import PeerError
+
+# How the counters wait, and why the order of their stores and loads is safe (moved from the module's docstring):
+#
+# Counters: each rank writes only its own counters (one 64-byte line each, so two ranks never
+# write the same cache line), and only ever increases them; the others read them. A waiting rank
+# spins briefly, then sleeps in the kernel on a futex beside the counter (a 32-bit "bell" the
+# poster rings after each post), so a rank on a busy host is woken the moment its peer posts,
+# as a blocked socket read is, rather than when its next time slice comes. The futex is a system
+# call through ctypes and libc (no compiler). Every LIVENESS_S it checks a deadline and whether
+# its peers are still alive, and raises a MicroDDPError that names the missing ranks instead of
+# waiting for ever.
+#
+# Memory ordering: a rank writes its data (torch ops), then its counter (one aligned 8-byte
+# store), then rings the bell; a reader reads the bell, then the counter, then the data (and
+# sleeps only if the bell still holds what it read: the kernel checks that). The wake-up is a
+# system call, and under load every system call is a moment the kernel may run someone else,
+# so a poster makes it only when a rank says it is asleep (a flag in that rank's line, raised
+# before it reads the counter a last time): poster and sleeper each store, then `fence()`,
+# then read the other's word, so at least one of them sees the other's store and no wake-up
+# is lost. That is correct on x86-64, whose
+# total store order keeps stores in order and loads in order, and where each torch op is an
+# opaque call the compiler cannot move a load or store across (a multi-threaded op joins its
+# threads first, a full fence). Weakly ordered CPUs (ARM, POWER) need fences that Python cannot
+# issue, so `supported()` is False there and microddp keeps gloo unless told otherwise.
 
 SHM_DIR = "/dev/shm"
 PREFIX = "microddp-shm-"

@@ -8,5 +8,5 @@ ranks share memory, numbers written and read there (shm/agreement.py). On 2 gloo
 ring fuses the check with its first message: carried.py (the header sent beside the data, or
 with the first chunk) where ranks do not share memory, early.py (checked in shared memory,
 the first step sent before the check is read) where they do, on tags that fix a message's
-size (sized_tags.py) so nothing sent early can abort a rank whose call differs.
+size (transport/sized_tags.py) so nothing sent early can abort a rank whose call differs.
 """

@@ -9,21 +9,18 @@ same clear error on every rank instead of a hang or a silently wrong result.
 from __future__ import annotations
 
 import array
-import operator
-import sys
-import zlib
 from collections.abc import Callable
 
 import torch
 
 from ...errors import MicroDDPError
-from ...shm import checked as shm_checked
 from ...shm import collectives as shm
 from ...shm.agreement import SharedAgreement
+from ...shm.checked import read_in_memory
+from ...shm.verdict import SLOTS, described, encode, judge
 from ...transport.peers import Peers, wait_all
 from ...world.args import check_kind
 from .checks import try_layout, try_list, try_op, try_root, try_tensor
-from .sized_tags import settle
 
 # The tag of a butterfly's first exchange: on 2 ranks, the only one. A header carried beside the
 # ring's data (carried.py) goes with it, so that it meets another rank's agreement.
@@ -70,10 +67,6 @@ def _ordered(combine: Callable[[torch.Tensor, torch.Tensor], object], buf: torch
         buf.copy_(other)
 
 
-# Every agreement exchanges this many numbers, whatever the collective: ranks that called
-# different ones (a ring here, a tree there) then still exchange equal messages, and learn
-# that they disagree, instead of gloo aborting the process on mismatched sizes.
-SLOTS = 10
 # On 2 ranks (not NCCL) the ring may send its header together with its first chunk of data, up
 # to INLINE_MAX_CHUNK bytes of it, in one message (carried.py). Every message on the
 # agreement's tag between 2 such ranks is then PAIR_WORDS long, an agreement's or a header's
@@ -89,14 +82,6 @@ _PAD = array.array("q", bytes(8 * (PAIR_WORDS - 2 * SLOTS)))
 def message_words(peers: Peers) -> int:
     """How many int64 an agreement (or a ring's header, carried.py) sends in `peers`."""
     return PAIR_WORDS if peers.size == 2 and not peers.nccl else 2 * SLOTS
-
-
-def _code(value) -> int:
-    """A stable integer for a shape, a dtype or a name (Python's hash() differs per process)."""
-    try:
-        return operator.index(value)  # an int, or a numpy integer: the same number
-    except TypeError:
-        return zlib.crc32(repr(value).encode())
 
 
 def describe_tensor(tensor) -> dict:
@@ -172,25 +157,6 @@ def _agree_in_memory(peers: Peers, box: SharedAgreement, mine: array.array, wher
     read_in_memory(peers, box, box.post(mine), mine, where, fields, settings, problem)
 
 
-def read_in_memory(peers: Peers, box: SharedAgreement, seq: int, mine: array.array, where: str,
-                   fields: dict, settings: dict, problem: Exception | None,
-                   early: tuple[int, int] | None = None, works: tuple = ()) -> None:
-    """Read agreement `seq` (this rank posted `mine`, encode(fields)); on a mismatch, or this
-    rank's own `problem`, settle what either of 2 ranks sent or posted early on sized tags
-    (sized_tags.py; `early`: this rank's own (send, receive) tags, `works` its own early
-    messages not yet waited for) and raise, on every rank, what the agreement found."""
-    combined = box.result(seq, mine, where)  # None: every rank posted these very numbers
-    if problem is None and combined is None:
-        return
-    theirs = box.extra(seq, 1 - peers.me) if peers.size == 2 else (0, 0)
-    if theirs[0] or early is not None:  # an early ring on either side: take and fill
-        settle(peers, 1 - peers.me, theirs if theirs[0] else None, early, list(works))
-    judge(where, peers.me, fields, settings, combined or mine.tolist(), problem)
-    raise MicroDDPError(f"{where}: the ranks' checks differ in a number no field holds; every "
-                        "rank of the group must call the same collectives, in the same "
-                        "order")  # judge raises first: a defence, never seen
-
-
 def agreed(where: str, fields: dict, settings: dict,
            loop: Callable[[Peers], object]) -> Callable[[Peers], None]:
     """`loop`, preceded by the agreement on `fields` and `settings` through shared memory: a
@@ -204,47 +170,6 @@ def agreed(where: str, fields: dict, settings: dict,
         loop(peers)
 
     return run
-
-
-def described(where: str, problem: Exception | None, fields: dict, settings: dict) -> dict:
-    """Every field an agreement compares, in the order it sends them: whether this rank
-    rejected its arguments, which collective it called, its arguments, then `settings`."""
-    return {"arguments": int(problem is not None), "call": where, **fields, **settings}
-
-
-def encode(fields: dict) -> list[int]:
-    """The numbers an agreement sends for `fields` (from `described`): each field's code, then
-    each code negated, SLOTS of each, so that max over ranks gives both max and min."""
-    codes = [_code(v) for v in fields.values()]
-    codes += [0] * (SLOTS - len(codes))  # fixed length: see SLOTS
-    return codes + [-c for c in codes]
-
-
-def judge(where: str, me: int, fields: dict, settings: dict, combined: list[int],
-          problem: Exception | None) -> None:
-    """Raise what an agreement found, given `combined`: the max over every rank's `encode`d
-    fields (so the max of each field, then minus its min). `me`: this rank's group rank."""
-    k = len(fields)
-    highs, lows = combined[:k], [-v for v in combined[SLOTS:SLOTS + k]]
-    if problem is not None:
-        raise problem
-    if highs[0]:
-        raise MicroDDPError(f"{where}: another rank of the group rejected its arguments (its "
-                            "error says why); fix them there")
-    differ = [name for name, hi, lo in zip(fields, highs, lows, strict=True) if hi != lo]
-    if "call" in differ:
-        raise MicroDDPError(
-            f"{where}: the ranks of the group called different collectives at this point (this "
-            f"rank, group rank {me}, called {where}); every rank of the group must call "
-            "the same collectives, in the same order")
-    if differ:
-        # Every argument, but a setting only when it is what differs: otherwise it is noise.
-        shown = [n for n in list(fields)[2:] if n not in settings or n in differ]
-        mine = ", ".join(f"{name}={fields[name]}" for name in shown)
-        raise MicroDDPError(
-            f"{where}: ranks disagree on {' and '.join(differ)} (this rank, group rank "
-            f"{me}: {mine}); every rank of the group must call it with the same "
-            f"{', '.join(differ)}")
 
 
 def begin_all_reduce(tensor: torch.Tensor, op: str, group, check: bool,
@@ -319,4 +244,3 @@ def begin_rooted(tensor: torch.Tensor, where: str, group, check: bool, root_name
     return peers, root, name, items
 
 
-shm_checked.use(sys.modules[__name__])  # shared-memory calls agree as agree() does (shm/checked.py)

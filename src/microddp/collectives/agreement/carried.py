@@ -28,15 +28,16 @@ import itertools
 
 import torch
 
+from ...shm.verdict import SLOTS, described, encode, judge
 from ...transport.peers import COMBINE, Peers
 from ..ring.plan import RingPlan
-from .agree import FIRST_TAG, PAIR_WORDS, SLOTS, described, encode, judge
+from .agree import FIRST_TAG, PAIR_WORDS
 
 # Where a header carries its sender's tag base. It is past every field an agreement compares
 # (at most 9), so a rank running `agree` reads the rest of the header and ignores it.
 TAG_SLOT = SLOTS - 1
 # Data tags: from here on, 4 per call (the ring's two steps use 1 and 2), below 2**30 (the
-# sized tags, sized_tags.py, begin there). Far above the tags of every other loop, so a stale
+# sized tags, transport/sized_tags.py, begin there). Far above the tags of every other loop, so a stale
 # receive never meets them.
 TAG_BASE = 1 << 24
 _WRAP = 1 << 27  # so that the tags stay below 2**30, where the sized tags begin

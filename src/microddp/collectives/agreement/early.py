@@ -8,9 +8,9 @@ connection per direction (transport/duplex.py), a call:
 
 1. posts its check in shared memory (the agreement's numbers, plus where it sends and posts its
    first step early: EXTRA words beside them), without waiting for anyone;
-2. posts both data receives (the first step's on its sized tag, sized_tags.py; the second's on
+2. posts both data receives (the first step's on its sized tag, transport/sized_tags.py; the second's on
    a tag of this agreement's own), then sends its first step on its sized tag;
-3. reads the check and compares. On a mismatch, settles (sized_tags.py: each rank takes or
+3. reads the check and compares. On a mismatch, settles (transport/sized_tags.py: each rank takes or
    fills what the other sent or posted early) and raises on both ranks what the agreement
    would have; what arrived early was never used;
 4. otherwise adds what arrived, sends the second step and finishes.
@@ -25,10 +25,10 @@ from __future__ import annotations
 import array
 
 from ...transport.peers import COMBINE, Peers
+from ...transport.sized_tags import sized_tag
 from ..ring.plan import RingPlan
 from .agree import described, encode, read_in_memory, shared_agreement
 from .carried import gather_step_
-from .sized_tags import sized_tag
 
 # The second step's tags: 4 per agreement from here, below 2**30 where the sized tags begin.
 TAG_BASE = 1 << 24
@@ -57,7 +57,7 @@ def goes_early(numel: int, element_size: int) -> bool:
 def _check(peers: Peers, box, seq: int, call: EarlyCall, works: list) -> None:
     """Read the check of agreement `seq` (the other rank's post is there, or comes at once);
     on a mismatch settle the early messages (`works`: this rank's own ones not yet waited
-    for) and raise the agreement's error (agree.read_in_memory)."""
+    for) and raise the agreement's error (shm/checked.py's read_in_memory)."""
     read_in_memory(peers, box, seq, call.mine, call.where, call.fields, call.settings, None,
                    call.tags, works)
 

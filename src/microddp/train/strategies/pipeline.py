@@ -122,17 +122,26 @@ class Pipeline(Strategy):
                 return F.cross_entropy(out.float(), target) * (k * scale)
 
             record = [] if spans.enabled() else None
+            messages = [] if spans.enabled() else None
             self._straggling = True
             try:
                 with self.replicated.no_sync():
                     loss = pipeline.run_schedule(schedule, self.replicated.modules, x, y,
                                                  loss_fn, group=self.groups.pp_group,
-                                                 record=record, sent=self._sent)
+                                                 record=record, sent=self._sent,
+                                                 messages=messages)
             finally:
                 self._straggling = False
             for a, start, end in record or ():  # the schedule's compute, on the timeline
                 spans.add_span("forward" if a.kind == "F" else "backward", start, end,
                                action=str(a))
+            for a, start, end, wait_start, wait_end in messages or ():
+                # a send is posted (comm); a receive is the time this rank waited for the data
+                if a.kind.startswith("SEND"):
+                    spans.add_span(f"send {a}", start, end, track="comm", action=str(a))
+                else:
+                    spans.add_span(f"recv {a}", wait_start, wait_end, track="comm_wait",
+                                   action=str(a))
         if sync and self.mesh.dp > 1:  # once per optimizer step, not per micro-batch
             with spans.span("backward"):
                 self.replicated.average()

@@ -12,24 +12,26 @@ are then of one size, whatever either rank called, so the ring's first step may 
 call starts (early.py) and gloo cannot be made to abort. The check is still read before
 a byte of what arrived is used; ranks whose checks agree have equal shapes, so their first
 steps meet on one tag.
-
-What a refused call must not leave behind is a message sent early that no receive took, or a
-receive posted early that nothing filled: a later call of the same size would meet it and use
-another call's data. So on a refusal both ranks `settle`: each has read both ranks' posts in
-the shared-memory check (shm/agreement.py: a ring's says where it sent and posted early), hence
-knows where the other sent early and where it posted early; each receives (and drops) the
-other's message where its own receive did not take it, and sends a filler where its own
-message did not fill the other's receive. A rank that met the ring with an agreement of
-another collective (agree.py) does the same with nothing of its own early. Every early message and receive is
-then complete on both ranks, and the sized tags are empty again, before either rank raises.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...transport.duplex import duplex, duplex_decided
-from ...transport.peers import Peers, wait_all
+from .duplex import duplex, duplex_decided
+from .peers import Peers, wait_all
+
+# What a refused call leaves behind, and how both ranks settle it:
+#
+# What a refused call must not leave behind is a message sent early that no receive took, or a
+# receive posted early that nothing filled: a later call of the same size would meet it and use
+# another call's data. So on a refusal both ranks `settle`: each has read both ranks' posts in
+# the shared-memory check (shm/agreement.py: a ring's says where it sent and posted early), hence
+# knows where the other sent early and where it posted early; each receives (and drops) the
+# other's message where its own receive did not take it, and sends a filler where its own
+# message did not fill the other's receive. A rank that met the ring with an agreement of
+# another collective (agree.py) does the same with nothing of its own early. Every early message and receive is
+# then complete on both ranks, and the sized tags are empty again, before either rank raises.
 
 # Above the rings' per-call tags (carried.py's and early.py's end below 2**30) and,
 # with the size added, below 2**31, the largest tag gloo accepts. (A pipeline's tags grow with
