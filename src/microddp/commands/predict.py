@@ -46,6 +46,7 @@ examples:
   microddp predict --mesh-world 64 --dim 2048 --depth 24 --heads 16 --seq 1024 --batch 512
                                                # every dp x pp x tp mesh of a GPT, ranked
   microddp predict --tp 2 --pp 2 --dim 32 --depth 2 --heads 4 --seq 32 --batch 16 --hardware cpu-loopback
+  microddp predict --cp 2 --tp 2 --dim 32 --depth 2 --heads 4 --seq 32 --batch 16 --hardware cpu-loopback
 a sample is one input of --batch: a preset's tokens per sample are in its note (--list); with
 --params, one token unless --tokens or --flops-per-sample says otherwise.
 presets are assumptions, not measurements: override any figure with --flops, --bandwidth,
@@ -128,6 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mg.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default 1 with --pp or --dp)")
     mg.add_argument("--pp", type=int, help="pipeline stages (default 1 with --tp or --dp)")
     mg.add_argument("--dp", type=int, help="data-parallel replicas (default 1)")
+    mg.add_argument("--cp", type=int, help="context-parallel ranks (ring attention) per replica, "
+                    "pp 1 (default 1; --mesh-world ranks cp meshes too)")
     mg.add_argument("--mesh-world", type=int, help="rank every mesh of this many ranks (default: none; one mesh from --tp/--pp/--dp)")
     mg.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     mg.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
@@ -150,6 +153,8 @@ def _mesh(args: argparse.Namespace) -> int:
     """--tp/--pp (one mesh) or --mesh-world N (every mesh of N ranks, ranked) for a GPT."""
     from ..predict import mesh3d
 
+    if args.cp is not None and args.cp < 1:
+        raise MicroDDPError(f"--cp must be at least 1, got {args.cp}")
     for name in ("dim", "depth", "heads", "seq", "vocab", "microbatches", "per_host"):
         if getattr(args, name) < 1:
             raise MicroDDPError(f"--{name.replace('_', '-')} must be at least 1, got "
@@ -168,11 +173,11 @@ def _mesh(args: argparse.Namespace) -> int:
         if args.mesh_world < 1:
             raise MicroDDPError(f"--mesh-world must be at least 1, got {args.mesh_world}")
         capacity = None if args.device_memory is None else args.device_memory * 2**30
-        rows = mesh3d.rank(shape, args.mesh_world, hw, capacity, **kw)
+        rows = mesh3d.rank(shape, args.mesh_world, hw, capacity, **kw, with_cp=True)
     else:
         tp, pp = args.tp or 1, args.pp or 1
         dp = args.dp or 1
-        rows = [mesh3d.predict_mesh(shape, dp, pp, tp, hw, **kw)]
+        rows = [mesh3d.predict_mesh(shape, dp, pp, tp, hw, **kw, cp=args.cp or 1)]
     print(f"GPT: d_model {args.dim}, {args.depth} blocks, {args.heads} heads, seq {args.seq}, "
           f"vocab {args.vocab}: {shape.params:.3g} parameters; global batch {shape.batch}, "
           f"{args.microbatches} micro-batches per pipeline; {args.per_host} ranks per host")
@@ -321,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     """List presets, calibrate, or print the predicted step time per world size; the exit code."""
     if args.zero:
         return _zero(args)
-    if any(v is not None for v in (args.tp, args.pp, args.dp, args.mesh_world)):
+    if any(v is not None for v in (args.tp, args.pp, args.dp, args.cp, args.mesh_world)):
         return _mesh(args)
     if args.stages is not None or args.compare is not None:
         return _pipeline(args)

@@ -32,6 +32,7 @@ class TrainConfig:
     nproc: int = 2
     model: str = "mlp"  # gpt: microddp.gpt.GPT on --dataset text (implied)
     tp: int = 1  # tensor-parallel ranks per replica (--model gpt); replicas = nproc / tp
+    cp: int = 1  # context-parallel ranks per replica (--model gpt): the windows split C ways
     heads: int = 4  # --model gpt: attention heads (d_model is --hidden, layers --depth)
     epochs: int = 8
     batch_size: int = 64
@@ -125,6 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--tp", type=int, default=d.tp,
       help="--model gpt: tensor-parallel ranks per pipeline stage (with --pp: a dp x pp x tp "
            f"mesh, tp innermost); replicas = nproc / (tp x pp) (default {d.tp})")
+    a("--cp", type=int, default=d.cp,
+      help="--model gpt: context-parallel ranks per replica, each holding 2 of 2 x cp chunks "
+           "of every window (ring attention; with --tp: a dp x cp x tp mesh, tp innermost); "
+           f"replicas = nproc / (cp x tp) (default {d.cp})")
     a("--heads", type=int, default=d.heads,
       help=f"--model gpt: attention heads; --hidden is the width, --depth the blocks "
            f"(default {d.heads})")

@@ -64,7 +64,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                             f"least {MIN_MONITOR_TIMEOUT_S:g} s, or 0 to turn the monitor off")
     if cfg.seed > MAX_SEED:  # NumPy's generators take 32 bits, torch's 64
         raise MicroDDPError(f"--seed must be at most {MAX_SEED} (2**32 - 1), got {cfg.seed}")
-    at_least(1, tp=cfg.tp, heads=cfg.heads)
+    at_least(1, tp=cfg.tp, cp=cfg.cp, heads=cfg.heads)
     if cfg.replacements and not cfg.elastic:
         raise MicroDDPError("--replacements needs --elastic (only an elastic job takes a new "
                             "rank in); add --elastic or drop --replacements")
@@ -95,9 +95,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.drift_every and not entry.replicas:
         raise MicroDDPError(f"--drift-every compares whole replicas of the model, which "
                             f"--strategy {cfg.strategy} does not keep on every rank; drop it")
-    replicas = n // (stages(cfg, n) * cfg.tp)
+    replicas = n // (stages(cfg, n) * cfg.tp * cfg.cp)
     if not entry.own_loop and cfg.batch_size % replicas:
         what = (f"{n} ranks" if replicas == n else
+                f"{replicas} replicas ({n} ranks / (--cp {cfg.cp} x --tp {cfg.tp}))"
+                if cfg.cp > 1 else
                 f"{replicas} replicas ({n} ranks / (--tp {cfg.tp} x {stages(cfg, n)} stages))"
                 if cfg.tp > 1 else
                 f"{replicas} replicas ({n} ranks / {stages(cfg, n)} stages)")
@@ -145,6 +147,10 @@ def _check_model(cfg: TrainConfig, n: int) -> None:
     """--model, --dataset and --tp go together: the MLP reads digits or synthetic data and has
     no layer to split; the GPT reads text, under dp or ZeRO, or on a dp x pp x tp mesh (--tp,
     --pp; strategies/mesh3d.py checks the mesh)."""
+    if cfg.cp > 1 and (cfg.model != "gpt" or cfg.strategy != "dp"):
+        raise MicroDDPError(f"--cp {cfg.cp} splits a transformer's sequence: it runs with "
+                            f"--model gpt under --strategy dp, not --model {cfg.model} "
+                            f"--strategy {cfg.strategy}")
     if cfg.model == "mlp":
         if cfg.tp != 1:
             raise MicroDDPError(f"--tp {cfg.tp} splits a transformer's attention heads and MLP, "
@@ -165,8 +171,8 @@ def _check_model(cfg: TrainConfig, n: int) -> None:
     GPTConfig(n_head=cfg.heads, d_model=cfg.hidden, n_layer=max(cfg.depth, 1))
     if cfg.depth < 1:
         raise MicroDDPError("--model gpt needs --depth of at least 1 block")
-    if cfg.tp == 1 and cfg.pp in (None, 1):
-        return
+    if cfg.tp == 1 and cfg.pp in (None, 1) or cfg.cp > 1 and (cfg.pp or 1) > 1:
+        return  # nothing to split, or --cp with --pp: strategies/context.py refuses it
     if cfg.tp > 1:
         if n % cfg.tp:
             raise MicroDDPError(f"--tp {cfg.tp} must divide --nproc {n}: each replica is --tp "

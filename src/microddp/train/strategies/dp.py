@@ -89,7 +89,11 @@ class DataParallel(Strategy):
 def check(cfg: TrainConfig, n: int) -> None:
     """Nothing of its own to check (dp takes every setting the synchronous loop takes), but
     the GPT's --tp / --pp mesh's."""
-    if _on_mesh(cfg):
+    if cfg.model == "gpt" and cfg.cp > 1:
+        from .context import check as context_check
+
+        context_check(cfg, n)
+    elif _on_mesh(cfg):
         from .mesh3d import check as mesh_check
 
         mesh_check(cfg, n)
@@ -101,7 +105,11 @@ def _on_mesh(cfg: TrainConfig) -> bool:
 
 def make(cfg: TrainConfig, world: World, module: nn.Module, precision: Precision) -> Strategy:
     """This rank's replica under the chosen engine (the GPT with --tp or --pp: its share of
-    a dp x pp x tp mesh)."""
+    a dp x pp x tp mesh; with --cp: a dp x cp x tp mesh)."""
+    if cfg.model == "gpt" and cfg.cp > 1:
+        from .context import make as on_context
+
+        return on_context(cfg, world, module, precision)
     if _on_mesh(cfg):
         from .mesh3d import make as on_mesh
 
