@@ -65,6 +65,40 @@ def test_a_group_the_script_still_holds_is_named(tmp_path):
     assert r.stdout.count("warned: True") == 2, r.stdout
 
 
+TORCH_DDP = """
+import sys, torch, warnings
+from torch.nn.parallel import DistributedDataParallel
+import microddp as mdp
+mdp.init()
+model = DistributedDataParallel(torch.nn.Linear(2, 2))
+model(torch.ones(3, 2)).sum().backward()
+if sys.argv[1] == "dropped":
+    del model
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    mdp.shutdown()
+print("warned:", [str(w.message) for w in seen if "still referenced" in str(w.message)])
+"""
+
+
+@pytest.mark.parametrize("kept", ["kept", "dropped"])
+def test_the_warning_names_what_holds_the_group(tmp_path, kept):
+    """The sweep of issue 57 saw 'still referenced' with no group in the script: torch's own
+    DDP held it (its process_group attribute). The warning names the holder, and is gone once
+    the model is dropped."""
+    script = write(tmp_path, "torchddp.py", TORCH_DDP)
+    r = microddp("run", "-n", "2", script, kept, timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    lines = [line for line in r.stdout.splitlines() if "warned:" in line]
+    assert len(lines) == 2, r.stdout
+    for line in lines:
+        if kept == "kept":
+            assert "held by torch.nn.parallel.distributed.DistributedDataParallel" \
+                   ".process_group" in line and "del model" in line, line
+        else:
+            assert line.endswith("warned: []"), line
+
+
 NO_SHUTDOWN = """
 import torch
 import microddp as mdp

@@ -55,12 +55,36 @@ def release(watched: list[weakref.ref]) -> list:
     gc.collect()  # a cycle (a model with hooks, say) may be what still holds one
     held = [r() for r in watched if r() is not None]
     if held:
+        names = sorted({name for g in held for name in holders(g)})
+        by = f" (held by {', '.join(names)})" if names else ""
         warnings.warn(
             f"microddp.shutdown: {len(held)} process group(s) are still referenced after "
-            "destroy_process_group, so their worker threads run until exit, which can abort "
-            "the process at exit (SIGABRT); drop your references to groups (and to objects "
-            "holding them) before shutdown()", RuntimeWarning, stacklevel=3)
+            f"destroy_process_group{by}, so their worker threads run until exit, which can "
+            "abort the process at exit (SIGABRT); drop those objects (e.g. `del model`) "
+            "before shutdown()", RuntimeWarning, stacklevel=3)
     return held
+
+
+def holders(group) -> list[str]:
+    """What holds `group`, as a person would name it: an object's attribute (`torch.nn.
+    parallel.distributed.DistributedDataParallel.process_group`), a module's global, a
+    function's local. A reference from C++ (a reducer's) shows only through its Python
+    owner, when it has one."""
+    out = []
+    for ref in gc.get_referrers(group):
+        if isinstance(ref, dict):
+            attr = next((k for k, v in ref.items() if v is group), "?")
+            owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+            if owners:
+                t = type(owners[0])
+                where = (f"module {owners[0].__name__}" if isinstance(owners[0], types.ModuleType)
+                         else f"{t.__module__}.{t.__qualname__}")
+                out.append(f"{where}.{attr}")
+            elif ref.get("__name__") == "__main__":
+                out.append(f"the script's global {attr}")
+        elif isinstance(ref, types.FrameType):
+            out.append(f"a local variable of {ref.f_code.co_name}()")
+    return out
 
 
 def _forget_defaults(groups: list) -> None:
