@@ -28,7 +28,7 @@ def worker(world, out, kw):
 
 def run(n, **kw):
     out = tempfile.mkdtemp(prefix="mesh-")
-    params = mdp.spawn(worker, n, args=(out, kw), timeout=600)[0]
+    params = mdp.spawn(worker, n, args=(out, kw), timeout=600, backend="gloo")[0]
     return params, torch.load(Path(out) / "model.pt", weights_only=True)
 
 

@@ -39,7 +39,7 @@ def worker(world, out, kw):
 
 def step_time(n, steps, **kw):
     out = tempfile.mkdtemp(prefix="mesh-")  # one run folder for all the ranks
-    gaps = mdp.spawn(worker, n, args=(out, {"max_steps": steps, **kw}), timeout=900)[0]
+    gaps = mdp.spawn(worker, n, args=(out, {"max_steps": steps, **kw}), timeout=900, backend="gloo")[0]
     return statistics.median(gaps[2:] if len(gaps) > 4 else gaps)
 
 
@@ -67,7 +67,7 @@ def main():
     one = step_time(1, args.steps)
     flops = mesh3d.predict_mesh(shape, 1, 1, 1, Hardware(1.0, 1e30, 0.0))["step_s"]
     small, big = 4 << 10, 1 << 20
-    t_small, t_big = mdp.spawn(ping, 2, args=((small, big), 20), timeout=300)[0]
+    t_small, t_big = mdp.spawn(ping, 2, args=((small, big), 20), timeout=300, backend="gloo")[0]
     hw = Hardware(flops / one, (big - small) / max(t_big - t_small, 1e-9), t_small / 2,
                   "this host, measured now", cores=os.cpu_count() or 1)
     print(f"calibration: one process {1e3 * one:.1f} ms a step = {hw.flops:.3g} FLOP/s; "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import pickle
 import shutil
 import socket
 import subprocess
@@ -28,6 +27,7 @@ import torch
 
 from ..errors import MicroDDPError
 from ..timing import compare, median
+from ..transport import objects
 
 CONTROL = "mpi-2"  # MPI's Allreduce timed again (A/A)
 # (microddp's contender, MPI's) per collective: what the table compares
@@ -58,9 +58,11 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) ->
     if why is not None:
         raise MicroDDPError(f"--mpi: {why}")
     with tempfile.TemporaryDirectory(prefix="microddp-mpi-") as folder:
-        job, out = os.path.join(folder, "job.pkl"), os.path.join(folder, "out.pkl")
+        # microddp's own format (transport/objects.py: JSON and raw tensor bytes), not pickle:
+        # nothing another process wrote is unpickled (tests/test_no_pickle.py)
+        job, out = os.path.join(folder, "job.bin"), os.path.join(folder, "out.bin")
         with open(job, "wb") as f:
-            pickle.dump((fn, args, timeout), f)
+            f.write(objects.encode([f"{fn.__module__}:{fn.__qualname__}", args, timeout]))
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
         cmd = ["mpiexec", "-n", str(world_size), sys.executable, "-m", __name__, job, out]
@@ -79,7 +81,7 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) ->
         if text.strip():
             print(text, end="" if text.endswith("\n") else "\n")
         with open(out, "rb") as f:
-            return pickle.load(f)
+            return objects.decode(f.read())
 
 
 def _main(job: str, out: str) -> int:
@@ -92,13 +94,15 @@ def _main(job: str, out: str) -> int:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     with open(job, "rb") as f:
-        fn, args, timeout = pickle.load(f)
+        name, args, timeout = objects.decode(f.read())
+    module, _, qualname = name.partition(":")
+    fn = getattr(importlib.import_module(module), qualname)
     world = comms.init(backend="gloo", timeout=timeout)
     try:
         result = fn(world, *args)
         if rank == 0:
             with open(out, "wb") as f:
-                pickle.dump(result, f)
+                f.write(objects.encode(result))
     finally:
         comms.shutdown()
     return 0

@@ -38,6 +38,7 @@ _WORDS = 4  # numel, dtype, global rank, nbytes
 
 
 def data_tag(tag: int) -> int:
+    """The tag the data itself travels on (the user's tag t, as 3t)."""
     return 3 * _checked_tag(tag)
 
 
@@ -172,6 +173,7 @@ class SendWork:
             queue.append(self._send)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the data has left (after the receiver's expectation was read)."""
         if not self._done:
             s = self._send
             if not s.gone.wait(None if timeout is None else timeout.total_seconds()):
@@ -192,9 +194,11 @@ class SendWork:
         return self._done
 
     def exception(self):
+        """The error this Work ended with, or None (as torch's Work)."""
         return self._send.failed or self._send.error
 
     def result(self) -> list:
+        """The tensors of the call, as torch's Work.result()."""
         self.wait()
         return [self._send.tensor]
 
@@ -221,6 +225,8 @@ class RecvWork:
             self.data = dist.irecv(self.tensor, src, self.group, data_tag(self.tag))
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the data left (a send) or arrived and was checked (a receive);
+        raise the mismatch, on both ranks, if the two ends differ."""
         if self._done:
             if self.error is not None:
                 raise self.error
@@ -238,6 +244,7 @@ class RecvWork:
         return True
 
     def is_completed(self) -> bool:
+        """Whether wait() would return at once, without blocking."""
         if self._done:
             return True
         if self.src is None or not all(
@@ -251,8 +258,10 @@ class RecvWork:
         return True
 
     def exception(self):
+        """The error this Work ended with, or None (as torch's Work)."""
         return self.error
 
     def result(self) -> list:
+        """The tensors of the call, as torch's Work.result()."""
         self.wait()
         return [self.tensor]
