@@ -84,17 +84,28 @@ class ContextParallelGPT(nn.Module):
 
     def global_loss(self, share: torch.Tensor) -> float:
         """The whole batch's mean loss, from every rank's share (a collective)."""
-        t = share.detach().clone()
-        if self.p > 1:
-            comms.all_reduce(t, "sum", self.group)
-        return t.item()
+        return summed(share, self.group)
 
     def finish_grads(self) -> None:
         """Sum the ranks' gradients (each saw only its tokens), so each holds one process's."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.p == 1 or not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comms.all_reduce(flat, "sum", self.group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+        sum_grads(self.model.parameters(), self.group)
+
+
+def summed(share: torch.Tensor, group) -> float:
+    """The sum of every CP rank's loss share: the whole batch's mean loss (a collective)."""
+    t = share.detach().clone()
+    if split.size(group) > 1:
+        comms.all_reduce(t, "sum", group)
+    return t.item()
+
+
+def sum_grads(params, group) -> None:
+    """Sum each parameter's gradient over the CP group, in one flat all-reduce: its ranks saw
+    other tokens of the same sequences."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if split.size(group) == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comms.all_reduce(flat, "sum", group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))

@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comms
 from ..errors import MicroDDPError
 from ..gpt import GPT
 from ..tp.comm import enter
 from ..tp.gpt import TensorParallelGPT
 from ..tp.loss import vocab_parallel_cross_entropy
 from . import split
+from .gpt import sum_grads, summed
 from .ring import ring_attention
 
 
@@ -82,17 +82,8 @@ class ContextTensorParallelGPT(nn.Module):
 
     def global_loss(self, share: torch.Tensor) -> float:
         """The whole batch's mean loss, from every CP rank's share (a collective)."""
-        t = share.detach().clone()
-        if self.p > 1:
-            comms.all_reduce(t, "sum", self.cp_group)
-        return t.item()
+        return summed(share, self.cp_group)
 
     def finish_grads(self) -> None:
         """Sum each shard's gradient over the CP group (its ranks saw other tokens)."""
-        grads = [p.grad for p in self.tp.parameters() if p.grad is not None]
-        if self.p == 1 or not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comms.all_reduce(flat, "sum", self.cp_group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+        sum_grads(self.tp.parameters(), self.cp_group)

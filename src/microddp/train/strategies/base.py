@@ -23,6 +23,7 @@ from torch import nn
 
 from ... import spans
 from ...data import Split
+from ...monitor.memory import measure
 from ...ps import parse_straggler
 from ...timing import straggle_after_forward
 from ...world.world import World
@@ -75,13 +76,23 @@ class Strategy:
         return loss_sum
 
     def step(self) -> None:
-        """The optimizer step on the averaged gradients, then drop them."""
-        raise NotImplementedError
+        """The optimizer step on the averaged gradients, then drop them. Measured first, with
+        the averaged gradients in place and the optimizer state of the last step: the most
+        this rank holds at once (`measured()` says over which parameters)."""
+        self._memory = {**measure(self.measured(), self.optimizer), "sent_per_step": self._sent}
+        self._sent = 0
+        with spans.span("optimizer", track="optim"):
+            self.precision.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def measured(self) -> nn.Module:
+        """The parameters `step` measures this rank's memory over: its module by default."""
+        return self.module
 
     @property
     def lr(self) -> float:
         """The learning rate of the first parameter group (what progress lines log)."""
-        raise NotImplementedError
+        return self.optimizer.param_groups[0]["lr"]
 
     def evaluate(self, split: Split) -> dict:
         """Loss and accuracy of the whole model on `split` (data.evaluate's record)."""

@@ -30,7 +30,6 @@ from ... import comms, spans
 from ...cp.tensor_parallel import ContextTensorParallelGPT
 from ...data import TEXT_BLOCK, Split, evaluate
 from ...errors import MicroDDPError
-from ...monitor.memory import measure
 from ...timing import straggle_after_forward
 from ...tp.stages import split_dim
 from ...world.world import World, distributed, group_size
@@ -187,13 +186,9 @@ class ContextParallel(Mesh3DParallel):
         for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.grad.copy_(g.view_as(p))
 
-    def step(self) -> None:
-        """The optimizer step on this rank's shards, then gradients cleared."""
-        self._memory = {**measure(self.model.tp, self.optimizer), "sent_per_step": self._sent}
-        self._sent = 0
-        with spans.span("optimizer", track="optim"):
-            self.precision.step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
+    def measured(self) -> nn.Module:
+        """This rank's TP shards (every CP rank of a replica holds the same)."""
+        return self.model.tp
 
     @torch.no_grad()
     def _whole(self) -> dict[str, torch.Tensor]:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ... import spans
 from ...data import Split, evaluate
-from ...monitor.memory import measure
 from ...world.world import World, distributed
 from ..build import Precision, build_optimizer, wrap
 from ..config import TrainConfig
@@ -40,21 +38,6 @@ class DataParallel(Strategy):
         if sync:
             self._sent += ring_all_reduce_bytes(self.module, self.world.world_size)
         return loss_sum
-
-    def step(self) -> None:
-        """The optimizer step of this strategy, then gradients cleared."""
-        # Measured with the averaged gradients in place and the optimizer state of the last
-        # step: the most this rank holds at once.
-        self._memory = {**measure(self.module, self.optimizer), "sent_per_step": self._sent}
-        self._sent = 0
-        with spans.span("optimizer", track="optim"):
-            self.precision.step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def lr(self) -> float:
-        """The learning rate of the first parameter group (what progress lines log)."""
-        return self.optimizer.param_groups[0]["lr"]
 
     def evaluate(self, split: Split) -> dict:
         """Test loss and accuracy of the whole model, equal on every rank."""

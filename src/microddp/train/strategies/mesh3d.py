@@ -29,7 +29,6 @@ from ... import comms, pipeline, spans
 from ...comms.mesh3d import Mesh3D
 from ...data import Split, evaluate
 from ...errors import MicroDDPError
-from ...monitor.memory import measure
 from ...timing import straggle_after_forward
 from ...tp.stages import TensorParallelStage, blocks_per_stage, stage_of
 from ...world.world import World
@@ -139,18 +138,9 @@ class Mesh3DParallel(Strategy):
         for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.grad.copy_(g.view_as(p))
 
-    def step(self) -> None:
-        """The optimizer step on this rank's shards, then gradients cleared."""
-        self._memory = {**measure(self.stage, self.optimizer), "sent_per_step": self._sent}
-        self._sent = 0
-        with spans.span("optimizer", track="optim"):
-            self.precision.step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def lr(self) -> float:
-        """The learning rate of the first parameter group (what progress lines log)."""
-        return self.optimizer.param_groups[0]["lr"]
+    def measured(self) -> nn.Module:
+        """This rank's stage shards: what its step measures."""
+        return self.stage
 
     @torch.no_grad()
     def _whole(self) -> dict[str, torch.Tensor]:

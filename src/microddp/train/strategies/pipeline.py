@@ -158,11 +158,6 @@ class Pipeline(Strategy):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
-    @property
-    def lr(self) -> float:
-        """The learning rate of the first parameter group (what progress lines log)."""
-        return self.optimizer.param_groups[0]["lr"]
-
     @contextlib.contextmanager
     def _whole(self, to: int | None) -> Iterator[nn.Module]:
         """The whole model on rank `to` (every rank if None), each layer from replica 0's rank

@@ -40,11 +40,6 @@ class Sharded(Strategy):
             self.model.step()
             self.model.zero_grad()
 
-    @property
-    def lr(self) -> float:
-        """The learning rate of the first parameter group (what progress lines log)."""
-        return self.optimizer.param_groups[0]["lr"]
-
     def evaluate(self, split: Split) -> dict:
         """Test loss and accuracy of the whole model, equal on every rank."""
         # Ranks score different test batches, so ZeRO-3 must not gather per forward: the whole
