@@ -175,6 +175,50 @@ def test_a_row_of_the_table_raises_on_every_rank(row, world_size):
         assert after == [float(total)] * 5, (rank, row, after)  # still in step, right sum
 
 
+# -- ranks that share no memory: all_reduce agrees through gloo messages -------------------------
+
+GLOO_ROWS = ("all_reduce shape", "all_reduce float64", "all_reduce int32", "all_reduce op",
+             "all_reduce empty", "all_reduce twice")
+
+
+def _gloo_table(world) -> dict[str, tuple[str, list]]:
+    """The all_reduce rows with shared memory off; then DDP's buckets, which skip the round
+    (checked=False), still average right."""
+    out = {}
+    for row in GLOO_ROWS:
+        odd = world.rank == world.world_size - 1
+        said = (_twice(odd) if row == "all_reduce twice"
+                else message(lambda row=row, odd=odd: ROWS[row](world, odd)))
+        y = torch.full((5,), float(world.rank + 1))
+        mdp.comms.all_reduce(y)
+        out[row] = (said, y.tolist())
+    torch.manual_seed(0)
+    model = mdp.DDP(torch.nn.Linear(3, 2))
+    model(torch.full((2, 3), float(world.rank))).sum().backward()
+    out["ddp"] = ("", model.module.weight.grad.flatten().tolist())
+    return out
+
+
+def test_all_reduce_between_ranks_that_share_no_memory_agrees_first(monkeypatch):
+    """Issue 56: off shared memory (other hosts, or MICRODDP_TRANSPORT=gloo) all_reduce kept
+    local checks only: a float32 sum against int32 read the bits as the wrong numbers, another
+    shape or op went to gloo as it was. Now every rank raises the same line."""
+    monkeypatch.setenv("MICRODDP_TRANSPORT", "gloo")
+    out = mdp.launch.spawn(_gloo_table, 2, timeout=150)
+    for rank, results in enumerate(out):
+        for row in GLOO_ROWS:
+            said, after = results[row]
+            want = EXPECTED[row][0].format(p=2)
+            if row == "all_reduce twice":
+                assert "ranks disagree on shape" in said.split(" | ")[1], said
+                assert "ranks disagree on op" in said.split(" | ")[2], said
+            else:
+                assert want in said and f"group rank {rank}" in said, (rank, row, said)
+            assert after == [3.0] * 5, (rank, row, after)
+        # the mean of the ranks' gradients: inputs 0 and 1, so the mean input 0.5 per column
+        assert out[rank]["ddp"][1] == pytest.approx([1.0] * 6), out[rank]["ddp"]
+
+
 # -- the microddp torch.distributed backend ------------------------------------------------------
 
 BACKEND_ROWS = {

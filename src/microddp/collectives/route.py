@@ -99,19 +99,21 @@ def agree_call(where: str, group, problem: Exception | None, tensor=None, **more
     MicroDDPError on every rank unless all passed alike `tensor`'s shape, dtype and device and
     `more` (this rank's `problem`, found by its own checks, is shared first). Through the
     group's shared memory, in order with its calls there, where it has some; else the
-    butterfly of agree.py through gloo. Not on NCCL, and not for all_reduce off shared
-    memory: there the agreement is a round of messages the caller waits for before the call
-    starts, in front of every DDP bucket (whose shapes DDP checked when it was built), and an
-    asynchronous call would no longer overlap anything."""
+    butterfly of agree.py through gloo: for an all_reduce off shared memory a round of small
+    messages the caller waits for before the call starts, which DDP's buckets skip
+    (comms.all_reduce(checked=False): their shapes were checked when DDP was built). Not on
+    NCCL, and not for a barrier (its round is the barrier)."""
     fields = (shm_checked.all_reduce_fields(tensor, more["op"]) if where == "all_reduce"
               else shm_checked.tensor_fields(tensor, **more))
     if shm.agree_in_order(group, where, fields, problem):
         return
     peers = Peers(group)
-    if peers.nccl or where in ("all_reduce", "barrier"):  # a barrier's round is the barrier
+    if peers.nccl or where == "barrier":  # a barrier's round is the barrier
         if problem is not None:
             raise problem
         return
+    if where == "all_reduce":  # gloo takes either layout: contiguity is shared memory's concern
+        fields = shm_checked.tensor_fields(tensor, op=more["op"])
     agree.agree(peers, where, torch.device("cpu"), problem, **fields)
 
 

@@ -137,8 +137,14 @@ def _all_reduce_problem(tensor, op) -> tuple[str, MicroDDPError | None]:
 
 
 def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
-               async_op: bool = False) -> Handle | None:
-    """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place."""
+               async_op: bool = False, checked: bool = True) -> Handle | None:
+    """Every rank ends with op(tensor of rank 0, ..., tensor of rank n-1), in place.
+
+    The ranks first agree that they passed the same shape, dtype and op: in the group's shared
+    memory at no extra wait, else (ranks on several hosts, MICRODDP_TRANSPORT=gloo) by a round
+    of small messages before the call. `checked=False` skips that round, for callers whose
+    ranks agreed their calls already (DDP's buckets, checked when DDP was built): a mismatch
+    then is gloo's (a wrong number, a hang or an abort)."""
     name, problem = _all_reduce_problem(tensor, op)
     given = given_group(group)  # its own methods, no default group needed, no shared memory
     if not (given or distributed()) or (not given and _outside(group)):
@@ -158,7 +164,10 @@ def all_reduce(tensor: torch.Tensor, op: Op = "sum", group=None,
         return _result(work, async_op, finish)
     if given and problem is not None:  # a group torch does not know: no agreement through it
         raise problem
-    agreement = _agreed("all_reduce", group, problem, tensor, op=name) if not given else _none
+    if not checked and problem is not None:
+        raise problem
+    agreement = (_agreed("all_reduce", group, problem, tensor, op=name)
+                 if checked and not given else _none)
     return _result(after(agreement, dist.all_reduce, tensor, REDUCE_OPS[name], group,
                          async_op=True), async_op, finish)
 
