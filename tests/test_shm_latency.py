@@ -91,6 +91,17 @@ def test_bench_allreduce_against_mpi(tmp_path, capsys):
         assert 0 < float(lo) <= float(hi)
 
 
+@needs_mpi
+def test_ranks_killed_at_the_deadline_leave_no_mpich_segment(tmp_path, capsys):
+    """MPICH unlinks its /dev/shm files when its ranks end, not when mpiexec's process group
+    is killed at --timeout: bench removes the ones its run made."""
+    before = mpi._mpich_segments()
+    code = cli.main(["bench", "allreduce", "--sizes", "16M", "--algorithms", "shm", "--mpi",
+                     "--repeats", "500", "--timeout", "4", "--out", str(tmp_path)])
+    assert code == 2 and "did not finish within 4 s" in capsys.readouterr().err
+    assert mpi._mpich_segments() - before == set()
+
+
 def test_a_lean_log_entry_finds_its_caller_on_its_thread_while_the_call_runs():
     """The monitor logs a blocking shared-memory all-reduce without its caller's frame
     (monitor/patch.py's `leanly`); a report asking while the call runs finds the frame below

@@ -44,6 +44,14 @@ def available() -> str | None:
     return None
 
 
+def _mpich_segments() -> set[str]:
+    """MPICH's shared-memory files in /dev/shm now (none where there is no /dev/shm)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,11 +76,19 @@ def run(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) ->
         cmd = ["mpiexec", "-n", str(world_size), sys.executable, "-m", __name__, job, out]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
+        before = _mpich_segments()
         try:
             text, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             text, _ = proc.communicate()
+            # MPICH unlinks its shared-memory files when its ranks end, not when they are
+            # killed: take away the ones that appeared during this run
+            for name in _mpich_segments() - before:
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
             raise MicroDDPError(f"--mpi: the ranks did not finish within {timeout:g} s "
                                 f"(--timeout); they printed:\n{text[-2000:]}") from None
         if proc.returncode != 0 or not os.path.exists(out):
