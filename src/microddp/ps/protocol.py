@@ -49,11 +49,16 @@ def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
 
 
 def send(f: Frame, dst: int, kind: int, sender: int, version: int = 0, clock: int = 0,
-         samples: int = 0) -> None:
+         samples: int = 0, timeout: float | None = None) -> None:
     """Write the header into frame `f` and send the frame to `dst` (returns once `f` may be
-    reused: a server sends one frame to each worker in turn)."""
+    reused: a server sends one frame to each worker in turn). With `timeout`, a receiver that
+    has not posted its receive within that many seconds (a frozen worker) raises
+    MicroDDPError; the send left waiting holds a copy of the frame, so `f` is free again."""
     f.head.copy_(torch.tensor([kind, sender, version, clock, samples], dtype=torch.int64))
-    comms.send(f.buf, dst, tag=TAG_FRAME)
+    if timeout is None:
+        comms.send(f.buf, dst, tag=TAG_FRAME)
+        return
+    comms.isend(f.buf.clone(), dst, tag=TAG_FRAME).wait(timedelta(seconds=timeout))
 
 
 def recv(f: Frame, src: int, timeout: float) -> tuple[int, int, int, int, int]:

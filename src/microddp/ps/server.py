@@ -132,8 +132,11 @@ class Server:
         """Send the current parameters (or STOP); a worker we cannot reach is lost."""
         try:
             with spans.span("send parameters", track="comm"):
-                send(self.frame, worker, kind, self.rank, self.ssp.version, self.clock[worker])
-        except RuntimeError as e:
+                # within the worker timeout: a worker frozen before it posted its receive
+                # would otherwise hold the server in this send, and every worker with it
+                send(self.frame, worker, kind, self.rank, self.ssp.version, self.clock[worker],
+                     timeout=self.config.worker_timeout)
+        except (RuntimeError, MicroDDPError) as e:
             self.drop(worker, f"could not send to it: {str(e).splitlines()[0][:160]}")
             return
         if kind == PARAMS:
