@@ -38,7 +38,7 @@ import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
@@ -164,6 +164,15 @@ def _reported(mon: Monitor, entry: Entry, e: RuntimeError) -> RuntimeError:
     return PeerError(mon.collect(entry, why=_first_line(e), own=False))
 
 
+def _raise_reported(mon: Monitor, entry: Entry, e: RuntimeError) -> NoReturn:
+    """Raise what `e` becomes (_reported): `e` itself, traceback kept, when the call was
+    refused at once (the caller's error, not a hang); else the report, in its place."""
+    err = _reported(mon, entry, e)
+    if err is e:
+        raise e
+    raise err from None
+
+
 def failed_wait(error: RuntimeError) -> BaseException:
     """What a wait on an async call's Work (comms' Handle, DDP's buckets) raises when it
     failed: the report of every rank if the backend gave up, about the oldest call still
@@ -260,10 +269,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool, lean: bool = False) -> Calla
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
-            err = _reported(mon, entry, e)
-            if err is e:
-                raise
-            raise err from None
+            _raise_reported(mon, entry, e)
         finally:
             mon.log.end(entry)
 
@@ -348,10 +354,7 @@ def _wrap(name: str, fn: Callable, torch_own: bool, lean: bool = False) -> Calla
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
-            err = _reported(mon, entry, e)
-            if err is e:
-                raise  # refused at once (bad arguments): the caller's error, not a hang
-            raise err from None
+            _raise_reported(mon, entry, e)
         finally:
             mon.log.end(entry)
 
@@ -374,11 +377,10 @@ def _first(mon: Monitor, entry: Entry, first: Callable | None) -> None:
     try:
         first()
     except RuntimeError as e:  # a gloo wait of the agreement gave up: the report, as a call's
-        err = _reported(mon, entry, e)
-        mon.log.end(entry)
-        if err is e:
-            raise
-        raise err from None
+        try:
+            _raise_reported(mon, entry, e)
+        finally:
+            mon.log.end(entry)
     except BaseException:
         mon.log.end(entry)
         raise
@@ -534,9 +536,6 @@ def point_to_point(op: str, side: str, peer: int | None, tensor: Any,
     try:
         return wait()
     except RuntimeError as e:
-        err = _reported(mon, entry, e)
-        if err is e:
-            raise
-        raise err from None
+        _raise_reported(mon, entry, e)
     finally:
         mon.log.end(entry)
